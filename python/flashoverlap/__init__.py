@@ -1,0 +1,23 @@
+"""flashoverlap: GEMM kernels that signal finished waves of tiles, so that the
+collective on each finished group overlaps the rest of the GEMM."""
+
+from ._core import Plan, compile_kernels, version as _version
+from ._env import configure_logging as _configure_logging
+from .communicator import Communicator, destroy_communicators, get_communicator
+from .ops import gemm, gemm_all_reduce, plan_of
+from .planning import plan_gemm_all_reduce
+
+__version__ = _version()
+_configure_logging()
+
+__all__ = [
+    "Communicator",
+    "Plan",
+    "compile_kernels",
+    "destroy_communicators",
+    "gemm",
+    "gemm_all_reduce",
+    "get_communicator",
+    "plan_gemm_all_reduce",
+    "plan_of",
+]

@@ -1,0 +1,58 @@
+"""Environment variables (all prefixed FLASHOVERLAP_, documented in README.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
+
+
+def force_sequential() -> bool:
+    """FLASHOVERLAP_FORCE_SEQUENTIAL=1: every op runs GEMM, then the collective."""
+    return os.environ.get("FLASHOVERLAP_FORCE_SEQUENTIAL", "").strip().lower() in _TRUE
+
+
+def reserved_sms() -> int:
+    """FLASHOVERLAP_RESERVED_SMS: SMs left free of GEMM CTAs for the collectives (default 16)."""
+    v = _int("FLASHOVERLAP_RESERVED_SMS", 16)
+    assert v is not None
+    if v < 0:
+        raise ValueError(f"FLASHOVERLAP_RESERVED_SMS: expected >= 0, got {v}")
+    return v
+
+
+def nccl_max_ctas() -> int | None:
+    """FLASHOVERLAP_NCCL_MAX_CTAS: CTA cap of flashoverlap's NCCL communicators (default: the reserved SMs)."""
+    v = _int("FLASHOVERLAP_NCCL_MAX_CTAS", None)
+    if v is not None and v < 1:
+        raise ValueError(f"FLASHOVERLAP_NCCL_MAX_CTAS: expected >= 1, got {v}")
+    return v
+
+
+def max_groups() -> int:
+    """FLASHOVERLAP_MAX_GROUPS: most wave groups (collective calls) one op may issue (default 16)."""
+    v = _int("FLASHOVERLAP_MAX_GROUPS", 16)
+    assert v is not None
+    if v < 1:
+        raise ValueError(f"FLASHOVERLAP_MAX_GROUPS: expected >= 1, got {v}")
+    return v
+
+
+def configure_logging() -> logging.Logger:
+    """FLASHOVERLAP_LOG_LEVEL: level of the 'flashoverlap' logger (default WARNING)."""
+    logger = logging.getLogger("flashoverlap")
+    level = os.environ.get("FLASHOVERLAP_LOG_LEVEL", "").strip().upper()
+    if level:
+        logger.setLevel(level)
+    return logger

@@ -1,0 +1,59 @@
+"""Checks on user tensors, done before anything is enqueued. Each error names
+the argument, what was expected and what came."""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+
+
+def check_tensor(name: str, t: object, ndim: "int | None" = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: expected dtype torch.bfloat16 or torch.float16, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()} for shape {tuple(t.shape)}")
+    return t
+
+
+def check_device(name: str, t: torch.Tensor, expected: "torch.device | None" = None) -> None:
+    if t.device.type != "cuda":
+        raise ValueError(f"{name}: expected a CUDA tensor, got a tensor on {t.device}")
+    if expected is not None and t.device != expected:
+        raise ValueError(f"{name}: expected a tensor on {expected}, got {t.device}")
+
+
+def check_gemm_operands(x: object, weight: object, *, devices: bool = True) -> tuple[int, int, int]:
+    """x [..., K] and weight [N, K] (nn.Linear layout); returns (M, N, K).
+
+    Shapes and dtypes are checked before devices, so that every check but the
+    device ones can be exercised without a GPU; ``devices=False`` leaves the
+    device checks to the caller."""
+    x = check_tensor("x", x)
+    weight = check_tensor("weight", weight, ndim=2)
+    if x.dim() < 1:
+        raise ValueError("x: expected at least 1 dimension [..., K], got a 0-D tensor")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"weight: expected the dtype of x ({x.dtype}), got {weight.dtype}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x: expected last dimension K={k} (weight is [N={n}, K={k}]), got shape {tuple(x.shape)}")
+    if k % 8 != 0:
+        raise ValueError(f"weight: K must be a multiple of 8, got K={k}")
+    if n % 8 != 0:
+        raise ValueError(f"weight: N must be a multiple of 8, got N={n}")
+    m = x.numel() // k if k else 0
+    if m >= 2**31 or n >= 2**31 or k >= 2**31:
+        raise ValueError(f"x: dimensions must be < 2**31, got M={m} N={n} K={k}")
+    if devices:
+        check_device("x", x)
+        check_device("weight", weight, x.device)
+    return m, n, k

@@ -1,0 +1,225 @@
+"""GEMM + AllReduce benchmark on all local GPUs, one process per GPU, with
+the baselines measured in the same run.
+
+Every number is the median of CUDA-event-timed runs after warm-up, on random
+data, with inputs rotated across several buffers so that repeated runs do not
+measure the L2 cache. Rank 0 reports the maximum over ranks of each median
+(a collective finishes when its slowest rank does).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+# NVLink multicast stays off wherever this library starts processes.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+DEFAULT_SHAPES = [(4096, 8192, 4096), (8192, 8192, 1024), (8192, 8192, 3584), (16384, 8192, 4096)]
+
+
+@dataclass
+class Row:
+    m: int
+    n: int
+    k: int
+    dtype: str
+    world_size: int
+    cublas_gemm_us: float
+    flashoverlap_gemm_us: float
+    nccl_all_reduce_us: float
+    sequential_us: float
+    flashoverlap_us: float
+    speedup: float
+    schedule: str
+    groups: int
+    predicted_us: float
+    rel_error: float
+
+
+def _median_us(fn: Callable[[int], object], iters: int, warmup: int) -> float:
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn(i)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1000.0
+
+
+def _max_over_ranks(v: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([v], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure_shape(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup: int) -> Row:
+    """Runs on every rank; all ranks must call it with the same arguments."""
+    import torch.distributed as dist
+
+    import flashoverlap
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    # Rotate inputs across enough sets to exceed the L2 (60 MB on H200).
+    per_set = (m * k + n * k) * 2
+    sets = max(2, min(8, (256 << 20) // max(per_set, 1)))
+    xs = [torch.randn(m, k, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
+    ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5 for _ in range(sets)]
+    buf = torch.randn(m, n, device="cuda", dtype=dtype, generator=gen)
+
+    def cublas(i: int):
+        return torch.matmul(xs[i % sets], ws[i % sets].t())
+
+    def ours_gemm(i: int):
+        return flashoverlap.gemm(xs[i % sets], ws[i % sets])
+
+    def nccl(i: int):
+        dist.all_reduce(buf)
+
+    def sequential(i: int):
+        out = torch.matmul(xs[i % sets], ws[i % sets].t())
+        dist.all_reduce(out)
+        return out
+
+    def overlapped(i: int):
+        return flashoverlap.gemm_all_reduce(xs[i % sets], ws[i % sets])
+
+    # Correctness of the exact call being timed, against fp32.
+    got = overlapped(0).float()
+    ref = xs[0].float() @ ws[0].float().t()
+    dist.all_reduce(ref)
+    rel = float((got - ref).norm() / ref.norm())
+    plan = flashoverlap.plan_of(xs[0], ws[0])
+
+    times = {}
+    for name, fn in (("cublas", cublas), ("ours_gemm", ours_gemm), ("nccl", nccl), ("seq", sequential), ("fo", overlapped)):
+        dist.barrier()
+        times[name] = _max_over_ranks(_median_us(fn, iters, warmup))
+    rel = _max_over_ranks(rel)
+    return Row(m, n, k, str(dtype).replace("torch.", ""), world, times["cublas"], times["ours_gemm"], times["nccl"],
+               times["seq"], times["fo"], times["seq"] / times["fo"], plan.schedule, len(plan.groups),
+               plan.predicted_us, rel)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, shapes, dtype_name: str, iters: int, warmup: int, result_path: str):
+    import torch.distributed as dist
+
+    import flashoverlap
+
+    for k, v in SAFE_ENV.items():
+        os.environ[k] = v
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    dtype = getattr(torch, dtype_name)
+    rows = []
+    try:
+        for (m, n, k) in shapes:
+            row = measure_shape(m, n, k, dtype, iters, warmup)
+            rows.append(asdict(row))
+            if rank == 0:
+                print(format_row(row), flush=True)
+        if rank == 0:
+            meta = environment(world)
+            with open(result_path, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f)
+    finally:
+        flashoverlap.destroy_communicators()
+        dist.destroy_process_group()
+
+
+HEADER = (f"{'M x N x K':>20} {'cuBLAS':>8} {'fo GEMM':>8} {'NCCL AR':>8} {'seq':>8} {'fo':>8} "
+          f"{'speedup':>8} {'sched':>10} {'groups':>6} {'err':>8}")
+
+
+def format_row(r: Row) -> str:
+    return (f"{f'{r.m}x{r.n}x{r.k}':>20} {r.cublas_gemm_us:8.1f} {r.flashoverlap_gemm_us:8.1f} "
+            f"{r.nccl_all_reduce_us:8.1f} {r.sequential_us:8.1f} {r.flashoverlap_us:8.1f} {r.speedup:7.2f}x "
+            f"{r.schedule:>10} {r.groups:6d} {r.rel_error:8.1e}")
+
+
+def environment(world: int) -> dict:
+    import flashoverlap
+    from flashoverlap import _core
+
+    nccl = _core.nccl_version()
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "world_size": world,
+        "torch": torch.__version__,
+        "nccl": f"{nccl // 10000}.{nccl // 100 % 100}.{nccl % 100}",
+        "flashoverlap": flashoverlap.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "host": platform.node(),
+        "env": {k: os.environ.get(k) for k in sorted(SAFE_ENV) + ["FLASHOVERLAP_RESERVED_SMS", "FLASHOVERLAP_NCCL_MAX_CTAS"]},
+        "method": "median of CUDA-event-timed iterations after warm-up, max over ranks; random inputs rotated across buffers",
+    }
+
+
+def run(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *, dtype: str = "bfloat16", iters: int = 30,
+        warmup: int = 10, world_size: Optional[int] = None, csv_path: Optional[str] = None,
+        timeout_s: float = 1800.0) -> list[dict]:
+    """Benchmarks on ``world_size`` local GPUs (default: all) and returns the rows."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    world = world_size or torch.cuda.device_count()
+    if world < 2:
+        raise RuntimeError(f"world_size: the GEMM + AllReduce benchmark needs >= 2 GPUs, found {world}")
+    for k, v in SAFE_ENV.items():
+        os.environ[k] = v
+    print(f"flashoverlap GEMM+AllReduce, {world} x {torch.cuda.get_device_name(0)}, {dtype}; times in us "
+          f"(median of {iters}, max over ranks); speedup = seq / fo", flush=True)
+    print(HEADER, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), list(shapes), dtype, iters, warmup, result),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        while not ctx.join(timeout=5):
+            if datetime.datetime.now() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"benchmark did not finish within {timeout_s} s")
+        with open(result) as f:
+            data = json.load(f)
+    rows = data["rows"]
+    if rows:
+        speedups = [r["speedup"] for r in rows]
+        geo = statistics.geometric_mean(speedups)
+        print(f"geometric mean speedup over sequential cuBLAS + NCCL: {geo:.3f}x (min {min(speedups):.3f}x)")
+    if csv_path:
+        os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
+        with open(csv_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            writer.writeheader()
+            writer.writerows(rows)
+        with open(os.path.splitext(csv_path)[0] + ".json", "w") as f:
+            json.dump(data["meta"], f, indent=2)
+        print(f"wrote {csv_path}")
+    return rows

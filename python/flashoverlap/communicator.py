@@ -1,0 +1,133 @@
+"""flashoverlap's own NCCL communicators, made from torch ProcessGroups.
+
+A communicator is created collectively from any ProcessGroup (its NCCL
+unique id is broadcast through that group) and registered under a string
+name; the torch custom ops receive that name, as vLLM's ops receive group
+names.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _core, _env
+
+ProcessGroup = dist.ProcessGroup
+
+_by_name: dict[str, "Communicator"] = {}
+
+
+def resolve_group(group: Optional[ProcessGroup]) -> ProcessGroup:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "group: torch.distributed is not initialized; call torch.distributed.init_process_group() "
+            "(e.g. under torchrun) before using flashoverlap's collectives"
+        )
+    if group is None:
+        return dist.group.WORLD
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed.ProcessGroup, a communicator name or None, got {type(group).__name__}")
+    return group
+
+
+def _default_name(group: ProcessGroup) -> str:
+    return f"pg:{group.group_name}"
+
+
+class Communicator:
+    """An NCCL communicator over the ranks of a ProcessGroup, on this rank's current CUDA device.
+
+    Creation is collective: every rank of ``group`` must create it, in the same order.
+    ``max_ctas`` caps the CTAs NCCL uses per collective (default: FLASHOVERLAP_NCCL_MAX_CTAS,
+    else the SMs reserved for communication, FLASHOVERLAP_RESERVED_SMS).
+    """
+
+    def __init__(self, group: Optional[ProcessGroup] = None, *, name: Optional[str] = None,
+                 max_ctas: Optional[int] = None, device: Optional[torch.device] = None):
+        pg = resolve_group(group)
+        self.group = pg
+        self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(pg))
+        self.rank = dist.get_rank(pg)
+        self.world_size = dist.get_world_size(pg)
+        self.name = name if name is not None else _default_name(pg)
+        if self.name in _by_name:
+            raise ValueError(f"name: a communicator named {self.name!r} already exists; use get_communicator()")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        if device.type != "cuda" or device.index is None:
+            raise ValueError(f"device: expected a CUDA device with an index, got {device}")
+        self.device = device
+        if max_ctas is None:
+            max_ctas = _env.nccl_max_ctas() or _env.reserved_sms() or None
+        self.max_ctas = max_ctas
+        uid = _core.new_unique_id() if self.rank == 0 else bytes(128)
+        box = [uid]
+        dist.broadcast_object_list(box, src=self.ranks[0], group=pg)
+        _core.create_communicator(self.name, self.world_size, self.rank, box[0], device.index, max_ctas)
+        _by_name[self.name] = self
+
+    def destroy(self) -> None:
+        """Unregisters the communicator; NCCL resources are freed once pending work is done."""
+        if _by_name.get(self.name) is self:
+            del _by_name[self.name]
+            _core.destroy_communicator(self.name)
+
+    def __repr__(self) -> str:
+        return f"Communicator(name={self.name!r}, rank={self.rank}, world_size={self.world_size}, device={self.device})"
+
+
+GroupLike = Union[None, ProcessGroup, str, Communicator]
+
+
+def get_communicator(group: GroupLike = None, *, communicator: Union[None, str, Communicator] = None) -> Communicator:
+    """The communicator for ``group`` (created collectively on first use), or the one named.
+
+    When both ``group`` and ``communicator`` are given, their ranks must agree.
+    """
+    if isinstance(group, (str, Communicator)):
+        if communicator is not None:
+            raise ValueError("group: pass a communicator either as `group` or as `communicator`, not both")
+        communicator, group = group, None
+    if isinstance(communicator, str):
+        if communicator not in _by_name:
+            raise ValueError(f"communicator: no communicator named {communicator!r} (registered: {sorted(_by_name)})")
+        communicator = _by_name[communicator]
+    if communicator is not None and not isinstance(communicator, Communicator):
+        raise TypeError(f"communicator: expected a Communicator or its name, got {type(communicator).__name__}")
+    if communicator is not None:
+        if group is not None:
+            ranks = tuple(dist.get_process_group_ranks(resolve_group(group)))
+            if ranks != communicator.ranks:
+                raise ValueError(
+                    f"group: its ranks {list(ranks)} differ from those of communicator "
+                    f"{communicator.name!r} {list(communicator.ranks)}"
+                )
+        return communicator
+    pg = resolve_group(group)
+    existing = _by_name.get(_default_name(pg))
+    if existing is not None:
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        if ranks != existing.ranks:
+            raise ValueError(
+                f"group: its ranks {list(ranks)} differ from those of the communicator registered under "
+                f"{existing.name!r} {list(existing.ranks)}; destroy it first"
+            )
+        return existing
+    return Communicator(pg)
+
+
+def communicator_by_name(name: str) -> Communicator:
+    if name not in _by_name:
+        raise ValueError(f"group_name: no communicator named {name!r} (registered: {sorted(_by_name)})")
+    return _by_name[name]
+
+
+def destroy_communicators(names: Optional[Sequence[str]] = None) -> None:
+    """Destroys the named communicators (default: all). Call before destroy_process_group()."""
+    for name in list(names if names is not None else _by_name):
+        if name in _by_name:
+            _by_name[name].destroy()

@@ -1,0 +1,113 @@
+"""The overlapped ops, as torch custom ops (with fake implementations for
+torch.compile) and as plain Python functions with argument checking."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _core, _env, _nvrtc
+from ._validation import check_device, check_gemm_operands, dtype_name
+from .communicator import Communicator, GroupLike, resolve_group, communicator_by_name, get_communicator
+
+_MODES = ("auto", "overlap", "sequential")
+
+
+def _stream_handle(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+@torch.library.custom_op("flashoverlap::gemm", mutates_args=())
+def _gemm_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    m, n, k = check_gemm_operands(x, weight)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    _nvrtc.ensure_loaded()
+    _core.gemm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype_name(x.dtype),
+               x.device.index, _stream_handle(x.device))
+    return out
+
+
+@_gemm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("flashoverlap::gemm_all_reduce", mutates_args=())
+def _gemm_all_reduce_op(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
+                        bands_per_group: Optional[int] = None) -> torch.Tensor:
+    m, n, k = check_gemm_operands(x, weight)
+    comm = communicator_by_name(group_name)
+    _check_mode(mode, bands_per_group)
+    check_device("x", x, comm.device)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    _nvrtc.ensure_loaded()
+    if _env.force_sequential():
+        mode, bands_per_group = "sequential", None
+    _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype_name(x.dtype),
+                          _stream_handle(x.device), mode, bands_per_group, _env.reserved_sms(), _env.max_groups())
+    return out
+
+
+@_gemm_all_reduce_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
+      bands_per_group: Optional[int] = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _check_mode(mode: str, bands_per_group: Optional[int]) -> None:
+    if mode not in _MODES:
+        raise ValueError(f"mode: expected one of {_MODES}, got {mode!r}")
+    if bands_per_group is not None:
+        if isinstance(bands_per_group, bool) or not isinstance(bands_per_group, int):
+            raise TypeError(f"bands_per_group: expected an int or None, got {type(bands_per_group).__name__}")
+        if bands_per_group < 1:
+            raise ValueError(f"bands_per_group: expected >= 1, got {bands_per_group}")
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with flashoverlap's GEMM kernel alone (no signals, no communication).
+
+    x: [..., K], weight: [N, K] (nn.Linear layout), both bfloat16 or both float16, contiguous,
+    on one CUDA device; N and K multiples of 8.
+    """
+    check_gemm_operands(x, weight)
+    return torch.ops.flashoverlap.gemm(x, weight)
+
+
+def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,
+                    communicator=None, mode: str = "auto", bands_per_group: Optional[int] = None) -> torch.Tensor:
+    """``torch.distributed.all_reduce(x @ weight.T)`` (sum), with the AllReduce of each finished
+    wave group of the GEMM overlapping the rest of the GEMM.
+
+    group: a ProcessGroup (default: the world group), a communicator name, or a Communicator.
+      flashoverlap's communicator for a ProcessGroup is created on first use (collectively).
+    mode: "auto" (overlap where the predictor says it wins, else GEMM then AllReduce),
+      "overlap" or "sequential".
+    bands_per_group: force every wave group to hold this many row bands of output tiles
+      (default: chosen by the predictor).
+    """
+    check_gemm_operands(x, weight, devices=False)
+    _check_mode(mode, bands_per_group)
+    if not isinstance(group, (str, Communicator)) and communicator is None:
+        resolve_group(group)
+    check_gemm_operands(x, weight)
+    comm = get_communicator(group, communicator=communicator)
+    check_device("x", x, comm.device)
+    return torch.ops.flashoverlap.gemm_all_reduce(x, weight, comm.name, mode, bands_per_group)
+
+
+def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
+            mode: str = "auto", bands_per_group: Optional[int] = None) -> "_core.Plan":
+    """The plan ``gemm_all_reduce`` runs for these arguments (tiles, waves, groups, predicted timeline)."""
+    m, n, k = check_gemm_operands(x, weight)
+    _check_mode(mode, bands_per_group)
+    comm = get_communicator(group, communicator=communicator)
+    if _env.force_sequential():
+        mode, bands_per_group = "sequential", None
+    return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), mode,
+                                   bands_per_group, _env.reserved_sms(), _env.max_groups())

@@ -1,0 +1,159 @@
+//! A communicator: one NCCL communicator plus the communication stream and
+//! the per-shape state the overlapped ops keep, registered by name.
+
+use super::nccl::{self, Comm, UniqueId};
+use crate::cuda::driver::{self, DeviceInfo};
+use crate::cuda::memory::DeviceBuffer;
+use crate::cuda::stream::{Event, OwnedStream};
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+pub struct Communicator {
+    pub name: String,
+    pub rank: i32,
+    pub world: i32,
+    pub device: DeviceInfo,
+    pub max_ctas: Option<i32>,
+    comm: Comm,
+    /// High-priority stream on which every collective of this communicator runs.
+    pub stream: OwnedStream,
+    /// Orders the caller's stream before the comm stream (fork)...
+    pub fork: Event,
+    /// ...and the comm stream before the caller's stream (join).
+    pub join: Event,
+    /// Held while an op enqueues, so that calls from several threads never
+    /// interleave their waits and collectives (NCCL needs one order on all ranks).
+    pub enqueue: Mutex<()>,
+    /// Per-shape state of the ops (plans, tables, counters), keyed by the op.
+    pub prepared: Mutex<HashMap<String, Arc<dyn Any + Send + Sync>>>,
+}
+
+// SAFETY: the NCCL communicator is only used under `enqueue` or at teardown.
+unsafe impl Send for Communicator {}
+unsafe impl Sync for Communicator {}
+
+impl Communicator {
+    pub fn comm(&self) -> Comm {
+        self.comm
+    }
+
+    pub fn nccl(&self) -> Result<&'static nccl::Nccl> {
+        nccl::get()
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // Teardown: let pending work finish, then free NCCL's resources.
+        if driver::bind(self.device.ordinal).is_ok() {
+            // SAFETY: the stream is live until self.stream drops after this.
+            unsafe {
+                cudarc::driver::sys::cuStreamSynchronize(self.stream.0);
+            }
+            if let Ok(n) = nccl::get() {
+                let _ = n.destroy(self.comm);
+            }
+        }
+    }
+}
+
+static REGISTRY: Mutex<Option<HashMap<String, Arc<Communicator>>>> = Mutex::new(None);
+
+fn with_registry<T>(f: impl FnOnce(&mut HashMap<String, Arc<Communicator>>) -> T) -> T {
+    let mut guard = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+    f(guard.get_or_insert_with(HashMap::new))
+}
+
+/// A new NCCL unique id (on the first rank; broadcast by the caller).
+pub fn new_unique_id() -> Result<Vec<u8>> {
+    let id = nccl::get()?.unique_id()?;
+    Ok(id.internal.iter().map(|&c| c as u8).collect())
+}
+
+/// Creates and registers a communicator; collective over the `world` ranks.
+/// Every NCCL kernel the ops use is launched once here, so that none is first
+/// loaded while a stream waits on a GEMM counter.
+pub fn create(
+    name: &str,
+    world: i32,
+    rank: i32,
+    id: &[u8],
+    ordinal: i32,
+    max_ctas: Option<i32>,
+) -> Result<()> {
+    if with_registry(|r| r.contains_key(name)) {
+        return Err(Error::Invalid(format!(
+            "name: a communicator named {name:?} already exists"
+        )));
+    }
+    if id.len() != nccl::UNIQUE_ID_BYTES {
+        return Err(Error::Invalid(format!(
+            "unique_id: expected {} bytes, got {}",
+            nccl::UNIQUE_ID_BYTES,
+            id.len()
+        )));
+    }
+    if !(0..world).contains(&rank) {
+        return Err(Error::Invalid(format!(
+            "rank: expected 0 <= rank < {world}, got {rank}"
+        )));
+    }
+    let device = driver::bind(ordinal)?;
+    let nccl = nccl::get()?;
+    let mut unique = UniqueId {
+        internal: [0; nccl::UNIQUE_ID_BYTES],
+    };
+    for (d, s) in unique.internal.iter_mut().zip(id) {
+        *d = *s as std::ffi::c_char;
+    }
+    let comm = nccl.init_rank(world, unique, rank, max_ctas)?;
+    let communicator = Communicator {
+        name: name.to_string(),
+        rank,
+        world,
+        device,
+        max_ctas,
+        comm,
+        stream: OwnedStream::high_priority()?,
+        fork: Event::new()?,
+        join: Event::new()?,
+        enqueue: Mutex::new(()),
+        prepared: Mutex::new(HashMap::new()),
+    };
+    let scratch = DeviceBuffer::zeroed_u32(256)?;
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        nccl.all_reduce_in_place(scratch.ptr, 256, dtype, comm, communicator.stream.0.cast())?;
+    }
+    // SAFETY: live stream.
+    driver::check(
+        unsafe { cudarc::driver::sys::cuStreamSynchronize(communicator.stream.0) },
+        "cuStreamSynchronize",
+    )?;
+    nccl.async_error(comm)?;
+    with_registry(|r| r.insert(name.to_string(), Arc::new(communicator)));
+    Ok(())
+}
+
+pub fn get(name: &str) -> Result<Arc<Communicator>> {
+    with_registry(|r| {
+        r.get(name).cloned().ok_or_else(|| {
+            let mut known: Vec<_> = r.keys().cloned().collect();
+            known.sort();
+            Error::Invalid(format!(
+                "group_name: no communicator named {name:?} (registered: {known:?})"
+            ))
+        })
+    })
+}
+
+/// Unregisters; NCCL resources go when the last op holding it is done.
+pub fn destroy(name: &str) -> bool {
+    with_registry(|r| r.remove(name)).is_some()
+}
+
+pub fn names() -> Vec<String> {
+    with_registry(|r| r.keys().cloned().collect())
+}

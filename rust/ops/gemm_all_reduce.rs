@@ -1,0 +1,174 @@
+//! GEMM + AllReduce with the AllReduce of each finished wave group running
+//! while the rest of the GEMM computes.
+//!
+//! Caller's stream S: [fork] GEMM (signals group counters)            [wait join]
+//! Comm stream C:     [wait fork] wait(c0>=n0) c0=0 AR(g0) wait(c1>=n1) ... [join]
+//!
+//! Groups are unions of whole row bands, so each AllReduce runs in place on
+//! contiguous output rows and nothing is reordered afterwards.
+
+use super::gemm::{self, GemmArgs, Signals};
+use crate::comm::communicator::Communicator;
+use crate::cuda::driver;
+use crate::cuda::memory::DeviceBuffer;
+use crate::cuda::stream::{self, RawStream};
+use crate::error::{Error, Result};
+use crate::plan::{self, GemmAllReducePlan, HardwareModel, ModeRequest, PlanRequest, Schedule};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Counter slots per shape: consecutive calls use different slots, so a call
+/// never sees counts left by the call before it, even if the caller
+/// enqueues on several streams.
+const COUNTER_SLOTS: usize = 4;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    pub mode: ModeRequest,
+    pub bands_per_group: Option<u32>,
+    pub reserved_sms: u32,
+    pub max_groups: u32,
+}
+
+/// What a shape needs on the device, made on its first call.
+pub struct Prepared {
+    pub plan: GemmAllReducePlan,
+    tile_group: DeviceBuffer,
+    counters: DeviceBuffer,
+    next_slot: AtomicUsize,
+}
+
+pub fn hardware_for(sms: u32, major: i32) -> HardwareModel {
+    if major == 9 && sms == 132 {
+        HardwareModel::h200()
+    } else {
+        HardwareModel::generic(sms)
+    }
+}
+
+pub fn request(args: &GemmArgs, world: u32, opts: &Options) -> PlanRequest {
+    PlanRequest {
+        m: args.m,
+        n: args.n,
+        k: args.k,
+        world,
+        elem_bytes: args.dtype.bytes(),
+        tile: gemm::tile_shape(),
+        reserved_sms: opts.reserved_sms,
+        bands_per_group: opts.bands_per_group,
+        max_groups: opts.max_groups,
+        mode: opts.mode,
+    }
+}
+
+fn prepare(
+    comm: &Communicator,
+    args: &GemmArgs,
+    opts: &Options,
+    caller: RawStream,
+) -> Result<Arc<Prepared>> {
+    let key = format!(
+        "gemm_all_reduce/{}x{}x{}/{:?}/{:?}",
+        args.m, args.n, args.k, args.dtype, opts
+    );
+    if let Some(p) = comm
+        .prepared
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&key)
+    {
+        return p
+            .clone()
+            .downcast::<Prepared>()
+            .map_err(|_| Error::Invalid("internal: prepared state type".into()));
+    }
+    if stream::is_capturing(caller)? {
+        return Err(Error::Invalid(format!(
+            "gemm_all_reduce: shape {}x{}x{} ({}) is first called during CUDA graph capture; run it once before \
+             capturing so that its plan, tables and kernel are ready",
+            args.m,
+            args.n,
+            args.k,
+            args.dtype.name()
+        )));
+    }
+    let hw = hardware_for(comm.device.sms, comm.device.major);
+    let plan = plan::plan_gemm_all_reduce(&request(args, comm.world as u32, opts), &hw)?;
+    let groups = plan.partition.len().max(1);
+    let prepared = Arc::new(Prepared {
+        tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
+        counters: DeviceBuffer::zeroed_u32(groups * COUNTER_SLOTS)?,
+        next_slot: AtomicUsize::new(0),
+        plan,
+    });
+    comm.prepared
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(key, prepared.clone());
+    Ok(prepared)
+}
+
+/// The plan a call with these arguments runs (made on first use).
+pub fn plan_of(
+    comm: &Communicator,
+    args: &GemmArgs,
+    opts: &Options,
+    caller: RawStream,
+) -> Result<GemmAllReducePlan> {
+    driver::bind(comm.device.ordinal)?;
+    Ok(prepare(comm, args, opts, caller)?.plan.clone())
+}
+
+pub fn gemm_all_reduce(
+    comm: &Communicator,
+    args: &GemmArgs,
+    opts: &Options,
+    caller: RawStream,
+) -> Result<()> {
+    args.validate()?;
+    driver::bind(comm.device.ordinal)?;
+    let kernel = gemm::load(&comm.device, args.dtype)?;
+    let prepared = prepare(comm, args, opts, caller)?;
+    let nccl = comm.nccl()?;
+    let plan = &prepared.plan;
+    let comm_stream = comm.stream.0;
+    let elem = args.dtype.bytes() as u64;
+
+    let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+    // The comm stream starts after everything the caller enqueued before this
+    // op (and, under graph capture, joins the capture here).
+    comm.fork.order(caller, comm_stream)?;
+    match plan.schedule {
+        Schedule::Sequential => {
+            gemm::launch(&kernel, args, &Signals::default(), plan.ctas, caller)?;
+            comm.fork.order(caller, comm_stream)?;
+            let count = args.m as usize * args.n as usize;
+            nccl.all_reduce_in_place(args.out, count, args.dtype, comm.comm(), comm_stream.cast())?;
+        }
+        Schedule::Overlap => {
+            let groups = plan.partition.groups.len();
+            let slot = prepared.next_slot.fetch_add(1, Ordering::Relaxed) % COUNTER_SLOTS;
+            let counters = prepared.counters.ptr + (slot * groups * 4) as u64;
+            let signals = Signals {
+                tile_order: 0,
+                tile_group: prepared.tile_group.ptr,
+                counters,
+            };
+            gemm::launch(&kernel, args, &signals, plan.ctas, caller)?;
+            for (g, group) in plan.partition.groups.iter().enumerate() {
+                let counter = counters + (g * 4) as u64;
+                stream::wait_geq(comm_stream, counter, group.tiles)?;
+                // Every tile of the group has counted, so the reset races with nothing.
+                stream::write(comm_stream, counter, 0)?;
+                nccl.all_reduce_in_place(
+                    args.out + group.slice.offset * elem,
+                    group.slice.count as usize,
+                    args.dtype,
+                    comm.comm(),
+                    comm_stream.cast(),
+                )?;
+            }
+        }
+    }
+    comm.join.order(comm_stream, caller)
+}

@@ -1,0 +1,5 @@
+//! One file per op: each enqueues its GEMM, waits, collectives and counter
+//! resets on the caller's stream and the communicator's stream, in order.
+
+pub mod gemm;
+pub mod gemm_all_reduce;

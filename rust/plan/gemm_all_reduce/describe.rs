@@ -1,0 +1,173 @@
+//! A plan in words for the CLI: enough to see why Auto chose what it did
+//! and where the collectives sit relative to the GEMM.
+
+use std::fmt;
+
+use super::{GemmAllReducePlan, Schedule};
+
+const TIMELINE_COLUMNS: usize = 60;
+
+impl GemmAllReducePlan {
+    /// Human-readable multi-line summary: shape, tiles, ctas and waves,
+    /// schedule, each group's extent and predicted times, overall prediction,
+    /// and an ASCII timeline of the GEMM and the collectives.
+    pub fn describe(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl fmt::Display for GemmAllReducePlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (req, tiles, t) = (&self.request, &self.tiles, &self.timeline);
+        writeln!(
+            f,
+            "out[{m} x {n}] = x[{m} x {k}] @ w[{n} x {k}]^T, {b}-byte elements, AllReduce over {w} ranks",
+            m = req.m,
+            n = req.n,
+            k = req.k,
+            b = req.elem_bytes,
+            w = req.world
+        )?;
+        writeln!(
+            f,
+            "tiles: {}x{}x{} -> {} x {} = {} tiles, {:?} order",
+            tiles.tile.bm,
+            tiles.tile.bn,
+            tiles.tile.bk,
+            tiles.tiles_m,
+            tiles.tiles_n,
+            tiles.count(),
+            self.order.kind
+        )?;
+        let beside = match self.schedule {
+            Schedule::Overlap => format!(", {} SMs left to the collective", req.reserved_sms),
+            Schedule::Sequential => String::new(),
+        };
+        writeln!(
+            f,
+            "ctas: {}{beside} -> {} waves",
+            self.ctas,
+            self.waves.count()
+        )?;
+        let schedule = match self.schedule {
+            Schedule::Overlap => "overlap",
+            Schedule::Sequential => "sequential",
+        };
+        writeln!(f, "schedule: {schedule}, {} group(s)", self.partition.len())?;
+        writeln!(
+            f,
+            "{:>5}  {:<11} {:<13} {:>7} {:<9} {:>11} {:>11} {:>10} {:>10} {:>10}",
+            "group",
+            "bands",
+            "rows",
+            "tiles",
+            "waves",
+            "offset",
+            "count",
+            "gemm done",
+            "comm start",
+            "comm end"
+        )?;
+        let span = |r: &std::ops::Range<u32>| format!("{}..{}", r.start, r.end);
+        for (g, (group, timing)) in self.partition.groups.iter().zip(&t.groups).enumerate() {
+            let waves = format!(
+                "{}-{}",
+                self.waves.wave_of(group.positions.start),
+                self.waves.wave_of(group.positions.end - 1)
+            );
+            writeln!(
+                f,
+                "{g:>5}  {:<11} {:<13} {:>7} {:<9} {:>11} {:>11} {:>10.1} {:>10.1} {:>10.1}",
+                span(&group.bands),
+                span(&group.rows),
+                group.tiles,
+                waves,
+                group.slice.offset,
+                group.slice.count,
+                timing.gemm_done_us,
+                timing.comm_start_us,
+                timing.comm_end_us
+            )?;
+        }
+        writeln!(
+            f,
+            "predicted: {:.1} us as planned vs {:.1} us sequential, speedup {:.2}x",
+            t.overlap_us,
+            t.sequential_us,
+            t.sequential_us / t.overlap_us
+        )?;
+        let end = t.overlap_us.max(t.gemm_us);
+        let column =
+            |us: f64| ((us / end * TIMELINE_COLUMNS as f64) as usize).min(TIMELINE_COLUMNS);
+        let mut gemm = vec![' '; TIMELINE_COLUMNS];
+        gemm[..column(t.gemm_us)].fill('#');
+        let mut comm = vec![' '; TIMELINE_COLUMNS];
+        for (g, timing) in t.groups.iter().enumerate() {
+            let label = char::from_digit(g as u32 % 36, 36).unwrap_or('?');
+            // Every collective shows, however short.
+            let first = column(timing.comm_start_us).min(TIMELINE_COLUMNS - 1);
+            let last = column(timing.comm_end_us).max(first + 1);
+            comm[first..last].fill(label);
+        }
+        writeln!(
+            f,
+            "timeline: 0 .. {end:.1} us, {:.1} us per column",
+            end / TIMELINE_COLUMNS as f64
+        )?;
+        writeln!(f, "  gemm |{}|", gemm.iter().collect::<String>())?;
+        write!(f, "  comm |{}|", comm.iter().collect::<String>())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::plan::gemm_all_reduce::{plan_gemm_all_reduce, ModeRequest, PlanRequest};
+    use crate::plan::predictor::HardwareModel;
+    use crate::plan::tiles::TileShape;
+
+    fn describe(mode: ModeRequest) -> String {
+        let req = PlanRequest {
+            m: 16384,
+            n: 8192,
+            k: 4096,
+            world: 8,
+            elem_bytes: 2,
+            tile: TileShape {
+                bm: 128,
+                bn: 128,
+                bk: 64,
+            },
+            reserved_sms: 12,
+            bands_per_group: None,
+            max_groups: 32,
+            mode,
+        };
+        plan_gemm_all_reduce(&req, &HardwareModel::h200())
+            .unwrap()
+            .describe()
+    }
+
+    #[test]
+    fn overlap_summary_lists_groups_and_draws_both_streams() {
+        let text = describe(ModeRequest::Overlap);
+        println!("{text}");
+        assert!(text.contains("128 x 64 = 8192 tiles"));
+        assert!(text.contains("ctas: 120, 12 SMs left to the collective -> 69 waves"));
+        assert!(text.contains("schedule: overlap"));
+        assert!(text.contains("speedup"));
+        let gemm = text.lines().find(|l| l.starts_with("  gemm |")).unwrap();
+        let comm = text.lines().find(|l| l.starts_with("  comm |")).unwrap();
+        assert_eq!(gemm.chars().count(), "  gemm |".len() + 60 + 1);
+        assert_eq!(comm.chars().count(), gemm.chars().count());
+        assert!(comm.contains('0') && comm.contains('1'));
+    }
+
+    #[test]
+    fn sequential_summary_has_one_group_after_the_gemm() {
+        let text = describe(ModeRequest::Sequential);
+        assert!(text.contains("schedule: sequential, 1 group(s)"));
+        assert!(text.contains("speedup 1.00x"));
+        let comm = text.lines().last().unwrap();
+        assert!(comm.trim_end_matches('|').ends_with('0'));
+    }
+}

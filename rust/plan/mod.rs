@@ -1,0 +1,28 @@
+//! Pure planning math for overlapping a GEMM with the AllReduce of its
+//! output: which tiles finish when, how finished row bands group into
+//! collectives, and whether overlapping beats running the two back to back.
+//! Nothing here touches CUDA, so every decision is testable on any machine.
+
+pub mod error;
+pub mod gemm_all_reduce;
+pub mod groups;
+pub mod order;
+pub mod predictor;
+pub mod tiles;
+pub mod waves;
+
+#[cfg(test)]
+mod testing;
+
+pub use error::PlanError;
+pub use gemm_all_reduce::{
+    plan_gemm_all_reduce, GemmAllReducePlan, ModeRequest, PlanRequest, Schedule,
+};
+pub use groups::{CollectiveSlice, GroupPartition, WaveGroup};
+pub use order::{OrderKind, TileOrder};
+pub use predictor::{
+    best_partition, predict, predict_sequential, CollectiveModel, GroupTiming, HardwareModel,
+    Timeline,
+};
+pub use tiles::{OutputTiles, TileShape};
+pub use waves::Waves;

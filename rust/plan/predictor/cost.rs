@@ -1,0 +1,88 @@
+//! The per-group quantities of the model, shared by `predict` and the search
+//! so that the optimum the search finds is exactly what `predict` reports.
+
+use crate::plan::error::{require_positive, PlanError};
+use crate::plan::tiles::OutputTiles;
+use crate::plan::waves::Waves;
+
+use super::hardware::HardwareModel;
+
+pub(super) struct OverlapCost<'a> {
+    tiles: &'a OutputTiles,
+    hw: HardwareModel,
+    waves: Waves,
+    wave_us: f64,
+    world: u32,
+    elem_bytes: u32,
+}
+
+impl<'a> OverlapCost<'a> {
+    pub(super) fn new(
+        tiles: &'a OutputTiles,
+        k: u32,
+        ctas: u32,
+        hw: &HardwareModel,
+        world: u32,
+        elem_bytes: u32,
+    ) -> Result<Self, PlanError> {
+        hw.validate()?;
+        for (field, value) in [("k", k), ("world", world), ("elem_bytes", elem_bytes)] {
+            require_positive(field, value, PlanError::InvalidShape)?;
+        }
+        if ctas > hw.sms {
+            return Err(PlanError::InvalidHardware(format!(
+                "ctas must be <= sms = {}, got {ctas}",
+                hw.sms
+            )));
+        }
+        let waves = Waves::new(ctas, tiles.count())?;
+        // A wave of `ctas` full tiles runs at gemm_tflops * ctas / sms, so
+        // ctas cancels: a wave lasts one tile's flops at one SM's share.
+        let tile_flops = 2.0 * f64::from(tiles.tile.bm) * f64::from(tiles.tile.bn) * f64::from(k);
+        let wave_us = tile_flops / (hw.gemm_tflops * 1e6 / f64::from(hw.sms));
+        Ok(Self {
+            tiles,
+            hw: *hw,
+            waves,
+            wave_us,
+            world,
+            elem_bytes,
+        })
+    }
+
+    pub(super) fn band_count(&self) -> u32 {
+        self.tiles.tiles_m
+    }
+
+    /// When the overlapped GEMM has stored every tile of bands `0..end_band` (end_band >= 1).
+    pub(super) fn gemm_done_us(&self, end_band: u32) -> f64 {
+        let last_position = end_band * self.tiles.tiles_n - 1;
+        let waves = self.waves.wave_of(last_position) + 1;
+        f64::from(waves) * self.wave_us * self.hw.overlap_gemm_slowdown
+    }
+
+    pub(super) fn gemm_us(&self) -> f64 {
+        f64::from(self.waves.count()) * self.wave_us * self.hw.overlap_gemm_slowdown
+    }
+
+    /// AllReduce of `rows` output rows under the overlap CTA cap.
+    pub(super) fn comm_us(&self, rows: u32) -> f64 {
+        self.hw.overlap_comm_slowdown * self.all_reduce_us(rows)
+    }
+
+    /// GEMM on all SMs with nothing beside it, then one AllReduce of all of `out`.
+    pub(super) fn sequential_us(&self) -> f64 {
+        let waves = self.tiles.count().div_ceil(self.hw.sms);
+        f64::from(waves) * self.wave_us + self.all_reduce_us(self.tiles.m)
+    }
+
+    /// Rows of group bands `start..end`, the last band clipped to `m`.
+    pub(super) fn rows(&self, bands: std::ops::Range<u32>) -> u32 {
+        self.tiles.band_rows(bands.end - 1).end - self.tiles.band_rows(bands.start).start
+    }
+
+    fn all_reduce_us(&self, rows: u32) -> f64 {
+        let bytes = u64::from(rows) * u64::from(self.tiles.n) * u64::from(self.elem_bytes);
+        self.hw.comm.all_reduce_us(bytes, self.world)
+    }
+}

@@ -1,0 +1,214 @@
+//! What the predictor knows about a machine: a few calibratable numbers.
+
+use crate::plan::error::{require_positive, PlanError};
+
+/// A collective's cost as nccl-tests reports it: a fixed latency plus the
+/// bytes each rank moves over the bus bandwidth.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CollectiveModel {
+    pub latency_us: f64,
+    /// Bus bandwidth in GB/s (1e9 bytes/s), nccl-tests' "busbw".
+    pub bus_gbps: f64,
+}
+
+impl CollectiveModel {
+    /// Ring AllReduce time: latency + 2*(world-1)/world * bytes / bus bandwidth (world 1 -> 0).
+    pub fn all_reduce_us(&self, bytes: u64, world: u32) -> f64 {
+        if world <= 1 {
+            return 0.0;
+        }
+        let world = f64::from(world);
+        let moved = 2.0 * (world - 1.0) / world * bytes as f64;
+        // 1 GB/s moves 1e3 bytes per microsecond.
+        self.latency_us + moved / (self.bus_gbps * 1e3)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HardwareModel {
+    pub sms: u32,
+    /// Effective TFLOP/s of the GEMM kernel on all SMs.
+    pub gemm_tflops: f64,
+    /// The collective when it has its full CTA budget.
+    pub comm: CollectiveModel,
+    /// Multiplicative slowdown of the GEMM while collectives run concurrently (>= 1).
+    pub overlap_gemm_slowdown: f64,
+    /// Multiplicative slowdown of the collective under the CTA cap used during overlap (>= 1).
+    pub overlap_comm_slowdown: f64,
+}
+
+impl HardwareModel {
+    /// An H200 node with NVLink, BF16 GEMM.
+    pub fn h200() -> Self {
+        Self {
+            sms: 132,
+            gemm_tflops: 450.0,
+            comm: CollectiveModel {
+                latency_us: 45.0,
+                bus_gbps: 270.0,
+            },
+            overlap_gemm_slowdown: 1.10,
+            overlap_comm_slowdown: 1.15,
+        }
+    }
+
+    /// A pessimistic model for unknown GPUs: it makes overlap look worse than
+    /// it likely is, so Auto only overlaps where the gain is clear.
+    pub fn generic(sms: u32) -> Self {
+        Self {
+            sms,
+            gemm_tflops: 150.0,
+            comm: CollectiveModel {
+                latency_us: 60.0,
+                bus_gbps: 100.0,
+            },
+            overlap_gemm_slowdown: 1.2,
+            overlap_comm_slowdown: 1.3,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), PlanError> {
+        require_positive("sms", self.sms, PlanError::InvalidHardware)?;
+        let checks = [
+            (
+                "gemm_tflops",
+                self.gemm_tflops,
+                "> 0",
+                self.gemm_tflops > 0.0,
+            ),
+            (
+                "comm.latency_us",
+                self.comm.latency_us,
+                ">= 0",
+                self.comm.latency_us >= 0.0,
+            ),
+            (
+                "comm.bus_gbps",
+                self.comm.bus_gbps,
+                "> 0",
+                self.comm.bus_gbps > 0.0,
+            ),
+            (
+                "overlap_gemm_slowdown",
+                self.overlap_gemm_slowdown,
+                ">= 1",
+                self.overlap_gemm_slowdown >= 1.0,
+            ),
+            (
+                "overlap_comm_slowdown",
+                self.overlap_comm_slowdown,
+                ">= 1",
+                self.overlap_comm_slowdown >= 1.0,
+            ),
+        ];
+        match checks
+            .into_iter()
+            .find(|&(_, value, _, ok)| !(ok && value.is_finite()))
+        {
+            Some((field, value, bound, _)) => Err(PlanError::InvalidHardware(format!(
+                "{field} must be finite and {bound}, got {value}"
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const LINK: CollectiveModel = CollectiveModel {
+        latency_us: 10.0,
+        bus_gbps: 100.0,
+    };
+
+    #[test]
+    fn ring_all_reduce_moves_twice_the_shard_complement() {
+        assert_eq!(LINK.all_reduce_us(100_000_000, 1), 0.0);
+        assert!((LINK.all_reduce_us(100_000_000, 2) - 1010.0).abs() < 1e-9);
+        assert!((LINK.all_reduce_us(100_000_000, 4) - 1510.0).abs() < 1e-9);
+        assert_eq!(LINK.all_reduce_us(0, 8), 10.0);
+    }
+
+    #[test]
+    fn presets_are_valid() {
+        assert!(HardwareModel::h200().validate().is_ok());
+        assert!(HardwareModel::generic(108).validate().is_ok());
+    }
+
+    #[test]
+    fn invalid_constants_are_named() {
+        let h200 = HardwareModel::h200();
+        let cases = [
+            (HardwareModel { sms: 0, ..h200 }, "sms"),
+            (
+                HardwareModel {
+                    gemm_tflops: 0.0,
+                    ..h200
+                },
+                "gemm_tflops",
+            ),
+            (
+                HardwareModel {
+                    gemm_tflops: f64::NAN,
+                    ..h200
+                },
+                "gemm_tflops",
+            ),
+            (
+                HardwareModel {
+                    comm: CollectiveModel {
+                        latency_us: -1.0,
+                        ..h200.comm
+                    },
+                    ..h200
+                },
+                "comm.latency_us",
+            ),
+            (
+                HardwareModel {
+                    comm: CollectiveModel {
+                        bus_gbps: f64::INFINITY,
+                        ..h200.comm
+                    },
+                    ..h200
+                },
+                "comm.bus_gbps",
+            ),
+            (
+                HardwareModel {
+                    overlap_gemm_slowdown: 0.9,
+                    ..h200
+                },
+                "overlap_gemm_slowdown",
+            ),
+            (
+                HardwareModel {
+                    overlap_comm_slowdown: 0.5,
+                    ..h200
+                },
+                "overlap_comm_slowdown",
+            ),
+        ];
+        for (hw, field) in cases {
+            match hw.validate() {
+                Err(PlanError::InvalidHardware(why)) => assert!(why.starts_with(field), "{why}"),
+                other => panic!("expected InvalidHardware for {field}, got {other:?}"),
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn all_reduce_cost_grows_with_bytes(
+            bytes in 0u64..1 << 34,
+            extra in 1u64..1 << 30,
+            world in 2u32..=8,
+        ) {
+            let comm = HardwareModel::h200().comm;
+            prop_assert!(comm.all_reduce_us(bytes + extra, world) > comm.all_reduce_us(bytes, world));
+        }
+    }
+}

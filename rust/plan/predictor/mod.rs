@@ -1,0 +1,13 @@
+//! An analytic latency model of the overlapped schedule, and the search for
+//! the group layout it predicts to be fastest. The constants are rough until
+//! a profile-based predictor replaces them; the structure (wave-quantised
+//! GEMM, collectives serialised on one stream) is what the kernel does.
+
+mod cost;
+mod hardware;
+mod search;
+mod timeline;
+
+pub use hardware::{CollectiveModel, HardwareModel};
+pub use search::best_partition;
+pub use timeline::{predict, predict_sequential, GroupTiming, Timeline};

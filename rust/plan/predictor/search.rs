@@ -1,0 +1,249 @@
+//! Choosing group boundaries. A group's collective ends at
+//! max(its GEMM done, previous collective's end) + its own cost, which never
+//! decreases as the previous end grows, so the best layout of the bands after
+//! a boundary depends only on the earliest time the bands before it can be
+//! reduced: a dynamic programme over band boundaries is exact.
+
+use crate::plan::error::{require_positive, PlanError};
+use crate::plan::groups::GroupPartition;
+use crate::plan::tiles::OutputTiles;
+
+use super::cost::OverlapCost;
+use super::hardware::HardwareModel;
+use super::timeline::{predict, Timeline};
+
+/// The partition with the smallest predicted overlap_us among those with at
+/// most `max_groups` groups; on ties, the one with fewer groups.
+pub fn best_partition(
+    tiles: &OutputTiles,
+    k: u32,
+    ctas: u32,
+    hw: &HardwareModel,
+    world: u32,
+    elem_bytes: u32,
+    max_groups: u32,
+) -> Result<(GroupPartition, Timeline), PlanError> {
+    require_positive("max_groups", max_groups, PlanError::InvalidPartition)?;
+    let cost = OverlapCost::new(tiles, k, ctas, hw, world, elem_bytes)?;
+    let band_counts = BoundarySearch::new(&cost).band_counts(max_groups);
+    let partition = GroupPartition::from_band_counts(tiles, &band_counts)?;
+    let timeline = predict(tiles, k, ctas, &partition, hw, world, elem_bytes)?;
+    Ok((partition, timeline))
+}
+
+/// The model's inputs at each band boundary, tabulated once so the
+/// quadratic inner loop is lookups; the tables hold the very values
+/// `predict` computes, so the optimum matches its replay bit for bit.
+struct BoundarySearch {
+    bands: usize,
+    /// done[e]: GEMM finished bands 0..e.
+    done: Vec<f64>,
+    /// span_us[d]: collective over d full bands (groups not ending at the last band).
+    span_us: Vec<f64>,
+    /// tail_us[s]: collective over bands s.. to the end, whose last band may be partial.
+    tail_us: Vec<f64>,
+}
+
+impl BoundarySearch {
+    fn new(cost: &OverlapCost) -> Self {
+        let bands = cost.band_count();
+        // Entry 0 of `done` and `span_us` (nothing finished, an empty group) is never read.
+        let unread = std::iter::once(0.0);
+        Self {
+            bands: bands as usize,
+            done: unread
+                .clone()
+                .chain((1..=bands).map(|e| cost.gemm_done_us(e)))
+                .collect(),
+            span_us: unread
+                .chain((1..bands).map(|d| cost.comm_us(cost.rows(0..d))))
+                .collect(),
+            tail_us: (0..bands)
+                .map(|s| cost.comm_us(cost.rows(s..bands)))
+                .collect(),
+        }
+    }
+
+    fn comm_us(&self, start: usize, end: usize) -> f64 {
+        if end == self.bands {
+            self.tail_us[start]
+        } else {
+            self.span_us[end - start]
+        }
+    }
+
+    /// Layer j of the programme holds, for every boundary e, the earliest
+    /// last-collective end over layouts of bands 0..e in at most j+1 groups,
+    /// and where that layout's last group starts. A layer that improves
+    /// nothing means no further group can help, so the search stops there.
+    fn band_counts(&self, max_groups: u32) -> Vec<u32> {
+        let n = self.bands;
+        let mut end: Vec<f64> = (0..=n)
+            .map(|e| {
+                if e == 0 {
+                    0.0
+                } else {
+                    self.done[e] + self.comm_us(0, e)
+                }
+            })
+            .collect();
+        let mut starts: Vec<Vec<usize>> = vec![vec![0; n + 1]];
+        for _ in 1..max_groups.min(n as u32) {
+            let mut next_end = end.clone();
+            let mut next_start = starts[starts.len() - 1].clone();
+            let mut improved = false;
+            for e in 2..=n {
+                // Moving the last group's start earlier only lengthens its
+                // collective, so once that alone cannot win, nothing earlier can.
+                for s in (1..e).rev() {
+                    let comm_us = self.comm_us(s, e);
+                    if self.done[e] + comm_us >= next_end[e] {
+                        break;
+                    }
+                    let candidate = self.done[e].max(end[s]) + comm_us;
+                    if candidate < next_end[e] {
+                        next_end[e] = candidate;
+                        next_start[e] = s;
+                        improved = true;
+                    }
+                }
+            }
+            if !improved {
+                break;
+            }
+            end = next_end;
+            starts.push(next_start);
+        }
+        // Walking back one layer per group keeps within the cap; a start
+        // carried over from a lower layer leads to a prefix at least as good.
+        let mut counts = Vec::new();
+        let mut e = n;
+        for layer in starts.iter().rev() {
+            let s = layer[e];
+            counts.push((e - s) as u32);
+            e = s;
+            if e == 0 {
+                break;
+            }
+        }
+        counts.reverse();
+        counts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::plan::testing::{ctas, output_tiles, world};
+    use crate::plan::tiles::TileShape;
+
+    const TILE: TileShape = TileShape {
+        bm: 128,
+        bn: 128,
+        bk: 64,
+    };
+
+    fn overlap_us(tiles: &OutputTiles, k: u32, ctas: u32, world: u32, counts: &[u32]) -> f64 {
+        let partition = GroupPartition::from_band_counts(tiles, counts).unwrap();
+        predict(tiles, k, ctas, &partition, &HardwareModel::h200(), world, 2)
+            .unwrap()
+            .overlap_us
+    }
+
+    /// Every composition of `bands` into at most `max_groups` parts.
+    fn compositions(bands: u32, max_groups: u32) -> Vec<Vec<u32>> {
+        (0u32..1 << (bands - 1))
+            .filter(|cuts| cuts.count_ones() < max_groups)
+            .map(|cuts| {
+                let mut counts = vec![1];
+                for band in 1..bands {
+                    if cuts & (1 << (band - 1)) != 0 {
+                        counts.push(1);
+                    } else {
+                        *counts.last_mut().unwrap() += 1;
+                    }
+                }
+                counts
+            })
+            .collect()
+    }
+
+    #[test]
+    fn zero_max_groups_is_rejected() {
+        let tiles = OutputTiles::new(1024, 1024, TILE).unwrap();
+        let result = best_partition(&tiles, 1024, 128, &HardwareModel::h200(), 2, 2, 0);
+        assert!(
+            matches!(result, Err(PlanError::InvalidPartition(why)) if why.starts_with("max_groups"))
+        );
+    }
+
+    #[test]
+    fn best_partition_time_per_call() {
+        let tiles = OutputTiles::new(16384, 8192, TILE).unwrap();
+        assert_eq!(tiles.tiles_m, 128);
+        let hw = HardwareModel::h200();
+        let calls = 100;
+        let started = Instant::now();
+        for _ in 0..calls {
+            std::hint::black_box(best_partition(&tiles, 4096, 124, &hw, 2, 2, 128).unwrap());
+        }
+        let per_call_ms = started.elapsed().as_secs_f64() * 1e3 / f64::from(calls);
+        let (partition, timeline) = best_partition(&tiles, 4096, 124, &hw, 2, 2, 128).unwrap();
+        println!(
+            "best_partition m=16384 n=8192 k=4096 world=2: {per_call_ms:.3} ms/call, {} groups, {:.1} us overlapped vs {:.1} us sequential",
+            partition.len(),
+            timeline.overlap_us,
+            timeline.sequential_us
+        );
+        if !cfg!(debug_assertions) {
+            assert!(per_call_ms < 1.0, "{per_call_ms} ms per call");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn matches_exhaustive_search_on_few_bands(
+            m in 1u32..=1280,
+            n8 in 1u32..=2500,
+            k in 1u32..16384,
+            ctas in ctas(),
+            world in world(),
+            max_groups in 1u32..=10,
+        ) {
+            let tiles = OutputTiles::new(m, n8 * 8, TILE).unwrap();
+            let (partition, timeline) =
+                best_partition(&tiles, k, ctas, &HardwareModel::h200(), world, 2, max_groups).unwrap();
+            let optimum = compositions(tiles.tiles_m, max_groups)
+                .iter()
+                .map(|counts| overlap_us(&tiles, k, ctas, world, counts))
+                .fold(f64::INFINITY, f64::min);
+            prop_assert!(partition.len() as u32 <= max_groups);
+            prop_assert_eq!(timeline.overlap_us, optimum);
+        }
+
+        #[test]
+        fn no_uniform_partition_beats_it(
+            tiles in output_tiles(),
+            k in 1u32..16384,
+            ctas in ctas(),
+            world in world(),
+            max_groups in 1u32..=16,
+        ) {
+            let hw = HardwareModel::h200();
+            let (partition, timeline) = best_partition(&tiles, k, ctas, &hw, world, 2, max_groups).unwrap();
+            prop_assert!(partition.len() as u32 <= max_groups);
+            prop_assert_eq!(&timeline, &predict(&tiles, k, ctas, &partition, &hw, world, 2).unwrap());
+            for per_group in 1..=tiles.tiles_m {
+                let uniform = GroupPartition::uniform(&tiles, per_group).unwrap();
+                if uniform.len() as u32 <= max_groups {
+                    let t = predict(&tiles, k, ctas, &uniform, &hw, world, 2).unwrap();
+                    prop_assert!(timeline.overlap_us <= t.overlap_us, "{} > {} for {per_group} bands per group", timeline.overlap_us, t.overlap_us);
+                }
+            }
+        }
+    }
+}

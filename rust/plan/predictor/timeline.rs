@@ -1,0 +1,210 @@
+//! Replaying a partition through the model: when each group's tiles are all
+//! stored, and when its collective can start and end on the single
+//! communication stream.
+
+use crate::plan::error::PlanError;
+use crate::plan::groups::GroupPartition;
+use crate::plan::tiles::OutputTiles;
+
+use super::cost::OverlapCost;
+use super::hardware::HardwareModel;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupTiming {
+    pub gemm_done_us: f64,
+    pub comm_start_us: f64,
+    pub comm_end_us: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Timeline {
+    pub groups: Vec<GroupTiming>,
+    pub gemm_us: f64,
+    /// End of the last collective: the predicted time of the whole op.
+    pub overlap_us: f64,
+    pub sequential_us: f64,
+}
+
+/// GEMM time on `ctas` CTAs: tiles are processed in waves; wave time = flops
+/// of one wave of full tiles / (gemm_tflops * ctas/sms); group g's GEMM is done
+/// at the end of the wave containing its last position (times
+/// overlap_gemm_slowdown). Comm of group g starts at max(gemm_done_g,
+/// comm_end_{g-1}) and lasts overlap_comm_slowdown * all_reduce_us(bytes of its
+/// slice). overlap_us = last comm_end. sequential_us = GEMM on all sms (no
+/// slowdown, wave-quantised the same way) + all_reduce_us(whole output).
+pub fn predict(
+    tiles: &OutputTiles,
+    k: u32,
+    ctas: u32,
+    partition: &GroupPartition,
+    hw: &HardwareModel,
+    world: u32,
+    elem_bytes: u32,
+) -> Result<Timeline, PlanError> {
+    let cost = OverlapCost::new(tiles, k, ctas, hw, world, elem_bytes)?;
+    partition.check_against(tiles)?;
+    let mut previous_end = 0.0;
+    let groups = partition
+        .groups
+        .iter()
+        .map(|group| {
+            let gemm_done_us = cost.gemm_done_us(group.bands.end);
+            let comm_start_us = gemm_done_us.max(previous_end);
+            let comm_end_us = comm_start_us + cost.comm_us(cost.rows(group.bands.clone()));
+            previous_end = comm_end_us;
+            GroupTiming {
+                gemm_done_us,
+                comm_start_us,
+                comm_end_us,
+            }
+        })
+        .collect();
+    Ok(Timeline {
+        groups,
+        gemm_us: cost.gemm_us(),
+        overlap_us: previous_end,
+        sequential_us: cost.sequential_us(),
+    })
+}
+
+/// The baseline as a one-group timeline on all SMs with no overlap slowdown,
+/// so a sequential plan reports in the same terms as an overlapped one; its
+/// `overlap_us` equals its `sequential_us`.
+pub fn predict_sequential(
+    tiles: &OutputTiles,
+    k: u32,
+    hw: &HardwareModel,
+    world: u32,
+    elem_bytes: u32,
+) -> Result<Timeline, PlanError> {
+    let alone = HardwareModel {
+        overlap_gemm_slowdown: 1.0,
+        overlap_comm_slowdown: 1.0,
+        ..*hw
+    };
+    let whole = GroupPartition::whole(tiles);
+    predict(tiles, k, hw.sms, &whole, &alone, world, elem_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::plan::testing::{ctas, output_tiles, world};
+    use crate::plan::tiles::TileShape;
+
+    fn shape(m: u32, n: u32) -> OutputTiles {
+        let tile = TileShape {
+            bm: 128,
+            bn: 128,
+            bk: 64,
+        };
+        OutputTiles::new(m, n, tile).unwrap()
+    }
+
+    fn uniform(tiles: &OutputTiles, k: u32, ctas: u32, per_group: u32, n_world: u32) -> Timeline {
+        let partition = GroupPartition::uniform(tiles, per_group).unwrap();
+        predict(
+            tiles,
+            k,
+            ctas,
+            &partition,
+            &HardwareModel::h200(),
+            n_world,
+            2,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn more_k_means_a_longer_gemm() {
+        let tiles = shape(4096, 8192);
+        let short = uniform(&tiles, 1024, 120, 4, 8);
+        let long = uniform(&tiles, 4096, 120, 4, 8);
+        assert!(long.gemm_us > short.gemm_us);
+        assert!(long.sequential_us > short.sequential_us);
+        assert!(long.groups[0].gemm_done_us > short.groups[0].gemm_done_us);
+    }
+
+    #[test]
+    fn wider_output_means_longer_collectives() {
+        let (narrow, wide) = (
+            uniform(&shape(4096, 4096), 4096, 120, 4, 8),
+            uniform(&shape(4096, 8192), 4096, 120, 4, 8),
+        );
+        let duration = |t: &GroupTiming| t.comm_end_us - t.comm_start_us;
+        for (a, b) in narrow.groups.iter().zip(&wide.groups) {
+            assert!(duration(b) > duration(a));
+        }
+    }
+
+    #[test]
+    fn fewer_ctas_mean_more_waves() {
+        let tiles = shape(4096, 8192);
+        assert!(uniform(&tiles, 4096, 66, 4, 8).gemm_us > uniform(&tiles, 4096, 132, 4, 8).gemm_us);
+    }
+
+    #[test]
+    fn sequential_timeline_is_the_baseline() {
+        let tiles = shape(3000, 5000);
+        let timeline = predict_sequential(&tiles, 2048, &HardwareModel::h200(), 4, 2).unwrap();
+        assert_eq!(timeline.groups.len(), 1);
+        assert_eq!(timeline.overlap_us, timeline.sequential_us);
+        assert_eq!(timeline.groups[0].gemm_done_us, timeline.gemm_us);
+    }
+
+    #[test]
+    fn bad_inputs_are_rejected() {
+        let tiles = shape(1024, 1024);
+        let hw = HardwareModel::h200();
+        let partition = GroupPartition::uniform(&tiles, 2).unwrap();
+        let other = GroupPartition::uniform(&shape(2048, 1024), 2).unwrap();
+        assert!(matches!(
+            predict(&tiles, 64, 133, &partition, &hw, 2, 2),
+            Err(PlanError::InvalidHardware(_))
+        ));
+        assert!(matches!(
+            predict(&tiles, 64, 0, &partition, &hw, 2, 2),
+            Err(PlanError::InvalidHardware(_))
+        ));
+        assert!(matches!(
+            predict(&tiles, 0, 64, &partition, &hw, 2, 2),
+            Err(PlanError::InvalidShape(_))
+        ));
+        assert!(matches!(
+            predict(&tiles, 64, 64, &partition, &hw, 2, 0),
+            Err(PlanError::InvalidShape(_))
+        ));
+        assert!(matches!(
+            predict(&tiles, 64, 64, &other, &hw, 2, 2),
+            Err(PlanError::InvalidPartition(_))
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn timeline_follows_the_recurrence(
+            tiles in output_tiles(),
+            k in 1u32..16384,
+            ctas in ctas(),
+            world in world(),
+            per_group in 1u32..64,
+        ) {
+            let timeline = uniform(&tiles, k, ctas, per_group, world);
+            let mut previous_end = 0.0;
+            let mut previous_done = 0.0;
+            for group in &timeline.groups {
+                prop_assert!(group.gemm_done_us >= previous_done);
+                prop_assert!(group.comm_start_us >= group.gemm_done_us);
+                prop_assert!(group.comm_start_us >= previous_end);
+                prop_assert!(group.comm_start_us == group.gemm_done_us || group.comm_start_us == previous_end);
+                prop_assert!(group.comm_end_us > group.comm_start_us);
+                previous_end = group.comm_end_us;
+                previous_done = group.gemm_done_us;
+            }
+            prop_assert_eq!(previous_done, timeline.gemm_us);
+            prop_assert_eq!(previous_end, timeline.overlap_us);
+        }
+    }
+}

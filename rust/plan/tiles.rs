@@ -1,0 +1,151 @@
+//! The output matrix cut into the tiles the GEMM kernel computes. Tiles are
+//! numbered row-major so that a run of whole row bands is one contiguous
+//! block of `out`, which is what an in-place collective needs.
+
+use std::ops::Range;
+
+use super::error::{require_positive, PlanError};
+
+/// One CTA's unit of work: `bm` x `bn` outputs, accumulated `bk` deep at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TileShape {
+    pub bm: u32,
+    pub bn: u32,
+    pub bk: u32,
+}
+
+/// `out[m, n]` covered by `tiles_m` x `tiles_n` tiles; the last row band and
+/// the last tile column may be partial.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutputTiles {
+    pub m: u32,
+    pub n: u32,
+    pub tile: TileShape,
+    pub tiles_m: u32,
+    pub tiles_n: u32,
+}
+
+impl OutputTiles {
+    pub fn new(m: u32, n: u32, tile: TileShape) -> Result<Self, PlanError> {
+        for (field, value) in [
+            ("m", m),
+            ("n", n),
+            ("tile.bm", tile.bm),
+            ("tile.bn", tile.bn),
+            ("tile.bk", tile.bk),
+        ] {
+            require_positive(field, value, PlanError::InvalidShape)?;
+        }
+        let tiles_m = m.div_ceil(tile.bm);
+        let tiles_n = n.div_ceil(tile.bn);
+        // Tile ids and positions are u32 on the device too.
+        if u64::from(tiles_m) * u64::from(tiles_n) > u64::from(u32::MAX) {
+            return Err(PlanError::InvalidShape(format!(
+                "tile count must fit in u32, got {tiles_m} x {tiles_n} tiles"
+            )));
+        }
+        Ok(Self {
+            m,
+            n,
+            tile,
+            tiles_m,
+            tiles_n,
+        })
+    }
+
+    pub fn count(&self) -> u32 {
+        self.tiles_m * self.tiles_n
+    }
+
+    /// `(tm, tn)` of a tile id below `count()`.
+    pub fn coords(&self, id: u32) -> (u32, u32) {
+        (id / self.tiles_n, id % self.tiles_n)
+    }
+
+    pub fn id(&self, tm: u32, tn: u32) -> u32 {
+        tm * self.tiles_n + tn
+    }
+
+    /// Output rows of row band `tm`, clipped to `m`; empty past the last band.
+    pub fn band_rows(&self, tm: u32) -> Range<u32> {
+        let clip = |row: u64| row.min(u64::from(self.m)) as u32;
+        let start = u64::from(tm) * u64::from(self.tile.bm);
+        clip(start)..clip(start + u64::from(self.tile.bm))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::plan::testing::output_tiles;
+
+    const TILE: TileShape = TileShape {
+        bm: 128,
+        bn: 64,
+        bk: 32,
+    };
+
+    #[test]
+    fn partial_last_band_and_column() {
+        let tiles = OutputTiles::new(300, 130, TILE).unwrap();
+        assert_eq!((tiles.tiles_m, tiles.tiles_n, tiles.count()), (3, 3, 9));
+        assert_eq!(tiles.band_rows(1), 128..256);
+        assert_eq!(tiles.band_rows(2), 256..300);
+        assert!(tiles.band_rows(3).is_empty());
+        assert_eq!(tiles.coords(5), (1, 2));
+        assert_eq!(tiles.id(1, 2), 5);
+    }
+
+    #[test]
+    fn zero_dimensions_are_rejected_by_name() {
+        let zero_bk = TileShape { bk: 0, ..TILE };
+        for (m, n, tile, field) in [
+            (0, 8, TILE, "m"),
+            (8, 0, TILE, "n"),
+            (8, 8, zero_bk, "tile.bk"),
+        ] {
+            match OutputTiles::new(m, n, tile) {
+                Err(PlanError::InvalidShape(why)) => assert!(why.starts_with(field), "{why}"),
+                other => panic!("expected InvalidShape for {field}, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn tile_count_must_fit_u32() {
+        let unit = TileShape {
+            bm: 1,
+            bn: 1,
+            bk: 1,
+        };
+        assert!(matches!(
+            OutputTiles::new(u32::MAX, 2, unit),
+            Err(PlanError::InvalidShape(_))
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn count_and_ids_round_trip(tiles in output_tiles(), pick in any::<u32>()) {
+            prop_assert_eq!(tiles.count(), tiles.tiles_m * tiles.tiles_n);
+            let id = pick % tiles.count();
+            let (tm, tn) = tiles.coords(id);
+            prop_assert!(tm < tiles.tiles_m && tn < tiles.tiles_n);
+            prop_assert_eq!(tiles.id(tm, tn), id);
+        }
+
+        #[test]
+        fn bands_cover_every_row_once(tiles in output_tiles()) {
+            let mut next_row = 0;
+            for tm in 0..tiles.tiles_m {
+                let rows = tiles.band_rows(tm);
+                prop_assert_eq!(rows.start, next_row);
+                prop_assert!(!rows.is_empty() && rows.len() <= tiles.tile.bm as usize);
+                next_row = rows.end;
+            }
+            prop_assert_eq!(next_row, tiles.m);
+        }
+    }
+}

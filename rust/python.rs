@@ -1,0 +1,398 @@
+//! PyO3 bindings: argument conversion and exceptions only. Python has
+//! already validated tensors and passes plain integers (pointers, shapes,
+//! device ordinals, stream handles).
+
+use crate::comm::{communicator, nccl};
+use crate::cuda::{cache, driver, kernels, nvrtc, stream};
+use crate::dtype::Dtype;
+use crate::error::Error;
+use crate::ops::gemm::GemmArgs;
+use crate::ops::{gemm as gemm_op, gemm_all_reduce as gar};
+use crate::plan::{self, GemmAllReducePlan, ModeRequest, Schedule};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+fn to_py(e: Error) -> PyErr {
+    match e {
+        Error::Invalid(m) => PyValueError::new_err(m),
+        Error::Plan(p) => PyValueError::new_err(p.to_string()),
+        other => PyRuntimeError::new_err(other.to_string()),
+    }
+}
+
+fn mode(name: &str) -> PyResult<ModeRequest> {
+    match name {
+        "auto" => Ok(ModeRequest::Auto),
+        "overlap" => Ok(ModeRequest::Overlap),
+        "sequential" => Ok(ModeRequest::Sequential),
+        other => Err(PyValueError::new_err(format!(
+            "mode: expected 'auto', 'overlap' or 'sequential', got {other:?}"
+        ))),
+    }
+}
+
+fn dtype(name: &str) -> PyResult<Dtype> {
+    Dtype::parse(name).map_err(to_py)
+}
+
+/// A GEMM + collective plan: tiles, waves, wave groups and predicted timeline.
+#[pyclass(name = "Plan", module = "flashoverlap._core", frozen)]
+struct PyPlan(GemmAllReducePlan);
+
+#[pymethods]
+impl PyPlan {
+    #[getter]
+    fn schedule(&self) -> &'static str {
+        match self.0.schedule {
+            Schedule::Overlap => "overlap",
+            Schedule::Sequential => "sequential",
+        }
+    }
+    #[getter]
+    fn shape(&self) -> (u32, u32, u32) {
+        (self.0.request.m, self.0.request.n, self.0.request.k)
+    }
+    #[getter]
+    fn world_size(&self) -> u32 {
+        self.0.request.world
+    }
+    #[getter]
+    fn tile(&self) -> (u32, u32, u32) {
+        let t = self.0.tiles.tile;
+        (t.bm, t.bn, t.bk)
+    }
+    #[getter]
+    fn tiles(&self) -> (u32, u32) {
+        (self.0.tiles.tiles_m, self.0.tiles.tiles_n)
+    }
+    #[getter]
+    fn ctas(&self) -> u32 {
+        self.0.ctas
+    }
+    #[getter]
+    fn waves(&self) -> u32 {
+        self.0.waves.count()
+    }
+    #[getter]
+    fn predicted_us(&self) -> f64 {
+        match self.0.schedule {
+            Schedule::Overlap => self.0.timeline.overlap_us,
+            Schedule::Sequential => self.0.timeline.sequential_us,
+        }
+    }
+    #[getter]
+    fn predicted_overlap_us(&self) -> f64 {
+        self.0.timeline.overlap_us
+    }
+    #[getter]
+    fn predicted_sequential_us(&self) -> f64 {
+        self.0.timeline.sequential_us
+    }
+    /// One dict per wave group, in the order the collectives run.
+    #[getter]
+    fn groups<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let timings = &self.0.timeline.groups;
+        self.0
+            .partition
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let d = PyDict::new(py);
+                d.set_item("bands", (g.bands.start, g.bands.end))?;
+                d.set_item("rows", (g.rows.start, g.rows.end))?;
+                d.set_item("positions", (g.positions.start, g.positions.end))?;
+                d.set_item("tiles", g.tiles)?;
+                d.set_item("offset", g.slice.offset)?;
+                d.set_item("count", g.slice.count)?;
+                if let Some(t) = timings.get(i) {
+                    d.set_item("gemm_done_us", t.gemm_done_us)?;
+                    d.set_item("comm_start_us", t.comm_start_us)?;
+                    d.set_item("comm_end_us", t.comm_end_us)?;
+                }
+                Ok(d)
+            })
+            .collect()
+    }
+    /// The group id of every position of the tile order (what the kernel reads).
+    #[getter]
+    fn tile_group(&self) -> Vec<u32> {
+        self.0.tile_group.clone()
+    }
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn __repr__(&self) -> String {
+        let (m, n, k) = self.shape();
+        format!(
+            "Plan({m}x{n}x{k}, world={}, schedule={}, ctas={}, waves={}, groups={})",
+            self.0.request.world,
+            self.schedule(),
+            self.0.ctas,
+            self.0.waves.count(),
+            self.0.partition.len()
+        )
+    }
+}
+
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+/// Plans GEMM + AllReduce for a device described by `sms` and compute
+/// capability `major`; needs no GPU.
+#[pyfunction]
+#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=16, max_groups=16))]
+#[allow(clippy::too_many_arguments)]
+fn plan_gemm_all_reduce(
+    m: u32,
+    n: u32,
+    k: u32,
+    world_size: u32,
+    dtype: &str,
+    sms: u32,
+    major: i32,
+    mode: &str,
+    bands_per_group: Option<u32>,
+    reserved_sms: u32,
+    max_groups: u32,
+) -> PyResult<PyPlan> {
+    let args = GemmArgs {
+        x: 1,
+        weight: 1,
+        out: 1,
+        m,
+        n,
+        k,
+        dtype: self::dtype(dtype)?,
+    };
+    let opts = gar::Options {
+        mode: self::mode(mode)?,
+        bands_per_group,
+        reserved_sms,
+        max_groups,
+    };
+    let hw = gar::hardware_for(sms, major);
+    plan::plan_gemm_all_reduce(&gar::request(&args, world_size, &opts), &hw)
+        .map(PyPlan)
+        .map_err(|e| to_py(e.into()))
+}
+
+#[pyfunction]
+fn load_nvrtc(path: &str) -> PyResult<()> {
+    nvrtc::load_from(std::path::Path::new(path)).map_err(to_py)
+}
+
+#[pyfunction]
+fn nvrtc_version() -> PyResult<(i32, i32)> {
+    nvrtc::version().map_err(to_py)
+}
+
+#[pyfunction]
+fn cache_dir() -> String {
+    cache::cache_dir().display().to_string()
+}
+
+/// Compiles every csrc kernel variant for `arch` (e.g. "sm_80", "sm_90a")
+/// and returns (kernel, defines, cubin bytes) for each. Needs NVRTC, no GPU.
+#[pyfunction]
+fn compile_kernels(py: Python<'_>, arch: &str) -> PyResult<Vec<(String, String, usize)>> {
+    py.detach(|| -> Result<Vec<_>, Error> {
+        kernels::all()
+            .iter()
+            .map(|spec| {
+                let defines = spec
+                    .defines
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(",");
+                kernels::cubin(spec, arch)
+                    .map(|c| (format!("{}:{}", spec.source, spec.entry), defines, c.len()))
+            })
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .map_err(to_py)
+}
+
+#[pyfunction]
+fn device_info<'py>(py: Python<'py>, device: i32) -> PyResult<Bound<'py, PyDict>> {
+    let info = driver::bind(device).map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("ordinal", info.ordinal)?;
+    d.set_item("sms", info.sms)?;
+    d.set_item("compute_capability", (info.major, info.minor))?;
+    d.set_item("arch", info.arch())?;
+    Ok(d)
+}
+
+#[pyfunction]
+fn nccl_path() -> Option<String> {
+    nccl::mapped_path().map(|p| p.display().to_string())
+}
+
+#[pyfunction]
+fn nccl_version() -> PyResult<i32> {
+    nccl::get().and_then(|n| n.version()).map_err(to_py)
+}
+
+#[pyfunction]
+fn new_unique_id(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
+    let id = communicator::new_unique_id().map_err(to_py)?;
+    Ok(PyBytes::new(py, &id))
+}
+
+#[pyfunction]
+#[pyo3(signature = (name, world_size, rank, unique_id, device, max_ctas=None))]
+fn create_communicator(
+    py: Python<'_>,
+    name: &str,
+    world_size: i32,
+    rank: i32,
+    unique_id: &[u8],
+    device: i32,
+    max_ctas: Option<i32>,
+) -> PyResult<()> {
+    let id = unique_id.to_vec();
+    py.detach(|| communicator::create(name, world_size, rank, &id, device, max_ctas))
+        .map_err(to_py)
+}
+
+#[pyfunction]
+fn destroy_communicator(name: &str) -> bool {
+    communicator::destroy(name)
+}
+
+#[pyfunction]
+fn communicator_names() -> Vec<String> {
+    let mut n = communicator::names();
+    n.sort();
+    n
+}
+
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    py: Python<'_>,
+    x: u64,
+    weight: u64,
+    out: u64,
+    m: u32,
+    n: u32,
+    k: u32,
+    dtype: &str,
+    device: i32,
+    stream: usize,
+) -> PyResult<()> {
+    let args = GemmArgs {
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        dtype: self::dtype(dtype)?,
+    };
+    py.detach(|| gemm_op::gemm(&args, device, stream::from_handle(stream)))
+        .map_err(to_py)
+}
+
+#[pyfunction]
+#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=16, max_groups=16))]
+#[allow(clippy::too_many_arguments)]
+fn gemm_all_reduce(
+    py: Python<'_>,
+    group_name: &str,
+    x: u64,
+    weight: u64,
+    out: u64,
+    m: u32,
+    n: u32,
+    k: u32,
+    dtype: &str,
+    stream: usize,
+    mode: &str,
+    bands_per_group: Option<u32>,
+    reserved_sms: u32,
+    max_groups: u32,
+) -> PyResult<()> {
+    let args = GemmArgs {
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        dtype: self::dtype(dtype)?,
+    };
+    let opts = gar::Options {
+        mode: self::mode(mode)?,
+        bands_per_group,
+        reserved_sms,
+        max_groups,
+    };
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    py.detach(|| gar::gemm_all_reduce(&comm, &args, &opts, stream::from_handle(stream)))
+        .map_err(to_py)
+}
+
+/// The plan `gemm_all_reduce` runs for these arguments on this communicator.
+#[pyfunction]
+#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=16, max_groups=16))]
+#[allow(clippy::too_many_arguments)]
+fn communicator_plan(
+    group_name: &str,
+    m: u32,
+    n: u32,
+    k: u32,
+    dtype: &str,
+    stream: usize,
+    mode: &str,
+    bands_per_group: Option<u32>,
+    reserved_sms: u32,
+    max_groups: u32,
+) -> PyResult<PyPlan> {
+    let args = GemmArgs {
+        x: 1,
+        weight: 1,
+        out: 1,
+        m,
+        n,
+        k,
+        dtype: self::dtype(dtype)?,
+    };
+    let opts = gar::Options {
+        mode: self::mode(mode)?,
+        bands_per_group,
+        reserved_sms,
+        max_groups,
+    };
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    gar::plan_of(&comm, &args, &opts, stream::from_handle(stream))
+        .map(PyPlan)
+        .map_err(to_py)
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyPlan>()?;
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_gemm_all_reduce, m)?)?;
+    m.add_function(wrap_pyfunction!(load_nvrtc, m)?)?;
+    m.add_function(wrap_pyfunction!(nvrtc_version, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(compile_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(device_info, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_path, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
+    m.add_function(wrap_pyfunction!(new_unique_id, m)?)?;
+    m.add_function(wrap_pyfunction!(create_communicator, m)?)?;
+    m.add_function(wrap_pyfunction!(destroy_communicator, m)?)?;
+    m.add_function(wrap_pyfunction!(communicator_names, m)?)?;
+    m.add_function(wrap_pyfunction!(gemm, m)?)?;
+    m.add_function(wrap_pyfunction!(gemm_all_reduce, m)?)?;
+    m.add_function(wrap_pyfunction!(communicator_plan, m)?)?;
+    Ok(())
+}
