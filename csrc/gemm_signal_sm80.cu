@@ -9,25 +9,35 @@
 // counter of the tile's wave group; the communication stream waits for that
 // counter to reach the group's tile count.
 //
-// Compile-time constants: FO_BF16 (1: bf16, 0: fp16).
+// Compile-time constants: FO_BF16 (1: bf16, 0: fp16), FO_BK (32 or 64: the
+// K depth of one pipeline stage), FO_STAGES (shared-memory ring depth).
 #include "ptx.cuh"
+
+#ifndef FO_BK
+#define FO_BK 32
+#endif
+#ifndef FO_STAGES
+#define FO_STAGES 4
+#endif
 
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = 32;
-constexpr int STAGES = 4;
+constexpr int BM = 128, BN = 128, BK = FO_BK;
+constexpr int STAGES = FO_STAGES;
 constexpr int THREADS = 256;         // 8 warps: 2 along M x 4 along N
 constexpr int WM = 64, WN = 32;      // warp tile
 constexpr int MI = WM / 16, NI = WN / 8;
 constexpr int CHUNKS_PER_ROW = BK / 8;  // 16-byte chunks in one row of a stage
 constexpr int A_STAGE_BYTES = BM * BK * 2, B_STAGE_BYTES = BN * BK * 2;
 constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
-static_assert(CHUNKS_PER_ROW == 4, "swizzle below assumes 64-byte rows");
+static_assert(CHUNKS_PER_ROW == 4 || CHUNKS_PER_ROW == 8, "swizzle below handles 64- and 128-byte rows");
 
-// Rows are 64 bytes, so two rows share a 128-byte line; XOR-ing the chunk with
-// bits 1..2 of the row spreads the 8 rows an ldmatrix reads over all banks.
+// The 8 rows one ldmatrix reads must land in 8 different 16-byte bank
+// groups. 128-byte rows: XOR the chunk with the row's low 3 bits. 64-byte
+// rows: two rows share a 128-byte line, so XOR with bits 1..2 instead.
 __device__ __forceinline__ int swizzled(int row, int chunk) {
-  return row * (BK * 2) + ((chunk ^ ((row >> 1) & 3)) << 4);
+  const int phys = CHUNKS_PER_ROW == 8 ? (chunk ^ (row & 7)) : (chunk ^ ((row >> 1) & 3));
+  return row * (BK * 2) + (phys << 4);
 }
 
 typedef unsigned short elem_t;  // raw 16-bit storage; the math is in PTX

@@ -7,7 +7,7 @@ use crate::cuda::{cache, driver, kernels, nvrtc, stream};
 use crate::dtype::Dtype;
 use crate::error::Error;
 use crate::ops::gemm::GemmArgs;
-use crate::ops::{gemm as gemm_op, gemm_all_reduce as gar};
+use crate::ops::{all_reduce as ar_op, gemm as gemm_op, gemm_all_reduce as gar};
 use crate::plan::{self, GemmAllReducePlan, ModeRequest, Schedule};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -44,10 +44,7 @@ struct PyPlan(GemmAllReducePlan);
 impl PyPlan {
     #[getter]
     fn schedule(&self) -> &'static str {
-        match self.0.schedule {
-            Schedule::Overlap => "overlap",
-            Schedule::Sequential => "sequential",
-        }
+        schedule_name(self.0.schedule)
     }
     #[getter]
     fn shape(&self) -> (u32, u32, u32) {
@@ -317,7 +314,7 @@ fn gemm_all_reduce(
     bands_per_group: Option<u32>,
     reserved_sms: u32,
     max_groups: u32,
-) -> PyResult<()> {
+) -> PyResult<&'static str> {
     let args = GemmArgs {
         x,
         weight,
@@ -335,6 +332,31 @@ fn gemm_all_reduce(
     };
     let comm = communicator::get(group_name).map_err(to_py)?;
     py.detach(|| gar::gemm_all_reduce(&comm, &args, &opts, stream::from_handle(stream)))
+        .map(schedule_name)
+        .map_err(to_py)
+}
+
+fn schedule_name(s: Schedule) -> &'static str {
+    match s {
+        Schedule::Overlap => "overlap",
+        Schedule::Sequential => "sequential",
+    }
+}
+
+/// In-place sum AllReduce of `count` elements at `ptr` on the communicator's
+/// stream, ordered with the caller's `stream`.
+#[pyfunction]
+fn all_reduce(
+    py: Python<'_>,
+    group_name: &str,
+    ptr: u64,
+    count: usize,
+    dtype: &str,
+    stream: usize,
+) -> PyResult<()> {
+    let dtype = self::dtype(dtype)?;
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    py.detach(|| ar_op::all_reduce(&comm, ptr, count, dtype, stream::from_handle(stream)))
         .map_err(to_py)
 }
 
@@ -393,6 +415,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(communicator_names, m)?)?;
     m.add_function(wrap_pyfunction!(gemm, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_all_reduce, m)?)?;
+    m.add_function(wrap_pyfunction!(all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(communicator_plan, m)?)?;
     Ok(())
 }

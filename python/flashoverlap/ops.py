@@ -48,8 +48,14 @@ def _gemm_all_reduce_op(x: torch.Tensor, weight: torch.Tensor, group_name: str, 
     _nvrtc.ensure_loaded()
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
-    _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype_name(x.dtype),
-                          _stream_handle(x.device), mode, bands_per_group, _env.reserved_sms(), _env.max_groups())
+    dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
+    schedule = _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype,
+                                     stream, mode, bands_per_group, _env.reserved_sms(), _env.max_groups())
+    if schedule == "sequential":
+        # Overlap does not pay here (or was not asked for): torch's library GEMM
+        # (cuBLAS), then one AllReduce on flashoverlap's communicator.
+        torch.matmul(x, weight.t(), out=out)
+        _core.all_reduce(comm.name, out.data_ptr(), out.numel(), dtype, stream)
     return out
 
 

@@ -6,6 +6,10 @@
 //!
 //! Groups are unions of whole row bands, so each AllReduce runs in place on
 //! contiguous output rows and nothing is reordered afterwards.
+//!
+//! Where the plan says overlap does not pay, nothing is enqueued here: the
+//! caller runs its library GEMM (cuBLAS, faster than ours today) and then
+//! `all_reduce::all_reduce`.
 
 use super::gemm::{self, GemmArgs, Signals};
 use crate::comm::communicator::Communicator;
@@ -119,56 +123,43 @@ pub fn plan_of(
     Ok(prepare(comm, args, opts, caller)?.plan.clone())
 }
 
-pub fn gemm_all_reduce(
-    comm: &Communicator,
-    args: &GemmArgs,
-    opts: &Options,
-    caller: RawStream,
-) -> Result<()> {
+/// Enqueues the overlapped op and returns `Schedule::Overlap`, or enqueues
+/// nothing and returns `Schedule::Sequential` when the plan falls back.
+pub fn gemm_all_reduce(comm: &Communicator, args: &GemmArgs, opts: &Options, caller: RawStream) -> Result<Schedule> {
     args.validate()?;
     driver::bind(comm.device.ordinal)?;
-    let kernel = gemm::load(&comm.device, args.dtype)?;
     let prepared = prepare(comm, args, opts, caller)?;
-    let nccl = comm.nccl()?;
     let plan = &prepared.plan;
+    if plan.schedule == Schedule::Sequential {
+        return Ok(Schedule::Sequential);
+    }
+    let kernel = gemm::load(&comm.device, args.dtype)?;
+    let nccl = comm.nccl()?;
     let comm_stream = comm.stream.0;
     let elem = args.dtype.bytes() as u64;
+    let groups = plan.partition.groups.len();
+    let slot = prepared.next_slot.fetch_add(1, Ordering::Relaxed) % COUNTER_SLOTS;
+    let counters = prepared.counters.ptr + (slot * groups * 4) as u64;
+    let signals = Signals { tile_order: 0, tile_group: prepared.tile_group.ptr, counters };
 
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     // The comm stream starts after everything the caller enqueued before this
     // op (and, under graph capture, joins the capture here).
     comm.fork.order(caller, comm_stream)?;
-    match plan.schedule {
-        Schedule::Sequential => {
-            gemm::launch(&kernel, args, &Signals::default(), plan.ctas, caller)?;
-            comm.fork.order(caller, comm_stream)?;
-            let count = args.m as usize * args.n as usize;
-            nccl.all_reduce_in_place(args.out, count, args.dtype, comm.comm(), comm_stream.cast())?;
-        }
-        Schedule::Overlap => {
-            let groups = plan.partition.groups.len();
-            let slot = prepared.next_slot.fetch_add(1, Ordering::Relaxed) % COUNTER_SLOTS;
-            let counters = prepared.counters.ptr + (slot * groups * 4) as u64;
-            let signals = Signals {
-                tile_order: 0,
-                tile_group: prepared.tile_group.ptr,
-                counters,
-            };
-            gemm::launch(&kernel, args, &signals, plan.ctas, caller)?;
-            for (g, group) in plan.partition.groups.iter().enumerate() {
-                let counter = counters + (g * 4) as u64;
-                stream::wait_geq(comm_stream, counter, group.tiles)?;
-                // Every tile of the group has counted, so the reset races with nothing.
-                stream::write(comm_stream, counter, 0)?;
-                nccl.all_reduce_in_place(
-                    args.out + group.slice.offset * elem,
-                    group.slice.count as usize,
-                    args.dtype,
-                    comm.comm(),
-                    comm_stream.cast(),
-                )?;
-            }
-        }
+    gemm::launch(&kernel, args, &signals, plan.ctas, caller)?;
+    for (g, group) in plan.partition.groups.iter().enumerate() {
+        let counter = counters + (g * 4) as u64;
+        stream::wait_geq(comm_stream, counter, group.tiles)?;
+        // Every tile of the group has counted, so the reset races with nothing.
+        stream::write(comm_stream, counter, 0)?;
+        nccl.all_reduce_in_place(
+            args.out + group.slice.offset * elem,
+            group.slice.count as usize,
+            args.dtype,
+            comm.comm(),
+            comm_stream.cast(),
+        )?;
     }
-    comm.join.order(comm_stream, caller)
+    comm.join.order(comm_stream, caller)?;
+    Ok(Schedule::Overlap)
 }

@@ -1,5 +1,6 @@
 //! One file per op: each enqueues its GEMM, waits, collectives and counter
 //! resets on the caller's stream and the communicator's stream, in order.
 
+pub mod all_reduce;
 pub mod gemm;
 pub mod gemm_all_reduce;

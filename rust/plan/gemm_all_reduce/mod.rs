@@ -213,12 +213,27 @@ mod tests {
     }
 
     #[test]
-    fn large_shapes_overlap_under_auto() {
-        let plan =
-            plan_gemm_all_reduce(&request(16384, 8192, 4096, 8), &HardwareModel::h200()).unwrap();
+    fn large_shapes_overlap_under_auto_when_the_kernel_matches_the_library() {
+        let hw = HardwareModel {
+            gemm_tflops: 720.0,
+            ..HardwareModel::h200()
+        };
+        let plan = plan_gemm_all_reduce(&request(16384, 8192, 4096, 8), &hw).unwrap();
         assert_eq!(plan.schedule, Schedule::Overlap);
         assert!(plan.partition.len() > 1);
         assert!(plan.timeline.overlap_us < plan.timeline.sequential_us);
+    }
+
+    #[test]
+    fn auto_falls_back_when_the_signaling_kernel_is_much_slower_than_the_library() {
+        let hw = HardwareModel {
+            gemm_tflops: 100.0,
+            sequential_gemm_tflops: 800.0,
+            ..HardwareModel::h200()
+        };
+        let plan = plan_gemm_all_reduce(&request(16384, 8192, 4096, 2), &hw).unwrap();
+        assert_eq!(plan.schedule, Schedule::Sequential);
+        assert_eq!(plan.partition.len(), 1);
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub(super) struct OverlapCost<'a> {
     hw: HardwareModel,
     waves: Waves,
     wave_us: f64,
+    k: u32,
     world: u32,
     elem_bytes: u32,
 }
@@ -45,6 +46,7 @@ impl<'a> OverlapCost<'a> {
             hw: *hw,
             waves,
             wave_us,
+            k,
             world,
             elem_bytes,
         })
@@ -70,10 +72,15 @@ impl<'a> OverlapCost<'a> {
         self.hw.overlap_comm_slowdown * self.all_reduce_us(rows)
     }
 
-    /// GEMM on all SMs with nothing beside it, then one AllReduce of all of `out`.
+    /// The library GEMM on all SMs with nothing beside it, then one
+    /// AllReduce of all of `out`.
     pub(super) fn sequential_us(&self) -> f64 {
-        let waves = self.tiles.count().div_ceil(self.hw.sms);
-        f64::from(waves) * self.wave_us + self.all_reduce_us(self.tiles.m)
+        self.sequential_gemm_us() + self.all_reduce_us(self.tiles.m)
+    }
+
+    pub(super) fn sequential_gemm_us(&self) -> f64 {
+        let flops = 2.0 * f64::from(self.tiles.m) * f64::from(self.tiles.n) * f64::from(self.k);
+        flops / (self.hw.sequential_gemm_tflops * 1e6)
     }
 
     /// Rows of group bands `start..end`, the last band clipped to `m`.

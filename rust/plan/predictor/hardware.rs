@@ -27,8 +27,11 @@ impl CollectiveModel {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HardwareModel {
     pub sms: u32,
-    /// Effective TFLOP/s of the GEMM kernel on all SMs.
+    /// Effective TFLOP/s of the signaling GEMM kernel on all SMs.
     pub gemm_tflops: f64,
+    /// TFLOP/s of the GEMM the sequential schedule runs instead (the
+    /// framework's library GEMM, cuBLAS), which may be faster than ours.
+    pub sequential_gemm_tflops: f64,
     /// The collective when it has its full CTA budget.
     pub comm: CollectiveModel,
     /// Multiplicative slowdown of the GEMM while collectives run concurrently (>= 1).
@@ -42,7 +45,9 @@ impl HardwareModel {
     pub fn h200() -> Self {
         Self {
             sms: 132,
-            gemm_tflops: 450.0,
+            // Measured on H200: the sm80 mma.sync kernel ~230 TFLOP/s, cuBLAS 680-790.
+            gemm_tflops: 230.0,
+            sequential_gemm_tflops: 720.0,
             comm: CollectiveModel {
                 latency_us: 45.0,
                 bus_gbps: 270.0,
@@ -57,7 +62,8 @@ impl HardwareModel {
     pub fn generic(sms: u32) -> Self {
         Self {
             sms,
-            gemm_tflops: 150.0,
+            gemm_tflops: 100.0,
+            sequential_gemm_tflops: 150.0,
             comm: CollectiveModel {
                 latency_us: 60.0,
                 bus_gbps: 100.0,
@@ -75,6 +81,12 @@ impl HardwareModel {
                 self.gemm_tflops,
                 "> 0",
                 self.gemm_tflops > 0.0,
+            ),
+            (
+                "sequential_gemm_tflops",
+                self.sequential_gemm_tflops,
+                "> 0",
+                self.sequential_gemm_tflops > 0.0,
             ),
             (
                 "comm.latency_us",

@@ -30,8 +30,8 @@ pub struct Timeline {
 /// at the end of the wave containing its last position (times
 /// overlap_gemm_slowdown). Comm of group g starts at max(gemm_done_g,
 /// comm_end_{g-1}) and lasts overlap_comm_slowdown * all_reduce_us(bytes of its
-/// slice). overlap_us = last comm_end. sequential_us = GEMM on all sms (no
-/// slowdown, wave-quantised the same way) + all_reduce_us(whole output).
+/// slice). overlap_us = last comm_end. sequential_us = the library GEMM
+/// (sequential_gemm_tflops) + all_reduce_us(whole output).
 pub fn predict(
     tiles: &OutputTiles,
     k: u32,
@@ -67,9 +67,9 @@ pub fn predict(
     })
 }
 
-/// The baseline as a one-group timeline on all SMs with no overlap slowdown,
-/// so a sequential plan reports in the same terms as an overlapped one; its
-/// `overlap_us` equals its `sequential_us`.
+/// The baseline as a one-group timeline: the library GEMM, then one
+/// AllReduce of the whole output, so a sequential plan reports in the same
+/// terms as an overlapped one; its `overlap_us` equals its `sequential_us`.
 pub fn predict_sequential(
     tiles: &OutputTiles,
     k: u32,
@@ -77,13 +77,19 @@ pub fn predict_sequential(
     world: u32,
     elem_bytes: u32,
 ) -> Result<Timeline, PlanError> {
-    let alone = HardwareModel {
-        overlap_gemm_slowdown: 1.0,
-        overlap_comm_slowdown: 1.0,
-        ..*hw
-    };
-    let whole = GroupPartition::whole(tiles);
-    predict(tiles, k, hw.sms, &whole, &alone, world, elem_bytes)
+    let cost = OverlapCost::new(tiles, k, hw.sms, hw, world, elem_bytes)?;
+    let sequential_us = cost.sequential_us();
+    let gemm_us = cost.sequential_gemm_us();
+    Ok(Timeline {
+        groups: vec![GroupTiming {
+            gemm_done_us: gemm_us,
+            comm_start_us: gemm_us,
+            comm_end_us: sequential_us,
+        }],
+        gemm_us,
+        overlap_us: sequential_us,
+        sequential_us,
+    })
 }
 
 #[cfg(test)]
