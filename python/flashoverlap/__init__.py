@@ -1,10 +1,10 @@
 """flashoverlap: GEMM kernels that signal finished waves of tiles, so that the
 collective on each finished group overlaps the rest of the GEMM."""
 
-from ._core import Plan, compile_kernels, version as _version
+from ._core import Plan, version as _version
 from ._env import configure_logging as _configure_logging
 from .communicator import Communicator, destroy_communicators, get_communicator
-from .ops import gemm, gemm_all_reduce, plan_of
+from .ops import compile_kernels, gemm, gemm_all_reduce, plan_of
 from .planning import plan_gemm_all_reduce
 
 __version__ = _version()

@@ -66,9 +66,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     import flashoverlap
-    from flashoverlap import _nvrtc
 
-    _nvrtc.ensure_loaded()
     for arch in args.arch.split(","):
         for kernel, defines, size in flashoverlap.compile_kernels(arch):
             print(f"{arch:8} {kernel:40} {defines:12} {size:8d} bytes")

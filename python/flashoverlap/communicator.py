@@ -64,6 +64,9 @@ class Communicator:
         if max_ctas is None:
             max_ctas = _env.nccl_max_ctas() or _env.reserved_sms() or None
         self.max_ctas = max_ctas
+        # The sequential schedule runs the group's own NCCL AllReduce where it
+        # has one: torch's communicator is not capped to the reserved SMs.
+        self.torch_nccl = "nccl" in str(dist.get_backend(pg)).lower()
         uid = _core.new_unique_id() if self.rank == 0 else bytes(128)
         box = [uid]
         dist.broadcast_object_list(box, src=self.ranks[0], group=pg)

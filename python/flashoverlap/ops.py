@@ -52,10 +52,13 @@ def _gemm_all_reduce_op(x: torch.Tensor, weight: torch.Tensor, group_name: str, 
     schedule = _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype,
                                      stream, mode, bands_per_group, _env.reserved_sms(), _env.max_groups())
     if schedule == "sequential":
-        # Overlap does not pay here (or was not asked for): torch's library GEMM
-        # (cuBLAS), then one AllReduce on flashoverlap's communicator.
+        # Overlap does not pay here (or was not asked for): exactly the unfused
+        # composition, torch's library GEMM (cuBLAS) then one AllReduce.
         torch.matmul(x, weight.t(), out=out)
-        _core.all_reduce(comm.name, out.data_ptr(), out.numel(), dtype, stream)
+        if comm.torch_nccl:
+            torch.distributed.all_reduce(out, group=comm.group)
+        else:
+            _core.all_reduce(comm.name, out.data_ptr(), out.numel(), dtype, stream)
     return out
 
 
@@ -113,7 +116,15 @@ def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, c
     m, n, k = check_gemm_operands(x, weight)
     _check_mode(mode, bands_per_group)
     comm = get_communicator(group, communicator=communicator)
+    check_device("x", x, comm.device)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
     return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), mode,
                                    bands_per_group, _env.reserved_sms(), _env.max_groups())
+
+
+def compile_kernels(arch: str) -> "list[tuple[str, str, int]]":
+    """Compiles every kernel variant for ``arch`` (e.g. "sm_80", "sm_90a") into the cubin cache and
+    returns (kernel, defines, cubin bytes) for each. Needs NVRTC, not a GPU."""
+    _nvrtc.ensure_loaded()
+    return _core.compile_kernels(arch)

@@ -8,7 +8,13 @@ use crate::cuda::stream::RawStream;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 
-pub fn all_reduce(comm: &Communicator, ptr: u64, count: usize, dtype: Dtype, caller: RawStream) -> Result<()> {
+pub fn all_reduce(
+    comm: &Communicator,
+    ptr: u64,
+    count: usize,
+    dtype: Dtype,
+    caller: RawStream,
+) -> Result<()> {
     if ptr == 0 && count > 0 {
         return Err(Error::Invalid("tensor: null device pointer".into()));
     }

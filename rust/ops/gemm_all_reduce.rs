@@ -125,7 +125,12 @@ pub fn plan_of(
 
 /// Enqueues the overlapped op and returns `Schedule::Overlap`, or enqueues
 /// nothing and returns `Schedule::Sequential` when the plan falls back.
-pub fn gemm_all_reduce(comm: &Communicator, args: &GemmArgs, opts: &Options, caller: RawStream) -> Result<Schedule> {
+pub fn gemm_all_reduce(
+    comm: &Communicator,
+    args: &GemmArgs,
+    opts: &Options,
+    caller: RawStream,
+) -> Result<Schedule> {
     args.validate()?;
     driver::bind(comm.device.ordinal)?;
     let prepared = prepare(comm, args, opts, caller)?;
@@ -140,7 +145,11 @@ pub fn gemm_all_reduce(comm: &Communicator, args: &GemmArgs, opts: &Options, cal
     let groups = plan.partition.groups.len();
     let slot = prepared.next_slot.fetch_add(1, Ordering::Relaxed) % COUNTER_SLOTS;
     let counters = prepared.counters.ptr + (slot * groups * 4) as u64;
-    let signals = Signals { tile_order: 0, tile_group: prepared.tile_group.ptr, counters };
+    let signals = Signals {
+        tile_order: 0,
+        tile_group: prepared.tile_group.ptr,
+        counters,
+    };
 
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     // The comm stream starts after everything the caller enqueued before this

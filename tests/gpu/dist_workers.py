@@ -1,0 +1,490 @@
+"""Bodies of the multi-process tests of gemm_all_reduce.
+
+test_gemm_all_reduce.py spawns one process per GPU (torch.multiprocessing,
+start method "spawn") with ``entry`` as target. Each process joins an NCCL
+process group, runs one of the TARGETS below and writes its outcome to
+``<outdir>/rank<r>.json`` (success) or ``<outdir>/rank<r>.error`` (the
+traceback), which the parent reads. Each rank draws its own inputs from a
+per-rank seed; the reference, the fp32 sum over ranks of x_r @ w_r^T, is
+computed on every rank by regenerating every rank's inputs from their seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+ENV_DEFAULTS = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+TOLERANCE = 1e-2
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def entry(target: str, rank: int, world: int, port: int, outdir: str, params: dict) -> None:
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    # Lazy module loading (CUDA's default) is what must work.
+    os.environ.pop("CUDA_MODULE_LOADING", None)
+    out = Path(outdir)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import flashoverlap
+
+        torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=240),
+            device_id=torch.device("cuda", rank),
+        )
+        result = TARGETS[target](rank, world, **params)
+        torch.cuda.synchronize()
+        flashoverlap.destroy_communicators()
+        dist.destroy_process_group()
+    except BaseException:
+        (out / f"rank{rank}.error").write_text(traceback.format_exc())
+        # Peers may be stuck in a collective with this rank; the parent ends them.
+        os._exit(1)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+# Helpers (torch is imported inside: the module is imported by the parent too).
+
+def dtype_of(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def make_inputs(seed: int, rank: int, lead, n: int, k: int, dtype, device):
+    """Rank `rank`'s operands for case `seed`: the same on whichever GPU they are drawn."""
+    import torch
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 7919 + rank * 104729 + 1)
+    x = torch.randn(*lead, k, generator=gen, device=device, dtype=dtype)
+    w = torch.randn(n, k, generator=gen, device=device, dtype=dtype)
+    return x, w
+
+
+def reference(seed: int, world: int, lead, n: int, k: int, dtype, device, ranks=None):
+    """fp32 sum over `ranks` (default: all) of x_r @ w_r^T, shaped [*lead, n]."""
+    import torch
+
+    ref = torch.zeros(math.prod(lead), n, dtype=torch.float32, device=device)
+    for r in (range(world) if ranks is None else ranks):
+        x, w = make_inputs(seed, r, lead, n, k, dtype, device)
+        ref += x.reshape(-1, k).float() @ w.float().T
+        del x, w
+    return ref.reshape(*lead, n)
+
+
+def poison(shape, dtype, device) -> None:
+    """Leaves a NaN-filled block in the caching allocator for the op's output to reuse."""
+    import torch
+
+    block = torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+    torch.cuda.current_stream(device).synchronize()
+    del block
+
+
+def mismatch(out, ref, what: str):
+    """None if `out` matches `ref`, else why not."""
+    import torch
+
+    if tuple(out.shape) != tuple(ref.shape):
+        return f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    if torch.isnan(out).any():
+        return f"{what}: {int(torch.isnan(out).sum())} NaN outputs (unwritten or unreduced)"
+    err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    if not err <= TOLERANCE:
+        return f"{what}: relative Frobenius error {err:.3e} > {TOLERANCE}"
+    return None
+
+
+def expect_error(exc_types, argument: str, fn, *words: str) -> str:
+    """Calls fn, which must raise one of exc_types with a message starting '<argument>:'."""
+    try:
+        fn()
+    except exc_types as e:
+        message = str(e)
+        assert message.startswith(f"{argument}:"), f"message does not name {argument!r}: {message!r}"
+        for word in words:
+            assert word in message, f"{word!r} not in {message!r}"
+        return f"{type(e).__name__}: {message}"
+    raise AssertionError(f"no {exc_types} raised (expected one naming {argument!r})")
+
+
+def run_case(rank: int, world: int, case: dict, **call) -> dict:
+    """One gemm_all_reduce call on fresh inputs, checked against the reference."""
+    import torch
+
+    import flashoverlap
+
+    device = torch.device("cuda", rank)
+    dtype = dtype_of(case["dtype"])
+    lead, n, k, seed = tuple(case["lead"]), case["n"], case["k"], case["seed"]
+    mode, bands = case.get("mode", "auto"), case.get("bands")
+    x, w = make_inputs(seed, rank, lead, n, k, dtype, device)
+    poison((*lead, n), dtype, device)
+    out = flashoverlap.gemm_all_reduce(x, w, mode=mode, bands_per_group=bands, **call)
+    ref = reference(seed, world, lead, n, k, dtype, device)
+    what = f"rank {rank} x{(*lead, k)} w{(n, k)} {case['dtype']} mode={mode} bands={bands} {call or ''}"
+    return {"error": mismatch(out, ref, what), "what": what}
+
+
+# Targets.
+
+def cases(rank: int, world: int, cases: list) -> dict:
+    """Every case of the list, each with fresh inputs; plans are checked too."""
+    import torch
+    import torch.distributed as dist
+
+    import flashoverlap
+
+    device = torch.device("cuda", rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    # The regenerated inputs of other ranks must be the ones they used.
+    first = cases[0]
+    x0, _ = make_inputs(first["seed"], rank, tuple(first["lead"]), first["n"], first["k"],
+                        dtype_of(first["dtype"]), device)
+    sums = [None] * world
+    dist.all_gather_object(sums, float(x0.float().sum()))
+    for r in range(world):
+        xr, _ = make_inputs(first["seed"], r, tuple(first["lead"]), first["n"], first["k"],
+                            dtype_of(first["dtype"]), device)
+        assert float(xr.float().sum()) == sums[r], "inputs regenerated on another GPU differ"
+
+    failures, records = [], []
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for case in cases:
+        result = run_case(rank, world, case)
+        if result["error"]:
+            failures.append(result["error"])
+        lead, n, k = tuple(case["lead"]), case["n"], case["k"]
+        m = math.prod(lead)
+        if m == 0:
+            continue
+        x = torch.empty(*lead, k, dtype=dtype_of(case["dtype"]), device=device)
+        w = torch.empty(n, k, dtype=dtype_of(case["dtype"]), device=device)
+        plan = flashoverlap.plan_of(x, w, mode=case["mode"], bands_per_group=case["bands"])
+        groups = plan.groups
+        problems = []
+        if plan.shape != (m, n, k) or plan.world_size != world:
+            problems.append(f"plan of {plan.shape} over {plan.world_size}")
+        if sum(g["count"] for g in groups) != m * n:
+            problems.append("groups do not cover the output")
+        if case["mode"] == "sequential":
+            if plan.schedule != "sequential" or len(groups) != 1 or plan.ctas != sms:
+                problems.append(f"sequential mode planned {plan!r}")
+        elif case["bands"] is not None:
+            expected = math.ceil(plan.tiles[0] / case["bands"])
+            if plan.schedule != "overlap" or len(groups) != expected:
+                problems.append(f"bands_per_group={case['bands']} planned {plan!r}, expected {expected} groups")
+        elif case["mode"] == "overlap" and plan.schedule != "overlap":
+            problems.append(f"overlap mode planned {plan!r}")
+        if problems:
+            failures.append(f"{result['what']}: " + "; ".join(problems))
+        records.append({"case": case, "schedule": plan.schedule, "groups": len(groups)})
+    if failures:
+        raise AssertionError(f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures))
+    return {"records": records}
+
+
+def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed: int) -> dict:
+    """Captures gemm_all_reduce once and replays it on fresh inputs."""
+    import torch
+
+    import flashoverlap
+
+    device = torch.device("cuda", rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dtype = torch.bfloat16
+    call = dict(mode="overlap", bands_per_group=1)
+    static_x, static_w = make_inputs(seed, rank, (m,), n, k, dtype, device)
+
+    # Warm up outside the capture, on a side stream.
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            warm = flashoverlap.gemm_all_reduce(static_x, static_w, **call)
+    torch.cuda.current_stream(device).wait_stream(side)
+    failures = []
+    error = mismatch(warm, reference(seed, world, (m,), n, k, dtype, device), "warm-up")
+    if error:
+        failures.append(error)
+
+    plan = flashoverlap.plan_of(static_x, static_w, **call)
+    assert plan.schedule == "overlap" and len(plan.groups) == plan.tiles[0] > 1, repr(plan)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashoverlap.gemm_all_reduce(static_x, static_w, **call)
+
+    for i in range(replays):
+        replay_seed = seed + 1 + i
+        x, w = make_inputs(replay_seed, rank, (m,), n, k, dtype, device)
+        static_x.copy_(x)
+        static_w.copy_(w)
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = reference(replay_seed, world, (m,), n, k, dtype, device)
+        error = mismatch(out, ref, f"replay {i}")
+        if error:
+            failures.append(error)
+        if i % 10 == 9:
+            # Eager calls of the captured shape between replays.
+            eager = flashoverlap.gemm_all_reduce(static_x, static_w, **call)
+            error = mismatch(eager, ref, f"eager call after replay {i}")
+            if error:
+                failures.append(error)
+    if failures:
+        raise AssertionError("\n".join(failures[:20]))
+
+    # The sequential schedule (library GEMM, then one AllReduce) is capturable too.
+    seq = dict(mode="sequential")
+    with torch.cuda.stream(side):
+        flashoverlap.gemm_all_reduce(static_x, static_w, **seq)
+    torch.cuda.current_stream(device).wait_stream(side)
+    seq_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(seq_graph):
+        seq_out = flashoverlap.gemm_all_reduce(static_x, static_w, **seq)
+    for i in range(20):
+        replay_seed = seed + 1000 + i
+        x, w = make_inputs(replay_seed, rank, (m,), n, k, dtype, device)
+        static_x.copy_(x)
+        static_w.copy_(w)
+        seq_out.fill_(float("nan"))
+        seq_graph.replay()
+        error = mismatch(seq_out, reference(replay_seed, world, (m,), n, k, dtype, device),
+                         f"sequential replay {i}")
+        if error:
+            failures.append(error)
+    if failures:
+        raise AssertionError("\n".join(failures[:20]))
+
+    # A shape first seen under capture is refused with a clear error.
+    fresh_x, fresh_w = make_inputs(seed, rank, (77,), 1024, 1024, dtype, device)
+    refused = None
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            flashoverlap.gemm_all_reduce(fresh_x, fresh_w, mode="overlap", bands_per_group=1)
+    except ValueError as e:
+        refused = str(e)
+    assert refused is not None and "capture" in refused, refused
+    # ...and the op still works afterwards, for that shape too.
+    result = run_case(rank, world, dict(seed=seed, lead=[77], n=1024, k=1024, dtype="bf16",
+                                        mode="overlap", bands=1))
+    assert result["error"] is None, result["error"]
+    return {"replays": replays, "refused": refused}
+
+
+def bad_inputs(rank: int, world: int, seed: int) -> dict:
+    """Errors that need GPUs; after each one a correct call still gives the right answer."""
+    import torch
+    import torch.distributed as dist
+
+    import flashoverlap
+
+    device = torch.device("cuda", rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    good = dict(seed=seed, lead=[1000], n=4096, k=1024, dtype="bf16", mode="overlap", bands=2)
+
+    def still_works(tag: str, **call) -> None:
+        result = run_case(rank, world, good, **call)
+        assert result["error"] is None, f"after {tag}: {result['error']}"
+
+    comm = flashoverlap.get_communicator()
+    assert comm.ranks == tuple(range(world)) and comm.rank == rank and comm.world_size == world
+    assert comm.device == device
+    assert flashoverlap.get_communicator() is comm
+    assert flashoverlap.get_communicator(dist.group.WORLD) is comm
+    still_works("creation")
+
+    x, w = make_inputs(seed, rank, (1000,), 4096, 1024, torch.bfloat16, device)
+    seen = {}
+    if world > 1:
+        other = torch.device("cuda", (rank + 1) % world)
+        seen["x on another device"] = expect_error(
+            ValueError, "x", lambda: flashoverlap.gemm_all_reduce(x.to(other), w.to(other)), str(device))
+        still_works("x on another device")
+        seen["x on another device, explicit communicator"] = expect_error(
+            ValueError, "x", lambda: flashoverlap.gemm_all_reduce(x.to(other), w.to(other), communicator=comm))
+        still_works("x on another device, explicit communicator")
+        seen["weight on another device"] = expect_error(
+            ValueError, "weight", lambda: flashoverlap.gemm_all_reduce(x, w.to(other)), str(other))
+        still_works("weight on another device")
+    seen["x on the CPU"] = expect_error(
+        ValueError, "x", lambda: flashoverlap.gemm_all_reduce(x.cpu(), w.cpu()), "CUDA")
+    still_works("x on the CPU")
+    seen["weight on the CPU"] = expect_error(
+        ValueError, "weight", lambda: flashoverlap.gemm_all_reduce(x, w.cpu()), "CUDA")
+    still_works("weight on the CPU")
+
+    # A group whose ranks differ from the communicator's.
+    sub = dist.new_group(ranks=[0])
+    if world > 1:
+        if rank == 0:
+            seen["group ranks differ"] = expect_error(
+                ValueError, "group", lambda: flashoverlap.gemm_all_reduce(x, w, group=sub, communicator=comm),
+                "differ")
+        else:
+            # Ranks outside the group hold no ProcessGroup for it.
+            seen["group ranks differ"] = expect_error(
+                (ValueError, TypeError), "group",
+                lambda: flashoverlap.gemm_all_reduce(x, w, group=sub, communicator=comm))
+        still_works("group ranks differ")
+    # The world group with the world communicator is fine.
+    still_works("explicit group and communicator", group=dist.group.WORLD, communicator=comm)
+
+    seen["unknown name"] = expect_error(
+        ValueError, "communicator", lambda: flashoverlap.gemm_all_reduce(x, w, communicator="nope"), "nope")
+    seen["unknown name as group"] = expect_error(
+        ValueError, "communicator", lambda: flashoverlap.gemm_all_reduce(x, w, "nope"), "nope")
+    seen["name twice"] = expect_error(
+        ValueError, "group", lambda: flashoverlap.gemm_all_reduce(x, w, comm.name, communicator=comm.name))
+    seen["communicator type"] = expect_error(
+        TypeError, "communicator", lambda: flashoverlap.gemm_all_reduce(x, w, communicator=3))
+    seen["op with unknown name"] = expect_error(
+        ValueError, "group_name",
+        lambda: torch.ops.flashoverlap.gemm_all_reduce(x, w, "nope", "auto", None), "nope")
+    still_works("unknown communicators")
+
+    seen["mode"] = expect_error(ValueError, "mode", lambda: flashoverlap.gemm_all_reduce(x, w, mode="fast"))
+    seen["op mode"] = expect_error(
+        ValueError, "mode", lambda: torch.ops.flashoverlap.gemm_all_reduce(x, w, comm.name, "fast", None))
+    seen["bands 0"] = expect_error(
+        ValueError, "bands_per_group", lambda: flashoverlap.gemm_all_reduce(x, w, bands_per_group=0))
+    seen["op bands 0"] = expect_error(
+        ValueError, "bands_per_group",
+        lambda: torch.ops.flashoverlap.gemm_all_reduce(x, w, comm.name, "overlap", 0))
+    seen["bands float"] = expect_error(
+        TypeError, "bands_per_group", lambda: flashoverlap.gemm_all_reduce(x, w, bands_per_group=2.0))
+    seen["dtype"] = expect_error(TypeError, "x", lambda: flashoverlap.gemm_all_reduce(x.float(), w.float()))
+    seen["mixed"] = expect_error(TypeError, "weight", lambda: flashoverlap.gemm_all_reduce(x, w.half()))
+    seen["K"] = expect_error(ValueError, "x", lambda: flashoverlap.gemm_all_reduce(x[:, :512].contiguous(), w))
+    seen["contiguous"] = expect_error(ValueError, "x", lambda: flashoverlap.gemm_all_reduce(x[:, ::2], w[:, :512]))
+    still_works("argument errors")
+
+    seen["duplicate name"] = expect_error(ValueError, "name", lambda: flashoverlap.Communicator(name=comm.name))
+
+    # Bad environment values name the variable and leave the process usable.
+    for name, value in (("FLASHOVERLAP_NCCL_MAX_CTAS", "many"), ("FLASHOVERLAP_NCCL_MAX_CTAS", "0")):
+        os.environ[name] = value
+        try:
+            try:
+                flashoverlap.Communicator(name="env-test")
+            except ValueError as e:
+                assert name in str(e), str(e)
+            else:
+                raise AssertionError(f"{name}={value!r} was accepted")
+        finally:
+            del os.environ[name]
+    for name, value in (("FLASHOVERLAP_RESERVED_SMS", "lots"), ("FLASHOVERLAP_MAX_GROUPS", "0")):
+        os.environ[name] = value
+        try:
+            try:
+                flashoverlap.gemm_all_reduce(x, w)
+            except ValueError as e:
+                assert name in str(e), str(e)
+            else:
+                raise AssertionError(f"{name}={value!r} was accepted")
+        finally:
+            del os.environ[name]
+        still_works(f"{name}={value}")
+    for mode, bands in (("auto", None), ("sequential", None), ("overlap", 3)):
+        result = run_case(rank, world, dict(good, mode=mode, bands=bands))
+        assert result["error"] is None, result["error"]
+    return {"errors": seen}
+
+
+def communicators(rank: int, world: int, seed: int) -> dict:
+    """Named communicators, subgroups, re-creation, and FLASHOVERLAP_FORCE_SEQUENTIAL."""
+    import torch
+    import torch.distributed as dist
+
+    import flashoverlap
+
+    device = torch.device("cuda", rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    case = dict(seed=seed, lead=[2, 300], n=1024, k=4096, dtype="fp16", mode="overlap", bands=1)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def check(tag: str, mode: str = case["mode"], bands=case["bands"], **call) -> None:
+        result = run_case(rank, world, dict(case, mode=mode, bands=bands), **call)
+        assert result["error"] is None, f"{tag}: {result['error']}"
+
+    # A named communicator with its own CTA cap, used by name, object and op.
+    second = flashoverlap.Communicator(name="second", max_ctas=4)
+    assert second.max_ctas == 4 and second.world_size == world
+    check("by name", group="second")
+    check("by communicator=", communicator=second)
+    check("by object", group=second)
+    dtype = dtype_of(case["dtype"])
+    x, w = make_inputs(seed, rank, (2, 300), 1024, 4096, dtype, device)
+    out = torch.ops.flashoverlap.gemm_all_reduce(x, w, "second", "sequential", None)
+    error = mismatch(out, reference(seed, world, (2, 300), 1024, 4096, dtype, device), "op by name")
+    assert error is None, error
+    second.destroy()
+    expect_error(ValueError, "communicator", lambda: flashoverlap.gemm_all_reduce(x, w, "second"), "second")
+
+    # FLASHOVERLAP_FORCE_SEQUENTIAL wins over mode and bands_per_group.
+    os.environ["FLASHOVERLAP_FORCE_SEQUENTIAL"] = "1"
+    try:
+        plan = flashoverlap.plan_of(x, w, mode="overlap", bands_per_group=1)
+        assert plan.schedule == "sequential" and len(plan.groups) == 1 and plan.ctas == sms, repr(plan)
+        check("forced sequential")
+    finally:
+        del os.environ["FLASHOVERLAP_FORCE_SEQUENTIAL"]
+    plan = flashoverlap.plan_of(x, w, mode="overlap", bands_per_group=1)
+    assert plan.schedule == "overlap" and len(plan.groups) == plan.tiles[0], repr(plan)
+
+    # FLASHOVERLAP_RESERVED_SMS sets the GEMM's CTAs while overlapping.
+    os.environ["FLASHOVERLAP_RESERVED_SMS"] = "24"
+    try:
+        plan = flashoverlap.plan_of(x, w, mode="overlap", bands_per_group=2)
+        assert plan.ctas == sms - 24, repr(plan)
+        check("reserved_sms=24", mode="overlap", bands=2)
+    finally:
+        del os.environ["FLASHOVERLAP_RESERVED_SMS"]
+
+    # A group of the same ranks as the world gets its own communicator.
+    same = dist.new_group(ranks=list(range(world)))
+    check("same-ranks group", group=same)
+    assert flashoverlap.get_communicator(same) is not flashoverlap.get_communicator()
+
+    # A one-rank subgroup on rank 0: the "sum" is rank 0's product alone.
+    solo = dist.new_group(ranks=[0])
+    if rank == 0:
+        out = flashoverlap.gemm_all_reduce(x, w, group=solo, mode="overlap", bands_per_group=1)
+        ref = reference(seed, world, (2, 300), 1024, 4096, dtype, device, ranks=[0])
+        error = mismatch(out, ref, "one-rank subgroup")
+        assert error is None, error
+    dist.barrier()
+
+    # Destroyed communicators are re-created on the next call.
+    flashoverlap.destroy_communicators()
+    check("re-created")
+    m0 = flashoverlap.gemm_all_reduce(torch.empty(0, 4096, dtype=dtype, device=device), w)
+    assert m0.shape == (0, 1024)
+    return {"ok": True}
+
+
+TARGETS = {
+    "cases": cases,
+    "cuda_graph": cuda_graph,
+    "bad_inputs": bad_inputs,
+    "communicators": communicators,
+}

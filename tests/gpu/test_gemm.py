@@ -1,0 +1,180 @@
+"""flashoverlap.gemm on one GPU against an fp32 reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import flashoverlap
+
+pytestmark = pytest.mark.gpus(1)
+
+BIG = [1024, 4096, 8192, 14336]
+TOLERANCE = 1e-2
+SEED = 20240611
+
+
+def _shapes() -> list[tuple[int, int, int]]:
+    rng = random.Random(SEED)
+    shapes = []
+    for m in (1, 77, 1000, 3000):
+        for _ in range(4):
+            shapes.append((m, rng.choice(BIG), rng.choice(BIG)))
+    # Small and ragged: one partial tile column, K of one 8-element step, ...
+    shapes += [
+        (1, 8, 8),
+        (77, 136, 8),
+        (130, 8, 1024),
+        (1000, 136, 24),
+        (129, 264, 40),
+        (3000, 8, 8),
+        (255, 1032, 4104),
+        (rng.randrange(1, 4000), 8 * rng.randrange(1, 600), 8 * rng.randrange(1, 600)),
+        (rng.randrange(1, 4000), 8 * rng.randrange(1, 600), 8 * rng.randrange(1, 600)),
+    ]
+    return shapes
+
+
+SHAPES = _shapes()
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.float() @ w.float().T
+
+
+def poison(shape, dtype, device) -> None:
+    """Leaves a NaN-filled block in the caching allocator for the next allocation of this size."""
+    block = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    torch.cuda.current_stream(device).synchronize()
+    del block
+
+
+def check_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    n = w.shape[0]
+    poison((*x.shape[:-1], n), x.dtype, x.device)
+    out = flashoverlap.gemm(x, w)
+    assert out.shape == (*x.shape[:-1], n)
+    assert out.dtype == x.dtype and out.device == x.device
+    assert not out.isnan().any(), "unwritten (NaN) outputs"
+    assert out.isfinite().all()
+    ref = reference(x.reshape(-1, x.shape[-1]), w).reshape(out.shape)
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE, f"relative error {err:.3e} for x{tuple(x.shape)} w{tuple(w.shape)} {x.dtype}"
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    # The fp32 reference must be a real fp32 product.
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_gemm_matches_fp32_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    check_gemm(x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_repeated_calls_on_fresh_data(dtype: torch.dtype) -> None:
+    for _ in range(10):
+        x = torch.randn(1000, 4096, device="cuda", dtype=dtype)
+        w = torch.randn(1024, 4096, device="cuda", dtype=dtype)
+        check_gemm(x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("lead", [(2, 77), (3, 1, 500), (1, 1), (4, 256)])
+def test_gemm_with_leading_dimensions(dtype: torch.dtype, lead: tuple) -> None:
+    x = torch.randn(*lead, 1024, device="cuda", dtype=dtype)
+    w = torch.randn(4096, 1024, device="cuda", dtype=dtype)
+    check_gemm(x, w)
+
+
+def test_gemm_of_a_vector_and_of_nothing() -> None:
+    w = torch.randn(136, 64, device="cuda", dtype=torch.bfloat16)
+    check_gemm(torch.randn(64, device="cuda", dtype=torch.bfloat16), w)
+    empty = flashoverlap.gemm(torch.randn(0, 64, device="cuda", dtype=torch.bfloat16), w)
+    assert empty.shape == (0, 136)
+    empty = flashoverlap.gemm(torch.randn(2, 0, 64, device="cuda", dtype=torch.bfloat16), w)
+    assert empty.shape == (2, 0, 136)
+
+
+def test_gemm_on_a_side_stream() -> None:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x = torch.randn(3000, 4096, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+        out = flashoverlap.gemm(x, w)
+        ref = reference(x, w)
+    side.synchronize()
+    assert relative_error(out, ref) <= TOLERANCE
+
+
+def test_gemm_in_a_cuda_graph() -> None:
+    static_x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16)
+    static_w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flashoverlap.gemm(static_x, static_w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashoverlap.gemm(static_x, static_w)
+    for _ in range(20):
+        static_x.copy_(torch.randn_like(static_x))
+        static_w.copy_(torch.randn_like(static_w))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert not out.isnan().any()
+        assert relative_error(out, reference(static_x, static_w)) <= TOLERANCE
+
+
+def test_gemm_under_torch_compile() -> None:
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def f(x, w):
+        return torch.ops.flashoverlap.gemm(x, w) * 2
+
+    x = torch.randn(2, 77, 1024, device="cuda", dtype=torch.float16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.float16)
+    out = f(x, w)
+    assert out.shape == (2, 77, 1024)
+    assert relative_error(out, 2 * reference(x.reshape(-1, 1024), w).reshape(2, 77, 1024)) <= TOLERANCE
+
+
+def test_device_errors_then_a_good_call() -> None:
+    x = torch.randn(77, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^weight:.*CUDA"):
+        flashoverlap.gemm(x, w.cpu())
+    with pytest.raises(ValueError, match=r"^x:.*CUDA"):
+        flashoverlap.gemm(x.cpu(), w)
+    with pytest.raises(ValueError, match=r"^x:"):
+        flashoverlap.gemm(x.t(), w)
+    with pytest.raises(TypeError, match=r"^x:"):
+        flashoverlap.gemm(x.float(), w)
+    check_gemm(x, w)
+
+
+@pytest.mark.gpus(2)
+def test_operands_on_another_device() -> None:
+    x = torch.randn(1000, 4096, device="cuda:1", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda:1", dtype=torch.bfloat16)
+    assert torch.cuda.current_device() == 0
+    out = check_gemm(x, w)
+    assert out.device == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"^weight:.*cuda:0"):
+        flashoverlap.gemm(x, w.to("cuda:0"))

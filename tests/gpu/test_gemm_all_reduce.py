@@ -1,0 +1,165 @@
+"""gemm_all_reduce across processes, one per GPU, against the fp32 sum over ranks.
+
+The bodies run in spawned processes (dist_workers.py); this file starts them,
+waits with a timeout (killing them if they hang) and reports their errors.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+# The spawned ranks import the worker module by name (they inherit sys.path),
+# whatever import mode pytest runs in.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dist_workers  # noqa: E402
+
+TIMEOUT_S = 300
+# After one rank fails, how long the others get to finish before they are ended
+# (they may wait forever in a collective with the failed rank).
+GRACE_S = 30
+SEED = 1234
+
+M_VALUES = [1, 77, 1000, 3000, 2048, 4096]
+NK_VALUES = [1024, 4096, 8192, 14336]
+COMBOS = [
+    ("auto", None), ("overlap", None), ("sequential", None),
+    ("overlap", 1), ("overlap", 2), ("overlap", 3),
+    ("auto", 1), ("auto", 2), ("auto", 3), ("sequential", 2),
+]
+
+
+def world_size() -> int:
+    return torch.cuda.device_count()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(tmp_path: Path, target: str, world: int, timeout_s: float = TIMEOUT_S, **params) -> list:
+    """Runs dist_workers.<target> on `world` spawned ranks; returns each rank's result or fails."""
+    out = tmp_path / f"{target}-results"
+    out.mkdir()
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=dist_workers.entry, args=(target, rank, world, port, str(out), params),
+                         name=f"{target}-rank{rank}")
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    failed_at = None
+    timed_out = False
+    try:
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline:
+                timed_out = True
+                break
+            if failed_at is not None and now - failed_at > GRACE_S:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=30)
+
+    errors, results = [], []
+    for rank, p in enumerate(procs):
+        error_file, result_file = out / f"rank{rank}.error", out / f"rank{rank}.json"
+        if error_file.exists():
+            errors.append(f"--- rank {rank} raised:\n{error_file.read_text()}")
+        elif result_file.exists() and p.exitcode == 0:
+            results.append(json.loads(result_file.read_text()))
+        else:
+            errors.append(f"--- rank {rank} exited with code {p.exitcode} and no result"
+                          + (" (killed)" if p.exitcode is not None and p.exitcode < 0 else ""))
+    if timed_out:
+        errors.insert(0, f"timed out after {timeout_s} s: ranks were killed")
+    if errors:
+        pytest.fail(f"{target} on {world} rank(s) failed:\n" + "\n".join(errors), pytrace=False)
+    return results
+
+
+def main_cases(seed: int = SEED) -> list:
+    """>= 20 random shapes over the M values asked for, each in both dtypes, cycling the modes."""
+    rng = random.Random(seed)
+    shapes = []
+    for m in M_VALUES:
+        for _ in range(4):
+            shapes.append(([m], rng.choice(NK_VALUES), rng.choice(NK_VALUES)))
+    rng.shuffle(shapes)
+    # Ragged and small shapes, and 3-D x.
+    shapes += [([300], 8, 8), ([77], 136, 40), ([2, 77], 1024, 1024), ([3, 1000], 4096, 1024), ([0], 1024, 1024)]
+    cases = []
+    for i, (lead, n, k) in enumerate(shapes):
+        for j, dtype in enumerate(("bf16", "fp16")):
+            mode, bands = COMBOS[(2 * i + j) % len(COMBOS)]
+            cases.append(dict(seed=seed * 1000 + 2 * i + j, lead=lead, n=n, k=k, dtype=dtype,
+                              mode=mode, bands=bands))
+    return cases
+
+
+def test_main_cases_cover_what_is_asked() -> None:
+    cases = main_cases()
+    shapes = {(tuple(c["lead"]), c["n"], c["k"]) for c in cases}
+    assert len(shapes) >= 20
+    assert {c["lead"][0] for c in cases if len(c["lead"]) == 1} >= set(M_VALUES)
+    assert {(c["mode"], c["bands"]) for c in cases} == set(COMBOS)
+    assert {c["dtype"] for c in cases} == {"bf16", "fp16"}
+    assert len({c["seed"] for c in cases}) == len(cases)
+
+
+@pytest.mark.gpus(2)
+def test_gemm_all_reduce_matches_reference(tmp_path: Path) -> None:
+    results = run_workers(tmp_path, "cases", world_size(), cases=main_cases())
+    records = results[0]["records"]
+    # The overlapped path with several groups, and the sequential one, both ran.
+    overlapped = [r for r in records if r["schedule"] == "overlap" and r["groups"] > 1]
+    assert len(overlapped) >= 10, records
+    assert any(r["schedule"] == "sequential" for r in records)
+    # Every rank planned alike.
+    for other in results[1:]:
+        assert other["records"] == records
+
+
+@pytest.mark.gpus(2)
+def test_cuda_graph_replays(tmp_path: Path) -> None:
+    (result, *_) = run_workers(tmp_path, "cuda_graph", world_size(), m=1000, n=4096, k=1024, replays=100,
+                               seed=SEED + 77)
+    assert result["replays"] == 100
+
+
+@pytest.mark.gpus(2)
+def test_bad_inputs_then_correct_calls(tmp_path: Path) -> None:
+    results = run_workers(tmp_path, "bad_inputs", world_size(), seed=SEED + 5)
+    assert "group ranks differ" in results[0]["errors"]
+    assert results[0]["errors"]["group ranks differ"].startswith("ValueError")
+
+
+@pytest.mark.gpus(2)
+def test_communicators_and_environment(tmp_path: Path) -> None:
+    run_workers(tmp_path, "communicators", world_size(), seed=SEED + 9)
+
+
+@pytest.mark.gpus(1)
+def test_single_rank_world(tmp_path: Path) -> None:
+    """A one-rank group: the AllReduce is the identity; the overlapped path must still be right."""
+    cases = [c for c in main_cases() if c["lead"][0] in (77, 1000, 3000)][:12]
+    (result,) = run_workers(tmp_path, "cases", 1, cases=cases)
+    assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in result["records"])

@@ -1,0 +1,345 @@
+"""plan_gemm_all_reduce: the GEMM + AllReduce plan, computed without a GPU."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+
+import pytest
+import torch
+
+import flashoverlap
+from flashoverlap import plan_gemm_all_reduce
+
+H200_SMS = 132
+DEFAULT_RESERVED = 16
+DEFAULT_MAX_GROUPS = 16
+
+M_VALUES = [1, 77, 1000, 3000, 16384]
+NK_VALUES = [(8, 8), (136, 1024), (1024, 4096), (4096, 1024), (8192, 8192), (14336, 4096)]
+WORLDS = [2, 4, 8]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("FLASHOVERLAP_RESERVED_SMS", "FLASHOVERLAP_MAX_GROUPS", "FLASHOVERLAP_FORCE_SEQUENTIAL"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def check_plan(plan, m: int, n: int, k: int, world: int, *, sms: int = H200_SMS,
+               reserved: int = DEFAULT_RESERVED) -> None:
+    """Every invariant a plan must satisfy, whatever its schedule."""
+    assert plan.shape == (m, n, k)
+    assert plan.world_size == world
+    bm, bn, bk = plan.tile
+    assert bm == 128, "groups are unions of 128-row bands"
+    assert bn >= 1 and bk >= 1
+    tiles_m, tiles_n = plan.tiles
+    assert (tiles_m, tiles_n) == (math.ceil(m / bm), math.ceil(n / bn))
+    total_tiles = tiles_m * tiles_n
+
+    assert plan.schedule in ("overlap", "sequential")
+    if plan.schedule == "overlap":
+        assert plan.ctas == sms - reserved
+    else:
+        assert plan.ctas == sms
+        assert len(plan.groups) == 1
+    assert plan.waves == math.ceil(total_tiles / plan.ctas)
+
+    groups = plan.groups
+    assert len(groups) >= 1
+    band, row, position, offset = 0, 0, 0, 0
+    for g in groups:
+        b0, b1 = g["bands"]
+        r0, r1 = g["rows"]
+        p0, p1 = g["positions"]
+        # Whole bands, in order, with nothing skipped.
+        assert b0 == band and b1 > b0
+        assert (r0, r1) == (b0 * bm, min(b1 * bm, m))
+        assert r0 == row
+        assert (p0, p1) == (b0 * tiles_n, b1 * tiles_n)
+        assert p0 == position
+        assert g["tiles"] == (b1 - b0) * tiles_n
+        # One contiguous slice of out, in elements.
+        assert g["offset"] == offset == r0 * n
+        assert g["count"] == (r1 - r0) * n
+        band, row, position, offset = b1, r1, p1, offset + g["count"]
+    assert band == tiles_m
+    assert row == m
+    assert position == total_tiles
+    assert offset == sum(g["count"] for g in groups) == m * n
+
+    # The table the kernel reads: the group of every position of the row-band order.
+    table = plan.tile_group
+    assert len(table) == total_tiles
+    for gi, g in enumerate(groups):
+        p0, p1 = g["positions"]
+        assert set(table[p0:p1]) == {gi}
+
+    # Timeline: collectives run one after another, each once its group is stored.
+    previous_end = 0.0
+    previous_done = 0.0
+    for g in groups:
+        assert g["gemm_done_us"] > 0
+        assert g["gemm_done_us"] >= previous_done
+        assert g["comm_start_us"] == pytest.approx(max(g["gemm_done_us"], previous_end))
+        assert g["comm_end_us"] >= g["comm_start_us"]
+        if world > 1:
+            assert g["comm_end_us"] > g["comm_start_us"]
+        previous_end, previous_done = g["comm_end_us"], g["gemm_done_us"]
+    assert plan.predicted_us == pytest.approx(groups[-1]["comm_end_us"])
+    if plan.schedule == "overlap":
+        assert plan.predicted_us == plan.predicted_overlap_us
+    else:
+        assert plan.predicted_us == plan.predicted_sequential_us
+    assert plan.predicted_sequential_us > 0
+
+    text = plan.describe()
+    assert isinstance(text, str)
+    assert f"{m} x {n}" in text
+    assert f"schedule: {plan.schedule}" in text
+    assert f"{len(groups)} group(s)" in text
+    assert str(m) in repr(plan) and plan.schedule in repr(plan)
+
+
+SHAPES = [(m, n, k) for m in M_VALUES for (n, k) in NK_VALUES]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_auto_plan_invariants(m: int, n: int, k: int, world: int) -> None:
+    plan = plan_gemm_all_reduce(m, n, k, world)
+    check_plan(plan, m, n, k, world)
+    assert plan.predicted_us <= plan.predicted_sequential_us
+    assert len(plan.groups) <= DEFAULT_MAX_GROUPS
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_auto_overlaps_exactly_when_overlap_is_predicted_faster(m: int, n: int, k: int, world: int) -> None:
+    auto = plan_gemm_all_reduce(m, n, k, world)
+    overlap = plan_gemm_all_reduce(m, n, k, world, mode="overlap")
+    sequential = plan_gemm_all_reduce(m, n, k, world, mode="sequential")
+    check_plan(overlap, m, n, k, world)
+    check_plan(sequential, m, n, k, world)
+    assert overlap.schedule == "overlap"
+    assert sequential.schedule == "sequential"
+    # The sequential baseline does not depend on the mode asked for.
+    assert overlap.predicted_sequential_us == pytest.approx(sequential.predicted_us)
+    assert auto.predicted_sequential_us == pytest.approx(sequential.predicted_us)
+    # Auto searches the same layouts as "overlap" and keeps them only if they win.
+    pays = overlap.predicted_us < sequential.predicted_us
+    assert auto.schedule == ("overlap" if pays else "sequential")
+    assert auto.predicted_us == pytest.approx(min(overlap.predicted_us, sequential.predicted_us))
+    if auto.schedule == "overlap":
+        assert auto.groups == overlap.groups
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_both_dtypes_plan_alike(dtype: torch.dtype) -> None:
+    plan = plan_gemm_all_reduce(3000, 8192, 4096, 8, dtype=dtype)
+    check_plan(plan, 3000, 8192, 4096, 8)
+    reference = plan_gemm_all_reduce(3000, 8192, 4096, 8, dtype=torch.bfloat16)
+    # Both are 2-byte types: the plan is the same.
+    assert plan.groups == reference.groups
+    assert plan.predicted_us == reference.predicted_us
+
+
+def test_tiny_shape_does_not_overlap() -> None:
+    # One row band: nothing to overlap the collective with, so auto runs GEMM then AllReduce.
+    for world in WORLDS:
+        tiny = plan_gemm_all_reduce(1, 1024, 1024, world)
+        assert tiny.schedule == "sequential"
+        assert len(tiny.groups) == 1
+        assert tiny.predicted_us == tiny.predicted_sequential_us
+
+
+BANDS_CASES = list(itertools.product([1, 77, 1000, 3000, 16384], [1, 2, 3, 5, 200], [2, 8]))
+
+
+@pytest.mark.parametrize("m,bands,world", BANDS_CASES)
+@pytest.mark.parametrize("mode", ["auto", "overlap"])
+def test_forced_bands_per_group_gives_that_grouping(m: int, bands: int, world: int, mode: str) -> None:
+    n, k = 4096, 1024
+    plan = plan_gemm_all_reduce(m, n, k, world, mode=mode, bands_per_group=bands)
+    check_plan(plan, m, n, k, world)
+    # A forced grouping always overlaps (also under auto, where it may not pay).
+    assert plan.schedule == "overlap"
+    tiles_m = plan.tiles[0]
+    counts = [g["bands"][1] - g["bands"][0] for g in plan.groups]
+    assert len(counts) == math.ceil(tiles_m / bands)
+    assert all(c == bands for c in counts[:-1])
+    assert counts[-1] == tiles_m - bands * (len(counts) - 1)
+    assert 1 <= counts[-1] <= bands
+
+
+def test_forced_bands_are_not_capped_by_max_groups() -> None:
+    plan = plan_gemm_all_reduce(16384, 1024, 1024, 8, bands_per_group=1, max_groups=4)
+    assert plan.schedule == "overlap"
+    assert len(plan.groups) == 128
+
+
+@pytest.mark.parametrize("m", M_VALUES)
+@pytest.mark.parametrize("bands", [None, 1, 3])
+@pytest.mark.parametrize("world", WORLDS)
+def test_sequential_mode_is_one_group_on_every_sm(m: int, bands, world: int) -> None:
+    plan = plan_gemm_all_reduce(m, 8192, 4096, world, mode="sequential", bands_per_group=bands)
+    check_plan(plan, m, 8192, 4096, world)
+    assert plan.schedule == "sequential"
+    assert plan.ctas == H200_SMS
+    assert len(plan.groups) == 1
+    (group,) = plan.groups
+    assert group["offset"] == 0 and group["count"] == m * 8192
+    assert set(plan.tile_group) == {0}
+    assert plan.predicted_overlap_us == plan.predicted_sequential_us == plan.predicted_us
+
+
+@pytest.mark.parametrize("m", [1000, 16384])
+def test_overlap_mode_uses_the_unreserved_sms(m: int) -> None:
+    plan = plan_gemm_all_reduce(m, 8192, 4096, 8, mode="overlap")
+    assert plan.schedule == "overlap"
+    assert plan.ctas == H200_SMS - DEFAULT_RESERVED
+    plan = plan_gemm_all_reduce(m, 8192, 4096, 8, mode="overlap", reserved_sms=40)
+    check_plan(plan, m, 8192, 4096, 8, reserved=40)
+    assert plan.ctas == H200_SMS - 40
+    plan = plan_gemm_all_reduce(m, 8192, 4096, 8, mode="overlap", reserved_sms=0)
+    assert plan.ctas == H200_SMS
+
+
+@pytest.mark.parametrize("max_groups", [1, 2, 5])
+def test_max_groups_caps_the_searched_layout(max_groups: int) -> None:
+    for mode in ("auto", "overlap"):
+        plan = plan_gemm_all_reduce(16384, 8192, 4096, 8, mode=mode, max_groups=max_groups)
+        check_plan(plan, 16384, 8192, 4096, 8)
+        assert len(plan.groups) <= max_groups
+    overlap = plan_gemm_all_reduce(16384, 8192, 4096, 8, mode="overlap", max_groups=1)
+    assert len(overlap.groups) == 1
+
+
+def test_more_groups_allowed_never_predicts_slower() -> None:
+    predicted = [plan_gemm_all_reduce(16384, 8192, 4096, 8, mode="overlap", max_groups=g).predicted_us
+                 for g in (1, 2, 4, 8, 16, 32)]
+    assert all(later <= earlier * (1 + 1e-12) for earlier, later in zip(predicted, predicted[1:]))
+    assert predicted[-1] < predicted[0]
+
+
+@pytest.mark.parametrize("sms,cc", [(108, (8, 0)), (132, (9, 0)), (78, (8, 9)), (114, (9, 0))])
+def test_other_devices(sms: int, cc: tuple) -> None:
+    for mode in ("auto", "overlap", "sequential"):
+        plan = plan_gemm_all_reduce(4096, 8192, 8192, 4, sms=sms, compute_capability=cc, mode=mode)
+        check_plan(plan, 4096, 8192, 8192, 4, sms=sms)
+        if mode == "overlap":
+            assert plan.ctas == sms - DEFAULT_RESERVED
+        if mode == "sequential":
+            assert plan.ctas == sms
+
+
+def test_world_of_one_plans() -> None:
+    plan = plan_gemm_all_reduce(1000, 4096, 4096, 1, mode="overlap", bands_per_group=2)
+    check_plan(plan, 1000, 4096, 4096, 1)
+
+
+# Environment variables read when the argument is left out.
+
+def test_reserved_sms_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHOVERLAP_RESERVED_SMS", "20")
+    plan = plan_gemm_all_reduce(16384, 8192, 4096, 8, mode="overlap")
+    assert plan.ctas == H200_SMS - 20
+    # An explicit argument wins over the variable.
+    plan = plan_gemm_all_reduce(16384, 8192, 4096, 8, mode="overlap", reserved_sms=8)
+    assert plan.ctas == H200_SMS - 8
+    monkeypatch.setenv("FLASHOVERLAP_RESERVED_SMS", "  ")
+    assert plan_gemm_all_reduce(16384, 8192, 4096, 8, mode="overlap").ctas == H200_SMS - DEFAULT_RESERVED
+
+
+def test_max_groups_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHOVERLAP_MAX_GROUPS", "2")
+    plan = plan_gemm_all_reduce(16384, 8192, 4096, 8, mode="overlap")
+    assert len(plan.groups) <= 2
+    plan = plan_gemm_all_reduce(16384, 8192, 4096, 8, mode="overlap", max_groups=1)
+    assert len(plan.groups) == 1
+
+
+@pytest.mark.parametrize("name,value", [
+    ("FLASHOVERLAP_RESERVED_SMS", "many"),
+    ("FLASHOVERLAP_RESERVED_SMS", "1.5"),
+    ("FLASHOVERLAP_RESERVED_SMS", "-1"),
+    ("FLASHOVERLAP_MAX_GROUPS", "lots"),
+    ("FLASHOVERLAP_MAX_GROUPS", "0"),
+    ("FLASHOVERLAP_MAX_GROUPS", "-4"),
+])
+def test_bad_environment_values_name_the_variable(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        plan_gemm_all_reduce(4096, 4096, 4096, 2)
+    monkeypatch.delenv(name)
+    check_plan(plan_gemm_all_reduce(4096, 4096, 4096, 2), 4096, 4096, 4096, 2)
+
+
+# Bad arguments.
+
+BAD_VALUES = [
+    (dict(m=0), r"\bm\b"),
+    (dict(n=0), r"\bn\b"),
+    (dict(k=0), r"\bk\b"),
+    (dict(world_size=0), r"world"),
+    (dict(sms=0), r"sms"),
+    (dict(reserved_sms=132), r"reserved_sms"),
+    (dict(reserved_sms=500), r"reserved_sms"),
+    (dict(sms=16, reserved_sms=16), r"reserved_sms"),
+    (dict(max_groups=0), r"max_groups"),
+    (dict(bands_per_group=0), r"bands_per_group"),
+    (dict(mode="fast"), r"mode"),
+    (dict(mode="Overlap"), r"mode"),
+    (dict(m=-1), r"\bm\b"),
+    (dict(k=-8), r"\bk\b"),
+    (dict(world_size=-2), r"world"),
+    (dict(bands_per_group=-1), r"bands_per_group"),
+    (dict(max_groups=-1), r"max_groups"),
+    (dict(reserved_sms=-1), r"reserved_sms"),
+    (dict(m=2**32), r"\bm\b"),
+    (dict(n=2**40), r"\bn\b"),
+]
+
+
+@pytest.mark.parametrize("override,field", BAD_VALUES, ids=[repr(o) for o, _ in BAD_VALUES])
+def test_bad_arguments_raise_value_error(override: dict, field: str) -> None:
+    kwargs = dict(m=1000, n=4096, k=4096, world_size=2)
+    kwargs.update(override)
+    m, n, k, world = kwargs.pop("m"), kwargs.pop("n"), kwargs.pop("k"), kwargs.pop("world_size")
+    with pytest.raises(ValueError) as info:
+        plan_gemm_all_reduce(m, n, k, world, **kwargs)
+    assert re.search(field, str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8, torch.float8_e4m3fn])
+def test_unsupported_dtype_is_a_type_error(dtype: torch.dtype) -> None:
+    with pytest.raises(TypeError, match="dtype"):
+        plan_gemm_all_reduce(1000, 4096, 4096, 2, dtype=dtype)
+
+
+@pytest.mark.parametrize("bands", [1.5, "2", True])
+def test_non_integer_bands_per_group_is_a_type_error(bands) -> None:
+    with pytest.raises(TypeError, match="bands_per_group"):
+        plan_gemm_all_reduce(1000, 4096, 4096, 2, bands_per_group=bands)
+
+
+@pytest.mark.parametrize("field,value", [("m", 2.5), ("k", "4096"), ("world_size", 2.0)])
+def test_non_integer_sizes_are_type_errors(field: str, value) -> None:
+    kwargs = dict(m=1000, n=4096, k=4096, world_size=2)
+    kwargs[field] = value
+    with pytest.raises(TypeError, match=field):
+        plan_gemm_all_reduce(kwargs["m"], kwargs["n"], kwargs["k"], kwargs["world_size"])
+
+
+def test_planning_still_works_after_errors() -> None:
+    for bad in (dict(mode="x"), dict(bands_per_group=0), dict(max_groups=0)):
+        with pytest.raises(ValueError):
+            plan_gemm_all_reduce(3000, 4096, 4096, 2, **bad)
+    check_plan(plan_gemm_all_reduce(3000, 4096, 4096, 2), 3000, 4096, 4096, 2)
+
+
+def test_plan_class_is_exported() -> None:
+    plan = plan_gemm_all_reduce(77, 1024, 1024, 2)
+    assert isinstance(plan, flashoverlap.Plan)
