@@ -13,7 +13,7 @@ import flashoverlap
 from flashoverlap import plan_gemm_all_reduce
 
 H200_SMS = 132
-DEFAULT_RESERVED = 16
+DEFAULT_RESERVED = 32
 DEFAULT_MAX_GROUPS = 16
 
 M_VALUES = [1, 77, 1000, 3000, 16384]

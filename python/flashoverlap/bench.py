@@ -53,18 +53,23 @@ class Row:
     forced_overlap_rel_error: float
 
 
-def _median_us(fn: Callable[[int], object], iters: int, warmup: int) -> float:
-    for i in range(warmup):
-        fn(i)
+def _interleaved_medians_us(fns: dict[str, Callable[[int], object]], iters: int, warmup: int) -> dict[str, float]:
+    """Median time of each function, their iterations interleaved (A B C A B C ...)
+    so that clock and thermal drift over the run affects every variant alike."""
+    for name, fn in fns.items():
+        for i in range(warmup):
+            fn(i)
     torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    events = {name: [] for name in fns}
     for i in range(iters):
-        starts[i].record()
-        fn(i)
-        ends[i].record()
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(i)
+            end.record()
+            events[name].append((start, end))
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1000.0
+    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) * 1000.0 for name, pairs in events.items()}
 
 
 def _max_over_ranks(v: float) -> float:
@@ -118,11 +123,10 @@ def measure_shape(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     plan = flashoverlap.plan_of(xs[0], ws[0])
     forced_plan = flashoverlap.plan_of(xs[0], ws[0], mode="overlap")
 
-    times = {}
-    for name, fn in (("cublas", cublas), ("ours_gemm", ours_gemm), ("nccl", nccl), ("seq", sequential),
-                     ("fo", overlapped), ("forced", forced)):
-        dist.barrier()
-        times[name] = _max_over_ranks(_median_us(fn, iters, warmup))
+    dist.barrier()
+    medians = _interleaved_medians_us({"cublas": cublas, "ours_gemm": ours_gemm, "nccl": nccl, "seq": sequential,
+                                       "fo": overlapped, "forced": forced}, iters, warmup)
+    times = {name: _max_over_ranks(us) for name, us in medians.items()}
     return Row(m, n, k, str(dtype).replace("torch.", ""), world, times["cublas"], times["ours_gemm"], times["nccl"],
                times["seq"], times["fo"], times["seq"] / times["fo"], plan.schedule, len(plan.groups),
                plan.predicted_us, _max_over_ranks(rel), times["forced"], len(forced_plan.groups),
@@ -192,7 +196,7 @@ def environment(world: int) -> dict:
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "host": platform.node(),
         "env": {k: os.environ.get(k) for k in sorted(SAFE_ENV) + ["FLASHOVERLAP_RESERVED_SMS", "FLASHOVERLAP_NCCL_MAX_CTAS"]},
-        "method": "median of CUDA-event-timed iterations after warm-up, max over ranks; random inputs rotated across buffers",
+        "method": "median of CUDA-event-timed iterations after warm-up, variants interleaved, max over ranks; random inputs rotated across buffers",
     }
 
 
@@ -210,7 +214,7 @@ def run(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *, dtype: str =
     for k, v in SAFE_ENV.items():
         os.environ[k] = v
     print(f"flashoverlap GEMM+AllReduce, {world} x {torch.cuda.get_device_name(0)}, {dtype}; times in us "
-          f"(median of {iters}, max over ranks); speedup = seq / fo", flush=True)
+          f"(median of {iters} interleaved runs, max over ranks); speedup = seq / fo", flush=True)
     print(LEGEND, flush=True)
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -112,6 +112,8 @@ def get_communicator(group: GroupLike = None, *, communicator: Union[None, str, 
         return communicator
     pg = resolve_group(group)
     existing = _by_name.get(_default_name(pg))
+    if existing is not None and existing.group is pg:
+        return existing
     if existing is not None:
         ranks = tuple(dist.get_process_group_ranks(pg))
         if ranks != existing.ranks:
