@@ -3,7 +3,6 @@ custom ops' fake implementations (what torch.compile traces with)."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

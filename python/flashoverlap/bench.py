@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -133,13 +132,7 @@ def measure_shape(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
                (times["ours_gemm"] + times["nccl"]) / times["forced"], _max_over_ranks(rel_forced))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, shapes, dtype_name: str, iters: int, warmup: int, result_path: str):
+def _worker(rank: int, world: int, init_method: str, shapes, dtype_name: str, iters: int, warmup: int, result_path: str):
     import torch.distributed as dist
 
     import flashoverlap
@@ -147,7 +140,7 @@ def _worker(rank: int, world: int, port: int, shapes, dtype_name: str, iters: in
     for k, v in SAFE_ENV.items():
         os.environ[k] = v
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     dtype = getattr(torch, dtype_name)
     rows = []
@@ -219,7 +212,9 @@ def run(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, *, dtype: str =
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), list(shapes), dtype, iters, warmup, result),
+        # A file rendezvous: no TCP port to race for with other jobs.
+        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+        ctx = mp.start_processes(_worker, args=(world, init_method, list(shapes), dtype, iters, warmup, result),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
         while not ctx.join(timeout=5):

@@ -27,7 +27,7 @@ TOLERANCE = 1e-2
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
-def entry(target: str, rank: int, world: int, port: int, outdir: str, params: dict) -> None:
+def entry(target: str, rank: int, world: int, init_method: str, outdir: str, params: dict) -> None:
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     # Lazy module loading (CUDA's default) is what must work.
@@ -42,7 +42,7 @@ def entry(target: str, rank: int, world: int, port: int, outdir: str, params: di
         torch.cuda.set_device(rank)
         dist.init_process_group(
             "nccl",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=init_method,
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=240),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import sys
 import time
 from pathlib import Path
@@ -41,19 +40,14 @@ def world_size() -> int:
     return torch.cuda.device_count()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_workers(tmp_path: Path, target: str, world: int, timeout_s: float = TIMEOUT_S, **params) -> list:
     """Runs dist_workers.<target> on `world` spawned ranks; returns each rank's result or fails."""
     out = tmp_path / f"{target}-results"
     out.mkdir()
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=dist_workers.entry, args=(target, rank, world, port, str(out), params),
+    # A file rendezvous: no port to race for with other jobs on the machine.
+    init_method = f"file://{out / 'rendezvous'}"
+    procs = [ctx.Process(target=dist_workers.entry, args=(target, rank, world, init_method, str(out), params),
                          name=f"{target}-rank{rank}")
              for rank in range(world)]
     for p in procs:
