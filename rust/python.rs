@@ -36,6 +36,40 @@ fn dtype(name: &str) -> PyResult<Dtype> {
     Dtype::parse(name).map_err(to_py)
 }
 
+fn operands(
+    x: u64,
+    weight: u64,
+    out: u64,
+    m: u32,
+    n: u32,
+    k: u32,
+    dtype: &str,
+) -> PyResult<GemmArgs> {
+    Ok(GemmArgs {
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        dtype: self::dtype(dtype)?,
+    })
+}
+
+fn options(
+    mode: &str,
+    bands_per_group: Option<u32>,
+    reserved_sms: u32,
+    max_groups: u32,
+) -> PyResult<gar::Options> {
+    Ok(gar::Options {
+        mode: self::mode(mode)?,
+        bands_per_group,
+        reserved_sms,
+        max_groups,
+    })
+}
+
 /// A GEMM + collective plan: tiles, waves, wave groups and predicted timeline.
 #[pyclass(name = "Plan", module = "flashoverlap._core", frozen)]
 struct PyPlan(GemmAllReducePlan);
@@ -156,21 +190,9 @@ fn plan_gemm_all_reduce(
     reserved_sms: u32,
     max_groups: u32,
 ) -> PyResult<PyPlan> {
-    let args = GemmArgs {
-        x: 1,
-        weight: 1,
-        out: 1,
-        m,
-        n,
-        k,
-        dtype: self::dtype(dtype)?,
-    };
-    let opts = gar::Options {
-        mode: self::mode(mode)?,
-        bands_per_group,
-        reserved_sms,
-        max_groups,
-    };
+    // Planning needs the shape only; no pointer is ever read.
+    let args = operands(0, 0, 0, m, n, k, dtype)?;
+    let opts = options(mode, bands_per_group, reserved_sms, max_groups)?;
     let hw = gar::hardware_for(sms, major);
     plan::plan_gemm_all_reduce(&gar::request(&args, world_size, &opts), &hw)
         .map(PyPlan)
@@ -283,15 +305,7 @@ fn gemm(
     device: i32,
     stream: usize,
 ) -> PyResult<()> {
-    let args = GemmArgs {
-        x,
-        weight,
-        out,
-        m,
-        n,
-        k,
-        dtype: self::dtype(dtype)?,
-    };
+    let args = operands(x, weight, out, m, n, k, dtype)?;
     py.detach(|| gemm_op::gemm(&args, device, stream::from_handle(stream)))
         .map_err(to_py)
 }
@@ -315,21 +329,8 @@ fn gemm_all_reduce(
     reserved_sms: u32,
     max_groups: u32,
 ) -> PyResult<&'static str> {
-    let args = GemmArgs {
-        x,
-        weight,
-        out,
-        m,
-        n,
-        k,
-        dtype: self::dtype(dtype)?,
-    };
-    let opts = gar::Options {
-        mode: self::mode(mode)?,
-        bands_per_group,
-        reserved_sms,
-        max_groups,
-    };
+    let args = operands(x, weight, out, m, n, k, dtype)?;
+    let opts = options(mode, bands_per_group, reserved_sms, max_groups)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     py.detach(|| gar::gemm_all_reduce(&comm, &args, &opts, stream::from_handle(stream)))
         .map(schedule_name)
@@ -376,21 +377,9 @@ fn communicator_plan(
     reserved_sms: u32,
     max_groups: u32,
 ) -> PyResult<PyPlan> {
-    let args = GemmArgs {
-        x: 1,
-        weight: 1,
-        out: 1,
-        m,
-        n,
-        k,
-        dtype: self::dtype(dtype)?,
-    };
-    let opts = gar::Options {
-        mode: self::mode(mode)?,
-        bands_per_group,
-        reserved_sms,
-        max_groups,
-    };
+    // Planning needs the shape only; no pointer is ever read.
+    let args = operands(0, 0, 0, m, n, k, dtype)?;
+    let opts = options(mode, bands_per_group, reserved_sms, max_groups)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     gar::plan_of(&comm, &args, &opts, stream::from_handle(stream))
         .map(PyPlan)

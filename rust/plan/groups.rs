@@ -146,17 +146,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::plan::testing::output_tiles;
-    use crate::plan::tiles::TileShape;
-
-    fn tiles(m: u32, n: u32) -> OutputTiles {
-        let tile = TileShape {
-            bm: 128,
-            bn: 128,
-            bk: 64,
-        };
-        OutputTiles::new(m, n, tile).unwrap()
-    }
+    use crate::plan::testing::{output_tiles, tiles};
 
     /// Turns arbitrary counts into valid ones for `tiles_m` bands.
     fn fit_counts(raw: &[u32], tiles_m: u32) -> Vec<u32> {

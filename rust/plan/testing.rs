@@ -3,7 +3,34 @@
 
 use proptest::prelude::*;
 
+use super::gemm_all_reduce::{ModeRequest, PlanRequest};
 use super::tiles::{OutputTiles, TileShape};
+
+/// The tile of the shipped kernel.
+pub(crate) const TILE: TileShape = TileShape {
+    bm: 128,
+    bn: 128,
+    bk: 64,
+};
+
+pub(crate) fn tiles(m: u32, n: u32) -> OutputTiles {
+    OutputTiles::new(m, n, TILE).expect("valid test shape")
+}
+
+pub(crate) fn request(m: u32, n: u32, k: u32, world: u32) -> PlanRequest {
+    PlanRequest {
+        m,
+        n,
+        k,
+        world,
+        elem_bytes: 2,
+        tile: TILE,
+        reserved_sms: 12,
+        bands_per_group: None,
+        max_groups: 32,
+        mode: ModeRequest::Auto,
+    }
+}
 
 pub(crate) fn output_tiles() -> impl Strategy<Value = OutputTiles> {
     let side = || prop::sample::select(vec![64u32, 128]);

@@ -123,24 +123,12 @@ impl fmt::Display for GemmAllReducePlan {
 mod tests {
     use crate::plan::gemm_all_reduce::{plan_gemm_all_reduce, ModeRequest, PlanRequest};
     use crate::plan::predictor::HardwareModel;
-    use crate::plan::tiles::TileShape;
+    use crate::plan::testing::request;
 
     fn describe(mode: ModeRequest) -> String {
         let req = PlanRequest {
-            m: 16384,
-            n: 8192,
-            k: 4096,
-            world: 8,
-            elem_bytes: 2,
-            tile: TileShape {
-                bm: 128,
-                bn: 128,
-                bk: 64,
-            },
-            reserved_sms: 12,
-            bands_per_group: None,
-            max_groups: 32,
             mode,
+            ..request(16384, 8192, 4096, 8)
         };
         plan_gemm_all_reduce(&req, &HardwareModel::h200())
             .unwrap()

@@ -158,26 +158,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::plan::testing::world;
-
-    fn request(m: u32, n: u32, k: u32, world: u32) -> PlanRequest {
-        PlanRequest {
-            m,
-            n,
-            k,
-            world,
-            elem_bytes: 2,
-            tile: TileShape {
-                bm: 128,
-                bn: 128,
-                bk: 64,
-            },
-            reserved_sms: 12,
-            bands_per_group: None,
-            max_groups: 32,
-            mode: ModeRequest::Auto,
-        }
-    }
+    use crate::plan::testing::{request, world};
 
     fn assert_consistent(plan: &GemmAllReducePlan) {
         let tiles = &plan.tiles;

@@ -97,17 +97,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::plan::testing::{ctas, output_tiles, world};
-    use crate::plan::tiles::TileShape;
-
-    fn shape(m: u32, n: u32) -> OutputTiles {
-        let tile = TileShape {
-            bm: 128,
-            bn: 128,
-            bk: 64,
-        };
-        OutputTiles::new(m, n, tile).unwrap()
-    }
+    use crate::plan::testing::{ctas, output_tiles, tiles as shape, world};
 
     fn uniform(tiles: &OutputTiles, k: u32, ctas: u32, per_group: u32, n_world: u32) -> Timeline {
         let partition = GroupPartition::uniform(tiles, per_group).unwrap();
