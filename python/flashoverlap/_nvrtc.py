@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import sys
 from pathlib import Path
@@ -43,4 +44,5 @@ def ensure_loaded() -> str:
         )
     _core.load_nvrtc(str(paths[0]))
     _loaded = str(paths[0])
+    logging.getLogger("flashoverlap").info("NVRTC %s from %s", ".".join(map(str, _core.nvrtc_version())), _loaded)
     return _loaded

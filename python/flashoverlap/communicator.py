@@ -8,6 +8,7 @@ names.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence, Union
 
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from . import _core, _env
 
 ProcessGroup = dist.ProcessGroup
+_log = logging.getLogger("flashoverlap")
 
 _by_name: dict[str, "Communicator"] = {}
 
@@ -72,6 +74,8 @@ class Communicator:
         dist.broadcast_object_list(box, src=self.ranks[0], group=pg)
         _core.create_communicator(self.name, self.world_size, self.rank, box[0], device.index, max_ctas)
         _by_name[self.name] = self
+        _log.info("created communicator %r: rank %d of %s on %s, NCCL maxCTAs %s", self.name, self.rank,
+                  list(self.ranks), device, max_ctas)
 
     def destroy(self) -> None:
         """Unregisters the communicator; NCCL resources are freed once pending work is done."""
