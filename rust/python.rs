@@ -3,6 +3,7 @@
 //! device ordinals, stream handles).
 
 use crate::comm::{communicator, nccl};
+use crate::cuda::kernels::GemmKernel;
 use crate::cuda::{cache, driver, kernels, nvrtc, stream};
 use crate::dtype::Dtype;
 use crate::error::Error;
@@ -56,13 +57,27 @@ fn operands(
     })
 }
 
+fn gemm_kernel(name: Option<&str>) -> PyResult<Option<GemmKernel>> {
+    name.map(|n| {
+        GemmKernel::parse(n).ok_or_else(|| {
+            let known: Vec<String> = GemmKernel::ALL.iter().map(|k| k.name()).collect();
+            PyValueError::new_err(format!(
+                "kernel: expected one of {known:?} or None, got {n:?}"
+            ))
+        })
+    })
+    .transpose()
+}
+
 fn options(
     mode: &str,
     bands_per_group: Option<u32>,
     reserved_sms: u32,
     max_groups: u32,
+    kernel: Option<&str>,
 ) -> PyResult<gar::Options> {
     Ok(gar::Options {
+        kernel: gemm_kernel(kernel)?,
         mode: self::mode(mode)?,
         bands_per_group,
         reserved_sms,
@@ -175,7 +190,7 @@ fn version() -> &'static str {
 /// Plans GEMM + AllReduce for a device described by `sms` and compute
 /// capability `major`; needs no GPU.
 #[pyfunction]
-#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16))]
+#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16, kernel=None))]
 #[allow(clippy::too_many_arguments)]
 fn plan_gemm_all_reduce(
     m: u32,
@@ -189,12 +204,16 @@ fn plan_gemm_all_reduce(
     bands_per_group: Option<u32>,
     reserved_sms: u32,
     max_groups: u32,
+    kernel: Option<&str>,
 ) -> PyResult<PyPlan> {
     // Planning needs the shape only; no pointer is ever read.
     let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let opts = options(mode, bands_per_group, reserved_sms, max_groups)?;
+    let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel)?;
     let hw = gar::hardware_for(sms, major);
-    plan::plan_gemm_all_reduce(&gar::request(&args, world_size, &opts), &hw)
+    let which = opts
+        .kernel
+        .unwrap_or_else(|| GemmKernel::default_for(major));
+    plan::plan_gemm_all_reduce(&gar::request(&args, world_size, &opts, which), &hw)
         .map(PyPlan)
         .map_err(|e| to_py(e.into()))
 }
@@ -218,8 +237,14 @@ fn cache_dir() -> String {
 /// and returns (kernel, defines, cubin bytes) for each. Needs NVRTC, no GPU.
 #[pyfunction]
 fn compile_kernels(py: Python<'_>, arch: &str) -> PyResult<Vec<(String, String, usize)>> {
+    let specs = kernels::all_for(arch);
+    if specs.is_empty() {
+        return Err(PyValueError::new_err(format!(
+            "arch: no kernel targets {arch:?}; expected an NVRTC target of sm_80 or newer, e.g. \"sm_80\" or \"sm_90a\""
+        )));
+    }
     py.detach(|| -> Result<Vec<_>, Error> {
-        kernels::all()
+        specs
             .iter()
             .map(|spec| {
                 let defines = spec
@@ -292,6 +317,7 @@ fn communicator_names() -> Vec<String> {
 }
 
 #[pyfunction]
+#[pyo3(signature = (x, weight, out, m, n, k, dtype, device, stream, kernel=None))]
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     py: Python<'_>,
@@ -304,14 +330,16 @@ fn gemm(
     dtype: &str,
     device: i32,
     stream: usize,
+    kernel: Option<&str>,
 ) -> PyResult<()> {
     let args = operands(x, weight, out, m, n, k, dtype)?;
-    py.detach(|| gemm_op::gemm(&args, device, stream::from_handle(stream)))
+    let which = gemm_kernel(kernel)?;
+    py.detach(|| gemm_op::gemm(&args, device, which, stream::from_handle(stream)))
         .map_err(to_py)
 }
 
 #[pyfunction]
-#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16))]
+#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16, kernel=None))]
 #[allow(clippy::too_many_arguments)]
 fn gemm_all_reduce(
     py: Python<'_>,
@@ -328,9 +356,10 @@ fn gemm_all_reduce(
     bands_per_group: Option<u32>,
     reserved_sms: u32,
     max_groups: u32,
+    kernel: Option<&str>,
 ) -> PyResult<&'static str> {
     let args = operands(x, weight, out, m, n, k, dtype)?;
-    let opts = options(mode, bands_per_group, reserved_sms, max_groups)?;
+    let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     py.detach(|| gar::gemm_all_reduce(&comm, &args, &opts, stream::from_handle(stream)))
         .map(schedule_name)
@@ -363,7 +392,7 @@ fn all_reduce(
 
 /// The plan `gemm_all_reduce` runs for these arguments on this communicator.
 #[pyfunction]
-#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16))]
+#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16, kernel=None))]
 #[allow(clippy::too_many_arguments)]
 fn communicator_plan(
     group_name: &str,
@@ -376,10 +405,11 @@ fn communicator_plan(
     bands_per_group: Option<u32>,
     reserved_sms: u32,
     max_groups: u32,
+    kernel: Option<&str>,
 ) -> PyResult<PyPlan> {
     // Planning needs the shape only; no pointer is ever read.
     let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let opts = options(mode, bands_per_group, reserved_sms, max_groups)?;
+    let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     gar::plan_of(&comm, &args, &opts, stream::from_handle(stream))
         .map(PyPlan)

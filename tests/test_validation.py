@@ -393,8 +393,28 @@ def test_ops_are_registered() -> None:
     assert isinstance(gar, torch._ops.OpOverload)
     assert isinstance(gemm_op, torch._ops.OpOverload)
     names = [a.name for a in gar._schema.arguments]
-    assert names == ["x", "weight", "group_name", "mode", "bands_per_group"]
-    assert [a.name for a in gemm_op._schema.arguments] == ["x", "weight"]
+    assert names == ["x", "weight", "group_name", "mode", "bands_per_group", "kernel"]
+    assert [a.name for a in gemm_op._schema.arguments] == ["x", "weight", "kernel"]
     # Functional ops: nothing is mutated, one tensor comes back.
     assert not gar._schema.is_mutable and not gemm_op._schema.is_mutable
     assert len(gar._schema.returns) == 1 and len(gemm_op._schema.returns) == 1
+
+
+@pytest.mark.parametrize("call", [gemm, gemm_all_reduce, plan_of], ids=lambda f: f.__name__)
+def test_unknown_kernel_is_named(call) -> None:
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    with raises_naming(ValueError, "kernel", "sm90_n128"):
+        call(x, w, kernel="sm70")
+
+
+@pytest.mark.parametrize("call", [gemm, gemm_all_reduce, plan_of], ids=lambda f: f.__name__)
+def test_misaligned_operand_is_named(call) -> None:
+    # A contiguous view that starts 2 bytes into its storage: the kernels'
+    # 16-byte loads cannot start there.
+    base = torch.randn(16 * 64 + 1, dtype=torch.bfloat16)
+    x = base[1:].view(16, 64)
+    assert x.is_contiguous() and x.data_ptr() % 16
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    with raises_naming(ValueError, "x", "16-byte aligned"):
+        call(x, w)

@@ -45,6 +45,7 @@ def plan_gemm_all_reduce(
     bands_per_group: Optional[int] = None,
     reserved_sms: int = 16,
     max_groups: int = 16,
+    kernel: Optional[str] = None,
 ) -> Plan: ...
 def load_nvrtc(path: str) -> None: ...
 def nvrtc_version() -> tuple[int, int]: ...
@@ -59,7 +60,9 @@ def create_communicator(
 ) -> None: ...
 def destroy_communicator(name: str) -> bool: ...
 def communicator_names() -> list[str]: ...
-def gemm(x: int, weight: int, out: int, m: int, n: int, k: int, dtype: str, device: int, stream: int) -> None: ...
+def gemm(
+    x: int, weight: int, out: int, m: int, n: int, k: int, dtype: str, device: int, stream: int, kernel: Optional[str] = None
+) -> None: ...
 def gemm_all_reduce(
     group_name: str,
     x: int,
@@ -74,6 +77,7 @@ def gemm_all_reduce(
     bands_per_group: Optional[int] = None,
     reserved_sms: int = 16,
     max_groups: int = 16,
+    kernel: Optional[str] = None,
 ) -> str:
     """Enqueues the overlapped op and returns "overlap", or enqueues nothing and
     returns "sequential" (the caller then runs its GEMM and all_reduce)."""
@@ -89,4 +93,5 @@ def communicator_plan(
     bands_per_group: Optional[int] = None,
     reserved_sms: int = 16,
     max_groups: int = 16,
+    kernel: Optional[str] = None,
 ) -> Plan: ...

@@ -53,6 +53,12 @@ def check_gemm_operands(x: object, weight: object, *, devices: bool = True) -> t
     m = x.numel() // k if k else 0
     if m >= 2**31 or n >= 2**31 or k >= 2**31:
         raise ValueError(f"x: dimensions must be < 2**31, got M={m} N={n} K={k}")
+    # The kernels load 16-byte vectors (cp.async, TMA): rows are 16-byte
+    # multiples since K % 8 == 0, so only the start needs checking.
+    for name, t in (("x", x), ("weight", weight)):
+        if t.numel() and t.data_ptr() % 16:
+            raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x} "
+                             f"(a view starting mid-row?); pass a fresh tensor or .clone() it")
     if devices:
         check_device("x", x)
         check_device("weight", weight, x.device)

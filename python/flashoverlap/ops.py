@@ -24,9 +24,9 @@ def _stream_handle(device: torch.device) -> int:
 
 
 _LIB = torch.library.Library("flashoverlap", "DEF")
-_LIB.define("gemm(Tensor x, Tensor weight) -> Tensor")
-_LIB.define("gemm_all_reduce(Tensor x, Tensor weight, str group_name, str mode='auto', int? bands_per_group=None) "
-            "-> Tensor")
+_LIB.define("gemm(Tensor x, Tensor weight, str? kernel=None) -> Tensor")
+_LIB.define("gemm_all_reduce(Tensor x, Tensor weight, str group_name, str mode='auto', int? bands_per_group=None, "
+            "str? kernel=None) -> Tensor")
 
 
 def _register(name: str, impl, fake) -> None:
@@ -37,23 +37,23 @@ def _register(name: str, impl, fake) -> None:
     torch.library.register_fake(f"flashoverlap::{name}", fake, lib=_LIB)
 
 
-def _gemm_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _gemm_impl(x: torch.Tensor, weight: torch.Tensor, kernel: Optional[str] = None) -> torch.Tensor:
     m, n, k = check_gemm_operands(x, weight)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     _nvrtc.ensure_loaded()
     _core.gemm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype_name(x.dtype),
-               x.device.index, _stream_handle(x.device))
+               x.device.index, _stream_handle(x.device), kernel)
     return out
 
 
-def _gemm_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _gemm_fake(x: torch.Tensor, weight: torch.Tensor, kernel: Optional[str] = None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
-                          bands_per_group: Optional[int] = None) -> torch.Tensor:
+                          bands_per_group: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
     m, n, k = check_gemm_operands(x, weight)
     comm = communicator_by_name(group_name)
     _check_mode(mode, bands_per_group)
@@ -66,7 +66,7 @@ def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str
         mode, bands_per_group = "sequential", None
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
     schedule = _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype,
-                                     stream, mode, bands_per_group, _env.reserved_sms(), _env.max_groups())
+                                     stream, mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel)
     if schedule == "sequential":
         # Overlap does not pay here (or was not asked for): exactly the unfused
         # composition, torch's library GEMM (cuBLAS) then one AllReduce.
@@ -79,12 +79,20 @@ def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str
 
 
 def _gemm_all_reduce_fake(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
-                          bands_per_group: Optional[int] = None) -> torch.Tensor:
+                          bands_per_group: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 _register("gemm", _gemm_impl, _gemm_fake)
 _register("gemm_all_reduce", _gemm_all_reduce_impl, _gemm_all_reduce_fake)
+
+
+KERNELS = ("sm80", "sm90_n128", "sm90_n256")
+
+
+def _check_kernel(kernel: Optional[str]) -> None:
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS} or None, got {kernel!r}")
 
 
 def _check_mode(mode: str, bands_per_group: Optional[int]) -> None:
@@ -97,18 +105,23 @@ def _check_mode(mode: str, bands_per_group: Optional[int]) -> None:
             raise ValueError(f"bands_per_group: expected >= 1, got {bands_per_group}")
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemm(x: torch.Tensor, weight: torch.Tensor, *, kernel: Optional[str] = None) -> torch.Tensor:
     """``x @ weight.T`` with flashoverlap's GEMM kernel alone (no signals, no communication).
 
     x: [..., K], weight: [N, K] (nn.Linear layout), both bfloat16 or both float16, contiguous,
-    on one CUDA device; N and K multiples of 8.
+    on one CUDA device; N and K multiples of 8. kernel: "sm80" (any sm_80+ GPU), "sm90_n128" or
+    "sm90_n256" (Hopper only); default: the device's default kernel.
     """
-    check_gemm_operands(x, weight)
-    return torch.ops.flashoverlap.gemm(x, weight)
+    check_gemm_operands(x, weight, devices=False)
+    _check_kernel(kernel)
+    check_device("x", x)
+    check_device("weight", weight, x.device)
+    return torch.ops.flashoverlap.gemm(x, weight, kernel)
 
 
 def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,
-                    communicator=None, mode: str = "auto", bands_per_group: Optional[int] = None) -> torch.Tensor:
+                    communicator=None, mode: str = "auto", bands_per_group: Optional[int] = None,
+                    kernel: Optional[str] = None) -> torch.Tensor:
     """``torch.distributed.all_reduce(x @ weight.T)`` (sum), with the AllReduce of each finished
     wave group of the GEMM overlapping the rest of the GEMM.
 
@@ -118,28 +131,33 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
       "overlap" or "sequential".
     bands_per_group: force every wave group to hold this many row bands of output tiles
       (default: chosen by the predictor).
+    kernel: the GEMM kernel, as for :func:`gemm`.
     """
     check_gemm_operands(x, weight, devices=False)
     _check_mode(mode, bands_per_group)
+    _check_kernel(kernel)
     if not isinstance(group, (str, Communicator)) and communicator is None:
         resolve_group(group)
     check_gemm_operands(x, weight)
     comm = get_communicator(group, communicator=communicator)
     check_device("x", x, comm.device)
-    return torch.ops.flashoverlap.gemm_all_reduce(x, weight, comm.name, mode, bands_per_group)
+    return torch.ops.flashoverlap.gemm_all_reduce(x, weight, comm.name, mode, bands_per_group, kernel)
 
 
 def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
-            mode: str = "auto", bands_per_group: Optional[int] = None) -> "_core.Plan":
+            mode: str = "auto", bands_per_group: Optional[int] = None, kernel: Optional[str] = None) -> "_core.Plan":
     """The plan ``gemm_all_reduce`` runs for these arguments (tiles, waves, groups, predicted timeline)."""
-    m, n, k = check_gemm_operands(x, weight)
+    m, n, k = check_gemm_operands(x, weight, devices=False)
     _check_mode(mode, bands_per_group)
+    _check_kernel(kernel)
+    check_device("x", x)
+    check_device("weight", weight, x.device)
     comm = get_communicator(group, communicator=communicator)
     check_device("x", x, comm.device)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
     return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), mode,
-                                   bands_per_group, _env.reserved_sms(), _env.max_groups())
+                                   bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel)
 
 
 def compile_kernels(arch: str) -> "list[tuple[str, str, int]]":

@@ -13,7 +13,7 @@ from ._validation import dtype_name
 def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torch.dtype = torch.bfloat16,
                          sms: int = 132, compute_capability: tuple[int, int] = (9, 0), mode: str = "auto",
                          bands_per_group: Optional[int] = None, reserved_sms: Optional[int] = None,
-                         max_groups: Optional[int] = None) -> "_core.Plan":
+                         max_groups: Optional[int] = None, kernel: Optional[str] = None) -> "_core.Plan":
     """The GEMM + AllReduce plan for out[m, n] = x[m, k] @ w[n, k]^T over ``world_size`` GPUs with
     ``sms`` multiprocessors (default: an H200). Needs no GPU."""
     if dtype not in (torch.bfloat16, torch.float16):
@@ -30,4 +30,4 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
         if not least <= value < 2**31:
             raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
     return _core.plan_gemm_all_reduce(m, n, k, world_size, dtype_name(dtype), sms, compute_capability[0], mode,
-                                      bands_per_group, reserved_sms, max_groups)
+                                      bands_per_group, reserved_sms, max_groups, kernel)

@@ -11,23 +11,27 @@ use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::Mutex;
 
-const HEADERS: &[Source] = &[Source {
-    name: "ptx.cuh",
-    text: include_str!("../../csrc/ptx.cuh"),
-}];
+const HEADERS: &[Source] = &[
+    Source {
+        name: "ptx.cuh",
+        text: include_str!("../../csrc/ptx.cuh"),
+    },
+    Source {
+        name: "ptx_sm90.cuh",
+        text: include_str!("../../csrc/ptx_sm90.cuh"),
+    },
+];
 
-const GEMM_SIGNAL_SM80: Source = Source {
-    name: "gemm_signal_sm80.cu",
-    text: include_str!("../../csrc/gemm_signal_sm80.cu"),
-};
-
-/// The tile the sm80 GEMM computes per CTA iteration; plan/ needs it.
-/// BK = 64 measured 1.25x faster than 32 on H200 (fewer barriers per K);
-/// 3 stages (96 KiB) fit every sm_80+ part, and a 4th gained only ~2%.
-pub const GEMM_SM80_TILE: (u32, u32, u32) = (128, 128, 64);
-const GEMM_SM80_STAGES: u32 = 3;
-pub const GEMM_SM80_THREADS: u32 = 256;
-pub const GEMM_SM80_SMEM: u32 = GEMM_SM80_STAGES * (128 + 128) * GEMM_SM80_TILE.2 * 2;
+const SOURCES: &[Source] = &[
+    Source {
+        name: "gemm_signal_sm80.cu",
+        text: include_str!("../../csrc/gemm_signal_sm80.cu"),
+    },
+    Source {
+        name: "gemm_signal_sm90.cu",
+        text: include_str!("../../csrc/gemm_signal_sm90.cu"),
+    },
+];
 
 /// One compiled variant of one kernel.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -40,10 +44,10 @@ pub struct KernelSpec {
 
 impl KernelSpec {
     fn main(&self) -> Source {
-        match self.source {
-            "gemm_signal_sm80.cu" => GEMM_SIGNAL_SM80,
-            other => unreachable!("unknown kernel source {other}"),
-        }
+        *SOURCES
+            .iter()
+            .find(|s| s.name == self.source)
+            .expect("every spec names an embedded source")
     }
 
     fn options(&self, arch: &str) -> Vec<String> {
@@ -53,25 +57,114 @@ impl KernelSpec {
     }
 }
 
-pub fn gemm_signal(dtype: Dtype) -> KernelSpec {
-    KernelSpec {
-        source: GEMM_SIGNAL_SM80.name,
-        entry: "fo_gemm_signal",
-        defines: vec![
-            (
-                "FO_BF16",
-                if dtype == Dtype::Bf16 { "1" } else { "0" }.to_string(),
-            ),
-            ("FO_BK", GEMM_SM80_TILE.2.to_string()),
-            ("FO_STAGES", GEMM_SM80_STAGES.to_string()),
-        ],
-        dynamic_smem: GEMM_SM80_SMEM,
+/// The GEMM kernels: the portable mma.sync one and the Hopper wgmma/TMA one
+/// (with its tile's N). Each knows its tile and launch shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GemmKernel {
+    /// sm_80 and newer. BK = 64 measured 1.25x faster than 32 on H200 (fewer
+    /// barriers per K); 3 stages (96 KiB) fit every sm_80+ part, a 4th gained ~2%.
+    Sm80,
+    /// sm_90a only: TMA + wgmma, 128 x `bn` tiles.
+    Sm90 { bn: u32 },
+}
+
+const SM80_STAGES: u32 = 3;
+
+impl GemmKernel {
+    pub const ALL: [GemmKernel; 3] = [
+        GemmKernel::Sm80,
+        GemmKernel::Sm90 { bn: 128 },
+        GemmKernel::Sm90 { bn: 256 },
+    ];
+
+    /// (BM, BN, BK) of one CTA iteration; plan/ tiles the output with it.
+    pub fn tile(self) -> (u32, u32, u32) {
+        match self {
+            GemmKernel::Sm80 => (128, 128, 64),
+            GemmKernel::Sm90 { bn } => (128, bn, 64),
+        }
+    }
+
+    pub fn threads(self) -> u32 {
+        match self {
+            GemmKernel::Sm80 => 256,
+            GemmKernel::Sm90 { .. } => 384,
+        }
+    }
+
+    fn stages(self) -> u32 {
+        match self {
+            GemmKernel::Sm80 => SM80_STAGES,
+            // 192 KiB of stages either way, under the 227 KiB an sm_90 block may have.
+            GemmKernel::Sm90 { bn } => 192 * 1024 / ((128 + bn) * 64 * 2),
+        }
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            GemmKernel::Sm80 => "sm80".into(),
+            GemmKernel::Sm90 { bn } => format!("sm90_n{bn}"),
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
+
+    /// Whether an NVRTC target (e.g. "sm_90a") can run it.
+    pub fn runs_on(self, arch: &str) -> bool {
+        match self {
+            GemmKernel::Sm80 => arch
+                .strip_prefix("sm_")
+                .and_then(|v| v.trim_end_matches('a').parse::<u32>().ok())
+                .is_some_and(|v| v >= 80),
+            GemmKernel::Sm90 { .. } => arch == "sm_90a",
+        }
+    }
+
+    /// The kernel a device uses when the caller does not name one.
+    pub fn default_for(major: i32) -> Self {
+        let _ = major;
+        GemmKernel::Sm80
+    }
+
+    pub fn spec(self, dtype: Dtype) -> KernelSpec {
+        let (bm, bn, bk) = self.tile();
+        let stages = self.stages();
+        let bf16 = if dtype == Dtype::Bf16 { "1" } else { "0" }.to_string();
+        match self {
+            GemmKernel::Sm80 => KernelSpec {
+                source: "gemm_signal_sm80.cu",
+                entry: "fo_gemm_signal",
+                defines: vec![
+                    ("FO_BF16", bf16),
+                    ("FO_BK", bk.to_string()),
+                    ("FO_STAGES", stages.to_string()),
+                ],
+                dynamic_smem: stages * (bm + bn) * bk * 2,
+            },
+            GemmKernel::Sm90 { .. } => KernelSpec {
+                source: "gemm_signal_sm90.cu",
+                entry: "fo_gemm_signal_sm90",
+                defines: vec![
+                    ("FO_BF16", bf16),
+                    ("FO_BN", bn.to_string()),
+                    ("FO_STAGES", stages.to_string()),
+                ],
+                // The stages, then a full and an empty mbarrier per stage.
+                dynamic_smem: stages * (bm + bn) * bk * 2 + stages * 16,
+            },
+        }
     }
 }
 
-/// Every variant the library can launch, for the compile check CI runs.
-pub fn all() -> Vec<KernelSpec> {
-    vec![gemm_signal(Dtype::Bf16), gemm_signal(Dtype::F16)]
+/// Every variant the library can launch on `arch`, for the compile check CI runs.
+pub fn all_for(arch: &str) -> Vec<KernelSpec> {
+    GemmKernel::ALL
+        .into_iter()
+        .filter(|k| k.runs_on(arch))
+        .flat_map(|k| [k.spec(Dtype::Bf16), k.spec(Dtype::F16)])
+        .collect()
 }
 
 /// The cubin of `spec` for `arch` (e.g. "sm_90a"), from the cache or NVRTC.

@@ -8,3 +8,4 @@ pub mod kernels;
 pub mod memory;
 pub mod nvrtc;
 pub mod stream;
+pub mod tensor_map;

@@ -2,8 +2,9 @@
 //! overlapped ops and exposed for measuring the kernel alone.
 
 use crate::cuda::driver::{self, DeviceInfo};
-use crate::cuda::kernels::{self, Kernel, GEMM_SM80_THREADS, GEMM_SM80_TILE};
+use crate::cuda::kernels::{self, GemmKernel, Kernel};
 use crate::cuda::stream::RawStream;
+use crate::cuda::tensor_map;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::TileShape;
@@ -21,8 +22,8 @@ pub struct GemmArgs {
     pub dtype: Dtype,
 }
 
-pub fn tile_shape() -> TileShape {
-    let (bm, bn, bk) = GEMM_SM80_TILE;
+pub fn tile_shape(kernel: GemmKernel) -> TileShape {
+    let (bm, bn, bk) = kernel.tile();
     TileShape { bm, bn, bk }
 }
 
@@ -48,8 +49,8 @@ impl GemmArgs {
         Ok(())
     }
 
-    pub fn tiles(&self) -> u32 {
-        let t = tile_shape();
+    pub fn tiles(&self, kernel: GemmKernel) -> u32 {
+        let t = tile_shape(kernel);
         self.m.div_ceil(t.bm) * self.n.div_ceil(t.bn)
     }
 }
@@ -62,26 +63,44 @@ pub struct Signals {
     pub counters: u64,
 }
 
-pub fn load(device: &DeviceInfo, dtype: Dtype) -> Result<Kernel> {
-    kernels::load(device, &kernels::gemm_signal(dtype))
+/// A GEMM kernel loaded for one device and dtype.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadedGemm {
+    pub which: GemmKernel,
+    kernel: Kernel,
+}
+
+/// Loads `which` (or the device's default) for `dtype`; a kernel the device
+/// cannot run is a clear error.
+pub fn load(device: &DeviceInfo, dtype: Dtype, which: Option<GemmKernel>) -> Result<LoadedGemm> {
+    let which = which.unwrap_or_else(|| GemmKernel::default_for(device.major));
+    if !which.runs_on(&device.arch()) {
+        return Err(Error::Invalid(format!(
+            "kernel: {} does not run on {} (device {})",
+            which.name(),
+            device.arch(),
+            device.ordinal
+        )));
+    }
+    let kernel = kernels::load(device, &which.spec(dtype))?;
+    Ok(LoadedGemm { which, kernel })
 }
 
 /// Enqueues the persistent GEMM with `ctas` CTAs on `stream`.
 pub fn launch(
-    kernel: &Kernel,
+    gemm: &LoadedGemm,
     args: &GemmArgs,
     signals: &Signals,
     ctas: u32,
     stream: RawStream,
 ) -> Result<()> {
-    let (mut a, mut b, mut c) = (args.x, args.weight, args.out);
-    let (mut m, mut n, mut k) = (args.m as i32, args.n as i32, args.k as i32);
+    let (mut c, mut m, mut n, mut k) = (args.out, args.m as i32, args.n as i32, args.k as i32);
     let (mut order, mut group, mut counters) =
         (signals.tile_order, signals.tile_group, signals.counters);
-    let mut tiles = args.tiles() as i32;
-    let mut params: [*mut c_void; 10] = [
-        (&mut a as *mut u64).cast(),
-        (&mut b as *mut u64).cast(),
+    let tiles = args.tiles(gemm.which);
+    let mut count = tiles as i32;
+    let grid = ctas.min(tiles).max(1);
+    let tail: [*mut c_void; 8] = [
         (&mut c as *mut u64).cast(),
         (&mut m as *mut i32).cast(),
         (&mut n as *mut i32).cast(),
@@ -89,16 +108,41 @@ pub fn launch(
         (&mut order as *mut u64).cast(),
         (&mut group as *mut u64).cast(),
         (&mut counters as *mut u64).cast(),
-        (&mut tiles as *mut i32).cast(),
+        (&mut count as *mut i32).cast(),
     ];
-    let grid = ctas.min(args.tiles()).max(1);
-    kernel.launch(grid, GEMM_SM80_THREADS, stream, &mut params)
+    match gemm.which {
+        GemmKernel::Sm80 => {
+            let (mut a, mut b) = (args.x, args.weight);
+            let mut params: Vec<*mut c_void> =
+                vec![(&mut a as *mut u64).cast(), (&mut b as *mut u64).cast()];
+            params.extend(tail);
+            gemm.kernel
+                .launch(grid, gemm.which.threads(), stream, &mut params)
+        }
+        GemmKernel::Sm90 { bn } => {
+            let (bm, _, bk) = gemm.which.tile();
+            let mut a = tensor_map::row_major_2d(args.x, args.m, args.k, bm, bk, args.dtype)?;
+            let mut b = tensor_map::row_major_2d(args.weight, args.n, args.k, bn, bk, args.dtype)?;
+            let mut params: Vec<*mut c_void> = vec![
+                (&mut a as *mut _ as *mut c_void),
+                (&mut b as *mut _ as *mut c_void),
+            ];
+            params.extend(tail);
+            gemm.kernel
+                .launch(grid, gemm.which.threads(), stream, &mut params)
+        }
+    }
 }
 
 /// The GEMM alone on all SMs of `ordinal`, on the caller's stream.
-pub fn gemm(args: &GemmArgs, ordinal: i32, stream: RawStream) -> Result<()> {
+pub fn gemm(
+    args: &GemmArgs,
+    ordinal: i32,
+    which: Option<GemmKernel>,
+    stream: RawStream,
+) -> Result<()> {
     args.validate()?;
     let device = driver::bind(ordinal)?;
-    let kernel = load(&device, args.dtype)?;
+    let kernel = load(&device, args.dtype, which)?;
     launch(&kernel, args, &Signals::default(), device.sms, stream)
 }

@@ -14,6 +14,7 @@
 use super::gemm::{self, GemmArgs, Signals};
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
+use crate::cuda::kernels::GemmKernel;
 use crate::cuda::memory::DeviceBuffer;
 use crate::cuda::stream::{self, RawStream};
 use crate::error::{Error, Result};
@@ -28,6 +29,8 @@ const COUNTER_SLOTS: usize = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Options {
+    /// The GEMM kernel; None: the device's default.
+    pub kernel: Option<GemmKernel>,
     pub mode: ModeRequest,
     pub bands_per_group: Option<u32>,
     pub reserved_sms: u32,
@@ -50,14 +53,14 @@ pub fn hardware_for(sms: u32, major: i32) -> HardwareModel {
     }
 }
 
-pub fn request(args: &GemmArgs, world: u32, opts: &Options) -> PlanRequest {
+pub fn request(args: &GemmArgs, world: u32, opts: &Options, kernel: GemmKernel) -> PlanRequest {
     PlanRequest {
         m: args.m,
         n: args.n,
         k: args.k,
         world,
         elem_bytes: args.dtype.bytes(),
-        tile: gemm::tile_shape(),
+        tile: gemm::tile_shape(kernel),
         reserved_sms: opts.reserved_sms,
         bands_per_group: opts.bands_per_group,
         max_groups: opts.max_groups,
@@ -97,7 +100,10 @@ fn prepare(
         )));
     }
     let hw = hardware_for(comm.device.sms, comm.device.major);
-    let plan = plan::plan_gemm_all_reduce(&request(args, comm.world as u32, opts), &hw)?;
+    let kernel = opts
+        .kernel
+        .unwrap_or_else(|| GemmKernel::default_for(comm.device.major));
+    let plan = plan::plan_gemm_all_reduce(&request(args, comm.world as u32, opts, kernel), &hw)?;
     let groups = plan.partition.len().max(1);
     let prepared = Arc::new(Prepared {
         tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
@@ -138,7 +144,7 @@ pub fn gemm_all_reduce(
     if plan.schedule == Schedule::Sequential {
         return Ok(Schedule::Sequential);
     }
-    let kernel = gemm::load(&comm.device, args.dtype)?;
+    let kernel = gemm::load(&comm.device, args.dtype, opts.kernel)?;
     let nccl = comm.nccl()?;
     let comm_stream = comm.stream.0;
     let elem = args.dtype.bytes() as u64;

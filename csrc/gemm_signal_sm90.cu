@@ -1,0 +1,164 @@
+// Persistent Hopper GEMM with a signaling epilogue (sm_90a): TMA loads into a
+// ring of shared-memory stages guarded by mbarriers, wgmma on two consumer
+// warpgroups, one producer warpgroup, register reallocation between them.
+//
+//   C[M, N] = A[M, K] * B[N, K]^T   (A = activations, B = weight in nn.Linear
+//   layout), 16-bit inputs, fp32 accumulation, 16-bit output.
+//
+// CTA c walks positions c, c + gridDim.x, ... of the tile order, exactly as
+// the sm80 kernel does; producer and consumers walk the same sequence, and the
+// stage ring runs on across tiles so that the next tile's loads overlap this
+// tile's epilogue. After both consumer warpgroups stored a tile, one thread
+// adds 1 to the counter of the tile's wave group (release, GPU scope).
+//
+// Compile-time constants: FO_BF16 (1: bf16, 0: fp16), FO_BN (128 or 256: the
+// tile's N; BM is 128, 64 rows per consumer warpgroup), FO_STAGES.
+#include "ptx.cuh"
+#include "ptx_sm90.cuh"
+
+#ifndef FO_BN
+#define FO_BN 128
+#endif
+#ifndef FO_STAGES
+#define FO_STAGES 5
+#endif
+
+namespace {
+
+constexpr int BM = 128, BN = FO_BN, BK = 64;  // BK * 2 bytes = one 128-byte swizzle row
+constexpr int STAGES = FO_STAGES;
+constexpr int THREADS = 384;                  // producer + 2 consumer warpgroups
+constexpr int A_STAGE_BYTES = BM * BK * 2, B_STAGE_BYTES = BN * BK * 2;
+constexpr int STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES;
+constexpr int ACC = BN / 2;                   // fp32 accumulators per consumer thread
+static_assert(BN == 128 || BN == 256, "wgmma wrappers exist for N = 128 and 256");
+
+typedef unsigned short elem_t;
+
+__device__ __forceinline__ void mma_k16(float (&acc)[ACC], unsigned long long da, unsigned long long db, int scale_d) {
+#if FO_BN == 128
+  fo::wgmma_m64n128k16(acc, da, db, scale_d);
+#else
+  fo::wgmma_m64n256k16(acc, da, db, scale_d);
+#endif
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    fo_gemm_signal_sm90(const __grid_constant__ fo::TensorMap tma_a, const __grid_constant__ fo::TensorMap tma_b,
+                        elem_t* __restrict__ C, int M, int N, int K, const int* __restrict__ tile_order,
+                        const int* __restrict__ tile_group, unsigned* __restrict__ counters, int num_tiles) {
+  // Stages first (1024-byte aligned, as 128-byte swizzling requires), then
+  // the full/empty barrier pair of every stage.
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const unsigned base = fo::smem_addr(smem);
+  const unsigned bars = base + STAGES * STAGE_BYTES;
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
+  auto a_stage = [&](int s) { return base + s * STAGE_BYTES; };
+  auto b_stage = [&](int s) { return base + s * STAGE_BYTES + A_STAGE_BYTES; };
+
+  const int warpgroup = threadIdx.x / 128;
+  const int tiles_n = (N + BN - 1) / BN;
+  const int ktiles = (K + BK - 1) / BK;
+
+  if (threadIdx.x == 0) {
+    fo::prefetch_tensor_map(&tma_a);
+    fo::prefetch_tensor_map(&tma_b);
+    for (int s = 0; s < STAGES; ++s) {
+      fo::mbar_init(full(s), 1);   // the producer's arrive; TMA completes the bytes
+      fo::mbar_init(empty(s), 8);  // one arrive per consumer warp
+    }
+    fo::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // Producer: one thread issues every load; the rest of the warpgroup idles
+    // with few registers so the consumers can have more.
+    fo::setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      unsigned phase = 0;
+      for (int pos = blockIdx.x; pos < num_tiles; pos += gridDim.x) {
+        const int tile = tile_order ? tile_order[pos] : pos;
+        const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+        for (int kt = 0; kt < ktiles; ++kt) {
+          // A fresh barrier counts as having completed the phase before its
+          // first, so the first pass over the ring does not wait.
+          fo::mbar_wait(empty(stage), phase ^ 1);
+          fo::mbar_arrive_expect_tx(full(stage), STAGE_BYTES);
+          fo::tma_load_2d(a_stage(stage), &tma_a, full(stage), kt * BK, m0);
+          fo::tma_load_2d(b_stage(stage), &tma_b, full(stage), kt * BK, n0);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+  } else {
+    fo::setmaxnreg_inc<232>();
+    const int consumer = warpgroup - 1;  // rows consumer*64 .. +64 of the tile
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    int stage = 0;
+    unsigned phase = 0;
+    float acc[ACC];
+    for (int pos = blockIdx.x; pos < num_tiles; pos += gridDim.x) {
+      const int tile = tile_order ? tile_order[pos] : pos;
+      const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+
+      int previous = -1;
+      for (int kt = 0; kt < ktiles; ++kt) {
+        fo::mbar_wait(full(stage), phase);
+        fo::wgmma_fence();
+        const unsigned a = a_stage(stage) + consumer * 64 * (BK * 2);
+        const unsigned b = b_stage(stage);
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+          // A k16 step is 32 bytes into each swizzled 128-byte row.
+          mma_k16(acc, fo::sw128_desc(a + kk * 32), fo::sw128_desc(b + kk * 32), (kt > 0 || kk > 0) ? 1 : 0);
+        }
+        fo::wgmma_commit();
+        // Keep this k-tile's wgmmas in flight; the previous k-tile's are done,
+        // so its stage goes back to the producer.
+        fo::wgmma_wait<1>();
+        if (previous >= 0) {
+          __syncwarp();
+          if (lane == 0) fo::mbar_arrive(empty(previous));
+        }
+        previous = stage;
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      fo::wgmma_wait<0>();
+      __syncwarp();
+      if (lane == 0) fo::mbar_arrive(empty(previous));
+
+      // wgmma m64nN accumulator layout: for each 8-column block j, registers
+      // 4j, 4j+1 hold (row g, cols 2t, 2t+1) and 4j+2, 4j+3 the same at row g+8,
+      // with g = lane / 4, t = lane % 4, rows offset by 16 per warp.
+      const int g = lane / 4, t = lane % 4;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = m0 + consumer * 64 + warp * 16 + g + h * 8;
+        if (row < M) {
+          elem_t* crow = C + (long long)row * N;
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+            const int col = n0 + j * 8 + 2 * t;
+            // N is a multiple of 8 and col is even, so col < N covers col + 1.
+            if (col < N)
+              *reinterpret_cast<unsigned*>(crow + col) = fo::pack2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          }
+        }
+      }
+      // Both consumer warpgroups' stores of this tile precede the signal.
+      fo::named_barrier(1, 256);
+      if (counters != nullptr && threadIdx.x == 128) fo::signal_add(counters + tile_group[pos], 1u);
+    }
+  }
+}
