@@ -209,10 +209,10 @@ fn plan_gemm_all_reduce(
     // Planning needs the shape only; no pointer is ever read.
     let args = operands(0, 0, 0, m, n, k, dtype)?;
     let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel)?;
-    let hw = gar::hardware_for(sms, major);
     let which = opts
         .kernel
         .unwrap_or_else(|| GemmKernel::default_for(major));
+    let hw = gar::hardware_for(sms, major, which);
     plan::plan_gemm_all_reduce(&gar::request(&args, world_size, &opts, which), &hw)
         .map(PyPlan)
         .map_err(|e| to_py(e.into()))

@@ -122,10 +122,15 @@ impl GemmKernel {
         }
     }
 
-    /// The kernel a device uses when the caller does not name one.
+    /// The kernel a device uses when the caller does not name one: on Hopper
+    /// the wgmma kernel with 128 x 256 tiles (H200: 0.88x cuBLAS geometric
+    /// mean over six shapes, against 0.78x for 128 x 128 and 0.36x for sm80).
     pub fn default_for(major: i32) -> Self {
-        let _ = major;
-        GemmKernel::Sm80
+        if major == 9 {
+            GemmKernel::Sm90 { bn: 256 }
+        } else {
+            GemmKernel::Sm80
+        }
     }
 
     pub fn spec(self, dtype: Dtype) -> KernelSpec {

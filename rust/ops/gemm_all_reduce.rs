@@ -45,9 +45,21 @@ pub struct Prepared {
     next_slot: AtomicUsize,
 }
 
-pub fn hardware_for(sms: u32, major: i32) -> HardwareModel {
+/// The predictor's machine: measured constants on H200 (with the rate of
+/// the kernel that will run), a pessimistic model elsewhere.
+pub fn hardware_for(sms: u32, major: i32, kernel: GemmKernel) -> HardwareModel {
     if major == 9 && sms == 132 {
-        HardwareModel::h200()
+        // bf16 on H200, random data (evaluation/results): sm80 282-287,
+        // sm90_n128 478-595, sm90_n256 443-692 TFLOP/s.
+        let gemm_tflops = match kernel {
+            GemmKernel::Sm80 => 285.0,
+            GemmKernel::Sm90 { bn: 128 } => 550.0,
+            GemmKernel::Sm90 { .. } => 640.0,
+        };
+        HardwareModel {
+            gemm_tflops,
+            ..HardwareModel::h200()
+        }
     } else {
         HardwareModel::generic(sms)
     }
@@ -99,10 +111,10 @@ fn prepare(
             args.dtype.name()
         )));
     }
-    let hw = hardware_for(comm.device.sms, comm.device.major);
     let kernel = opts
         .kernel
         .unwrap_or_else(|| GemmKernel::default_for(comm.device.major));
+    let hw = hardware_for(comm.device.sms, comm.device.major, kernel);
     let plan = plan::plan_gemm_all_reduce(&request(args, comm.world as u32, opts, kernel), &hw)?;
     let groups = plan.partition.len().max(1);
     let prepared = Arc::new(Prepared {

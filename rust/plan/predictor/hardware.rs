@@ -41,7 +41,8 @@ pub struct HardwareModel {
 }
 
 impl HardwareModel {
-    /// An H200 node with NVLink, BF16 GEMM.
+    /// An H200 node with NVLink, BF16 GEMM, with the sm80 kernel's rate;
+    /// callers that run another kernel override `gemm_tflops`.
     pub fn h200() -> Self {
         Self {
             sms: 132,
