@@ -49,8 +49,8 @@ pub struct Prepared {
 /// the kernel that will run), a pessimistic model elsewhere.
 pub fn hardware_for(sms: u32, major: i32, kernel: GemmKernel) -> HardwareModel {
     if major == 9 && sms == 132 {
-        // bf16 on H200, random data (evaluation/results): sm80 282-287,
-        // sm90_n128 478-595, sm90_n256 443-692 TFLOP/s.
+        // bf16 on H200, random data (evaluation/results): sm80 244-285,
+        // sm90_n128 464-597, sm90_n256 468-718 TFLOP/s.
         let gemm_tflops = match kernel {
             GemmKernel::Sm80 => 285.0,
             GemmKernel::Sm90 { bn: 128 } => 550.0,
