@@ -343,3 +343,26 @@ def test_planning_still_works_after_errors() -> None:
 def test_plan_class_is_exported() -> None:
     plan = plan_gemm_all_reduce(77, 1024, 1024, 2)
     assert isinstance(plan, flashoverlap.Plan)
+
+
+@pytest.mark.parametrize(
+    "kernel, capability, tile",
+    [
+        (None, (9, 0), (128, 256, 64)),
+        (None, (8, 0), (128, 128, 64)),
+        ("sm80", (9, 0), (128, 128, 64)),
+        ("sm90_n128", (9, 0), (128, 128, 64)),
+        ("sm90_n256", (9, 0), (128, 256, 64)),
+    ],
+)
+def test_the_plan_tiles_with_the_kernel_that_runs(kernel, capability, tile) -> None:
+    plan = plan_gemm_all_reduce(3000, 8192, 4096, 2, compute_capability=capability, kernel=kernel, mode="overlap")
+    assert plan.tile == tile
+    bm, bn, _ = tile
+    assert plan.tiles == (math.ceil(3000 / bm), math.ceil(8192 / bn))
+    assert sum(g["tiles"] for g in plan.groups) == plan.tiles[0] * plan.tiles[1]
+
+
+def test_unknown_kernel_in_a_plan_is_named() -> None:
+    with pytest.raises(ValueError, match="^kernel: "):
+        plan_gemm_all_reduce(3000, 8192, 4096, 2, kernel="sm70")
