@@ -3,8 +3,10 @@
 For each shape: cuBLAS GEMM alone, flashoverlap's GEMM alone, NCCL AllReduce of
 the output alone, sequential cuBLAS + NCCL, and flashoverlap.gemm_all_reduce
 (mode "auto": overlapped where the predictor says it wins, else cuBLAS then
-NCCL), plus forced overlap for the mechanism itself. Writes a CSV and a JSON of
-the environment under evaluation/results/.
+NCCL), forced overlap for the mechanism itself, and the independent-concurrency
+reference (cuBLAS and an NCCL AllReduce of an unrelated buffer launched
+together on two streams). Writes a CSV and a JSON of the environment under
+evaluation/results/.
 
     python evaluation/bench_gemm_ar.py                 # the 16 shapes of the issue
     python evaluation/bench_gemm_ar.py --shapes 4096x8192x4096
