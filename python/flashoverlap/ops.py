@@ -119,6 +119,22 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, *, kernel: Optional[str] = None)
     return torch.ops.flashoverlap.gemm(x, weight, kernel)
 
 
+def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel):
+    """The argument checks of the collective ops, in the documented order (shapes and dtypes,
+    options, an initialised process group, devices), then the communicator (created
+    collectively on first use). Returns (M, N, K, communicator)."""
+    m, n, k = check_gemm_operands(x, weight, devices=False)
+    _check_mode(mode, bands_per_group)
+    _check_kernel(kernel)
+    if not isinstance(group, (str, Communicator)) and communicator is None:
+        resolve_group(group)
+    check_device("x", x)
+    check_device("weight", weight, x.device)
+    comm = get_communicator(group, communicator=communicator)
+    check_device("x", x, comm.device)
+    return m, n, k, comm
+
+
 def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,
                     communicator=None, mode: str = "auto", bands_per_group: Optional[int] = None,
                     kernel: Optional[str] = None) -> torch.Tensor:
@@ -133,27 +149,14 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
       (default: chosen by the predictor).
     kernel: the GEMM kernel, as for :func:`gemm`.
     """
-    check_gemm_operands(x, weight, devices=False)
-    _check_mode(mode, bands_per_group)
-    _check_kernel(kernel)
-    if not isinstance(group, (str, Communicator)) and communicator is None:
-        resolve_group(group)
-    check_gemm_operands(x, weight)
-    comm = get_communicator(group, communicator=communicator)
-    check_device("x", x, comm.device)
+    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel)
     return torch.ops.flashoverlap.gemm_all_reduce(x, weight, comm.name, mode, bands_per_group, kernel)
 
 
 def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
             mode: str = "auto", bands_per_group: Optional[int] = None, kernel: Optional[str] = None) -> "_core.Plan":
     """The plan ``gemm_all_reduce`` runs for these arguments (tiles, waves, groups, predicted timeline)."""
-    m, n, k = check_gemm_operands(x, weight, devices=False)
-    _check_mode(mode, bands_per_group)
-    _check_kernel(kernel)
-    check_device("x", x)
-    check_device("weight", weight, x.device)
-    comm = get_communicator(group, communicator=communicator)
-    check_device("x", x, comm.device)
+    m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
     return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), mode,

@@ -40,6 +40,8 @@ pub struct Options {
 /// What a shape needs on the device, made on its first call.
 pub struct Prepared {
     pub plan: GemmAllReducePlan,
+    /// The kernel the plan tiled for; the launch must use this one.
+    kernel: GemmKernel,
     tile_group: DeviceBuffer,
     counters: DeviceBuffer,
     next_slot: AtomicUsize,
@@ -118,6 +120,7 @@ fn prepare(
     let plan = plan::plan_gemm_all_reduce(&request(args, comm.world as u32, opts, kernel), &hw)?;
     let groups = plan.partition.len().max(1);
     let prepared = Arc::new(Prepared {
+        kernel,
         tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
         counters: DeviceBuffer::zeroed_u32(groups * COUNTER_SLOTS)?,
         next_slot: AtomicUsize::new(0),
@@ -156,7 +159,7 @@ pub fn gemm_all_reduce(
     if plan.schedule == Schedule::Sequential {
         return Ok(Schedule::Sequential);
     }
-    let kernel = gemm::load(&comm.device, args.dtype, opts.kernel)?;
+    let kernel = gemm::load(&comm.device, args.dtype, Some(prepared.kernel))?;
     let nccl = comm.nccl()?;
     let comm_stream = comm.stream.0;
     let elem = args.dtype.bytes() as u64;
