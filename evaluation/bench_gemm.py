@@ -1,87 +1,186 @@
-"""flashoverlap's GEMM kernel alone (no signals, all SMs) against cuBLAS, one GPU.
+"""flashoverlap's GEMM kernel against cuBLAS (torch.matmul) on one GPU.
 
-For one kernel variant: relative error against fp32 on shapes with tails (both
-dtypes, output memory poisoned with NaN first), then TFLOP/s of the kernel and
-of torch.matmul (cuBLAS) measured in the same run on random bf16 data, inputs
-rotated over three buffers, median of 20 CUDA-event-timed runs.
+First correctness: relative error against the fp32 product on shapes with M, N
+and K tails, both dtypes, output memory poisoned with NaN first, for every
+kernel variant, tile order and signaling configuration measured below. Then
+speed over the 17 shapes of issue 3 (M in 2048..16384 x (N, K) in
+{(8192, 4096), (8192, 14336), (8192, 1024), (8192, 3584)}, plus 8192^3):
 
-    python evaluation/bench_gemm.py sm90_n256
-    python evaluation/bench_gemm.py sm80
+  - the default launch (planner's kernel and raster) vs cuBLAS, bf16 and fp16;
+  - each tile order (row-band = raster 1, and raster blocks of 4, 8, 16 bands)
+    at each SM count the overlapped ops use (132, 116, 100 SMs);
+  - the signaling epilogue (one counter per group of 4 row bands, row-band
+    order) vs the same launch without signals;
+  - the other tile width (sm90_n128) at the default raster.
+
+Every configuration of a shape is timed in the same interleaved loop as
+cuBLAS: random data, inputs rotated over three buffers, CUDA events, median
+of `--iters` runs after warm-up. Ratios are cuBLAS time / our time.
+
+    python evaluation/bench_gemm.py [--quick] [--iters 30] [--out evaluation/results/gemm_kernel_h200]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import sys
+import time
 
 import torch
 
 import flashoverlap
+from flashoverlap import _core
 
+SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 4096), (8192, 14336), (8192, 1024),
+                                                                    (8192, 3584))] + [(8192, 8192, 8192)]
 CHECK_SHAPES = [(128, 128, 64), (1, 8, 8), (77, 1024, 1024), (1000, 4096, 1024), (3000, 136, 4104),
-                (4096, 8192, 4096), (300, 264, 72)]
-SPEED_SHAPES = [(2048, 8192, 4096), (4096, 8192, 4096), (8192, 8192, 8192), (4096, 8192, 14336),
-                (16384, 8192, 1024), (8192, 8192, 3584)]
+                (4096, 8192, 4096), (300, 264, 72), (2100, 8192, 1000)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
+    """One GEMM launch through the core API (signal_bands is a measurement hook there)."""
+    m, k = x.shape
+    _core.gemm(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, w.shape[0], k,
+               "bfloat16" if x.dtype == torch.bfloat16 else "float16", x.device.index,
+               torch.cuda.current_stream().cuda_stream, cfg.get("kernel"), cfg.get("raster"), cfg.get("sms"),
+               cfg.get("signal"))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b).norm() / b.norm())
 
 
-def median_us(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        events.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1000
-
-
-def main(variant: str) -> int:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    correct = True
-    for dt in (torch.bfloat16, torch.float16):
+def check(configs: dict) -> bool:
+    ok = True
+    for dname, dt in DTYPES.items():
         for (m, n, k) in CHECK_SHAPES:
             x = torch.randn(m, k, device="cuda", dtype=dt)
             w = torch.randn(n, k, device="cuda", dtype=dt)
-            torch.empty(m * n + 1024, device="cuda", dtype=dt).fill_(float("nan"))
-            out = flashoverlap.gemm(x, w, kernel=variant)
-            torch.cuda.synchronize()
-            e, nan = rel(out, x.float() @ w.float().T), bool(out.isnan().any())
-            correct &= e < 1e-2 and not nan
-            print(f"{variant} {str(dt)[6:]} {m}x{n}x{k} err {e:.1e} nan {nan}", flush=True)
-    ratios = []
-    for (m, n, k) in SPEED_SHAPES:
-        xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-        turn = [0]
+            ref = x.float() @ w.float().T
+            for name, cfg in configs.items():
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
+                launch(x, w, out, cfg)
+                torch.cuda.synchronize()
+                e, nan = rel(out, ref), bool(out.isnan().any())
+                if not (e < 1e-2 and not nan):
+                    ok = False
+                    print(f"FAIL {dname} {m}x{n}x{k} {name}: err {e:.1e} nan {nan}", flush=True)
+    # The public wrapper too (default launch, batched leading dims).
+    x = torch.randn(3, 50, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(136, 256, device="cuda", dtype=torch.bfloat16)
+    ok &= rel(flashoverlap.gemm(x, w), x.float() @ w.float().T) < 1e-2
+    print(f"correctness over {len(CHECK_SHAPES)} shapes x 2 dtypes x {len(configs)} configurations: "
+          f"{'ok' if ok else 'FAILED'}", flush=True)
+    return ok
 
-        def operands():
-            turn[0] = (turn[0] + 1) % 3
-            return xs[turn[0]], ws[turn[0]]
 
-        def cublas():
-            x, w = operands()
-            return torch.matmul(x, w.t())
+def time_shape(m: int, n: int, k: int, dt: torch.dtype, configs: dict, iters: int) -> dict:
+    """Median microseconds of cuBLAS and of each configuration, interleaved run by run."""
+    xs = [torch.randn(m, k, device="cuda", dtype=dt) for _ in range(3)]
+    ws = [torch.randn(n, k, device="cuda", dtype=dt) for _ in range(3)]
+    outs = [torch.empty(m, n, device="cuda", dtype=dt) for _ in range(3)]
+    runs = {"cublas": lambda i: torch.matmul(xs[i], ws[i].t(), out=outs[i])}
+    for name, cfg in configs.items():
+        runs[name] = (lambda c: lambda i: launch(xs[i], ws[i], outs[i], c))(cfg)
+    for fn in runs.values():
+        for i in range(3):
+            fn(i)
+    torch.cuda.synchronize()
+    events = {name: [] for name in runs}
+    for it in range(iters):
+        for name, fn in runs.items():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn(it % 3)
+            e.record()
+            events[name].append((s, e))
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) for s, e in ev) * 1000 for name, ev in events.items()}
 
-        def ours():
-            x, w = operands()
-            return flashoverlap.gemm(x, w, kernel=variant)
 
-        tc, to = median_us(cublas), median_us(ours)
-        flops = 2 * m * n * k / 1e6
-        ratios.append(tc / to)
-        print(f"{variant} {m}x{n}x{k}: cublas {flops / tc:.0f} TF, ours {flops / to:.0f} TF, ratio {tc / to:.3f}",
-              flush=True)
-    print(f"{variant} geomean ratio {statistics.geometric_mean(ratios):.3f} correct={correct}")
-    return 0 if correct else 1
+def geomean(values) -> float:
+    return statistics.geometric_mean(list(values))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="default launch only, bf16 and fp16")
+    ap.add_argument("--out", default=None, help="write <out>.txt and <out>.json")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    lines = []
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    say(f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {props.name}, {sms} SMs, torch {torch.__version__}; "
+        f"command: python {' '.join(sys.argv)}")
+    say(f"# ratio = cuBLAS time / flashoverlap time (>1: faster than cuBLAS); median of {args.iters} interleaved runs")
+
+    # Configurations: default launch, orders x SM counts, signaling, other tile width.
+    reserved = [0] if args.quick else [0, 16, 32]
+    configs = {"default": {}}
+    if not args.quick:
+        for r in reserved:
+            for raster in (1, 4, 8, 16):
+                configs[f"sms{sms - r}_r{raster}"] = {"sms": sms - r, "raster": raster}
+        configs["signal_r1"] = {"raster": 1, "signal": 4}
+        configs["signal_default"] = {"signal": 4}
+        if props.major == 9:
+            configs["n128"] = {"kernel": "sm90_n128"}
+    ok = check(configs)
+
+    results = []
+    for dname, dt in DTYPES.items():
+        cfgs = configs if dname == "bf16" else {"default": {}}
+        for (m, n, k) in SHAPES:
+            t = time_shape(m, n, k, dt, cfgs, args.iters)
+            flops = 2 * m * n * k / 1e6
+            row = {"dtype": dname, "m": m, "n": n, "k": k, "us": t,
+                   "tflops": {name: flops / us for name, us in t.items()}}
+            results.append(row)
+            extra = ""
+            if "signal_r1" in t:
+                extra = (f"  r1 {t['cublas'] / t['sms%d_r1' % sms]:.3f}  r16 {t['cublas'] / t['sms%d_r16' % sms]:.3f}"
+                         f"  signal overhead {t['signal_r1'] / t['sms%d_r1' % sms] - 1:+.2%}")
+            say(f"{dname} {m:>5}x{n}x{k:<5} cuBLAS {flops / t['cublas']:4.0f} TF  ours {flops / t['default']:4.0f} TF  "
+                f"ratio {t['cublas'] / t['default']:.3f}{extra}")
+
+    say("")
+    for dname in DTYPES:
+        rows = [r for r in results if r["dtype"] == dname]
+        ratios = [r["us"]["cublas"] / r["us"]["default"] for r in rows]
+        say(f"{dname} default launch vs cuBLAS: geomean {geomean(ratios):.3f}, min {min(ratios):.3f} over {len(rows)} shapes")
+    bf = [r for r in results if r["dtype"] == "bf16"]
+    if not args.quick:
+        say("")
+        say("bf16 TFLOP/s ratio vs cuBLAS (all SMs for cuBLAS), geomean over shapes, per SM count and tile order:")
+        say("  SMs   " + "  ".join(f"raster {r:>2}" for r in (1, 4, 8, 16)))
+        for r in reserved:
+            cells = [geomean(x["us"]["cublas"] / x["us"][f"sms{sms - r}_r{raster}"] for x in bf)
+                     for raster in (1, 4, 8, 16)]
+            say(f"  {sms - r:>3}   " + "  ".join(f"{c:9.3f}" for c in cells))
+        over = geomean(x["us"]["signal_r1"] / x["us"][f"sms{sms}_r1"] for x in bf) - 1
+        over_d = geomean(x["us"]["signal_default"] / x["us"]["default"] for x in bf) - 1
+        say(f"signaling overhead (geomean time ratio, signals per 4 bands vs none): row-band order {over:+.2%}, "
+            f"default order {over_d:+.2%}")
+        if "n128" in configs:
+            say(f"sm90_n128 vs cuBLAS geomean {geomean(x['us']['cublas'] / x['us']['n128'] for x in bf):.3f}")
+    say(f"correct={ok}")
+    if args.out:
+        with open(args.out + ".txt", "w") as f:
+            f.write("\n".join(lines) + "\n")
+        with open(args.out + ".json", "w") as f:
+            json.dump({"device": props.name, "sms": sms, "configs": configs, "results": results}, f, indent=1)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "sm90_n256"))
+    sys.exit(main())

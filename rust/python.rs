@@ -75,13 +75,18 @@ fn options(
     reserved_sms: u32,
     max_groups: u32,
     kernel: Option<&str>,
+    raster_bands: Option<u32>,
 ) -> PyResult<gar::Options> {
+    if raster_bands == Some(0) {
+        return Err(PyValueError::new_err("raster_bands: must be >= 1 or None, got 0"));
+    }
     Ok(gar::Options {
         kernel: gemm_kernel(kernel)?,
         mode: self::mode(mode)?,
         bands_per_group,
         reserved_sms,
         max_groups,
+        raster_bands,
     })
 }
 
@@ -166,6 +171,16 @@ impl PyPlan {
     fn tile_group(&self) -> Vec<u32> {
         self.0.tile_group.clone()
     }
+    /// The tile id (row-major over the tile grid) the kernel computes at every position.
+    #[getter]
+    fn tile_order(&self) -> Vec<u32> {
+        self.0.order.positions.clone()
+    }
+    /// Row bands per raster block of the tile order (1: row by row).
+    #[getter]
+    fn raster_bands(&self) -> u32 {
+        self.0.request.raster_bands
+    }
     fn describe(&self) -> String {
         self.0.describe()
     }
@@ -190,7 +205,7 @@ fn version() -> &'static str {
 /// Plans GEMM + AllReduce for a device described by `sms` and compute
 /// capability `major`; needs no GPU.
 #[pyfunction]
-#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16, kernel=None))]
+#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16, kernel=None, raster_bands=None))]
 #[allow(clippy::too_many_arguments)]
 fn plan_gemm_all_reduce(
     m: u32,
@@ -205,15 +220,16 @@ fn plan_gemm_all_reduce(
     reserved_sms: u32,
     max_groups: u32,
     kernel: Option<&str>,
+    raster_bands: Option<u32>,
 ) -> PyResult<PyPlan> {
     // Planning needs the shape only; no pointer is ever read.
     let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel)?;
+    let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands)?;
     let which = opts
         .kernel
         .unwrap_or_else(|| GemmKernel::default_for(major));
     let hw = gar::hardware_for(sms, major, which);
-    plan::plan_gemm_all_reduce(&gar::request(&args, world_size, &opts, which), &hw)
+    plan::plan_gemm_all_reduce(&gar::request(&args, world_size, &opts, which, sms), &hw)
         .map(PyPlan)
         .map_err(|e| to_py(e.into()))
 }
@@ -317,7 +333,7 @@ fn communicator_names() -> Vec<String> {
 }
 
 #[pyfunction]
-#[pyo3(signature = (x, weight, out, m, n, k, dtype, device, stream, kernel=None))]
+#[pyo3(signature = (x, weight, out, m, n, k, dtype, device, stream, kernel=None, raster_bands=None, sms=None, signal_bands=None))]
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     py: Python<'_>,
@@ -331,15 +347,23 @@ fn gemm(
     device: i32,
     stream: usize,
     kernel: Option<&str>,
+    raster_bands: Option<u32>,
+    sms: Option<u32>,
+    signal_bands: Option<u32>,
 ) -> PyResult<()> {
     let args = operands(x, weight, out, m, n, k, dtype)?;
-    let which = gemm_kernel(kernel)?;
-    py.detach(|| gemm_op::gemm(&args, device, which, stream::from_handle(stream)))
+    let how = gemm_op::Launch {
+        kernel: gemm_kernel(kernel)?,
+        raster_bands,
+        sms,
+        signal_bands,
+    };
+    py.detach(|| gemm_op::gemm(&args, device, &how, stream::from_handle(stream)))
         .map_err(to_py)
 }
 
 #[pyfunction]
-#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16, kernel=None))]
+#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16, kernel=None, raster_bands=None))]
 #[allow(clippy::too_many_arguments)]
 fn gemm_all_reduce(
     py: Python<'_>,
@@ -357,9 +381,10 @@ fn gemm_all_reduce(
     reserved_sms: u32,
     max_groups: u32,
     kernel: Option<&str>,
+    raster_bands: Option<u32>,
 ) -> PyResult<&'static str> {
     let args = operands(x, weight, out, m, n, k, dtype)?;
-    let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel)?;
+    let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     py.detach(|| gar::gemm_all_reduce(&comm, &args, &opts, stream::from_handle(stream)))
         .map(schedule_name)
@@ -392,7 +417,7 @@ fn all_reduce(
 
 /// The plan `gemm_all_reduce` runs for these arguments on this communicator.
 #[pyfunction]
-#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16, kernel=None))]
+#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16, kernel=None, raster_bands=None))]
 #[allow(clippy::too_many_arguments)]
 fn communicator_plan(
     group_name: &str,
@@ -406,10 +431,11 @@ fn communicator_plan(
     reserved_sms: u32,
     max_groups: u32,
     kernel: Option<&str>,
+    raster_bands: Option<u32>,
 ) -> PyResult<PyPlan> {
     // Planning needs the shape only; no pointer is ever read.
     let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel)?;
+    let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     gar::plan_of(&comm, &args, &opts, stream::from_handle(stream))
         .map(PyPlan)

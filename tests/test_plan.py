@@ -70,12 +70,17 @@ def check_plan(plan, m: int, n: int, k: int, world: int, *, sms: int = H200_SMS,
     assert position == total_tiles
     assert offset == sum(g["count"] for g in groups) == m * n
 
-    # The table the kernel reads: the group of every position of the row-band order.
-    table = plan.tile_group
+    # The tables the kernel reads: the tile at every position (a permutation that visits each
+    # group's bands, and only those, in the group's positions) and the group of every position.
+    order, table = plan.tile_order, plan.tile_group
     assert len(table) == total_tiles
+    assert sorted(order) == list(range(total_tiles))
+    assert plan.raster_bands >= 1
     for gi, g in enumerate(groups):
         p0, p1 = g["positions"]
+        b0, b1 = g["bands"]
         assert set(table[p0:p1]) == {gi}
+        assert {t // tiles_n for t in order[p0:p1]} == set(range(b0, b1))
 
     # Timeline: collectives run one after another, each once its group is stored.
     previous_end = 0.0
@@ -366,3 +371,27 @@ def test_the_plan_tiles_with_the_kernel_that_runs(kernel, capability, tile) -> N
 def test_unknown_kernel_in_a_plan_is_named() -> None:
     with pytest.raises(ValueError, match="^kernel: "):
         plan_gemm_all_reduce(3000, 8192, 4096, 2, kernel="sm70")
+
+
+def test_raster_bands_set_the_tile_order() -> None:
+    rows = plan_gemm_all_reduce(4096, 8192, 4096, 2, mode="overlap", raster_bands=1)
+    assert rows.raster_bands == 1
+    assert rows.tile_order == list(range(len(rows.tile_order)))
+    blocks = plan_gemm_all_reduce(4096, 8192, 4096, 2, mode="overlap", bands_per_group=32, raster_bands=4)
+    tiles_n = blocks.tiles[1]
+    # Column by column over blocks of 4 bands: (0,0) (1,0) (2,0) (3,0) (0,1) ...
+    assert blocks.tile_order[:6] == [0, tiles_n, 2 * tiles_n, 3 * tiles_n, 1, tiles_n + 1]
+    check_plan(blocks, 4096, 8192, 4096, 2)
+
+
+def test_default_raster_is_chosen_by_the_planner() -> None:
+    # 132 - 32 CTAs over 32 tile columns of 128 x 256: blocks of several bands read less.
+    assert plan_gemm_all_reduce(8192, 8192, 4096, 2, mode="overlap").raster_bands > 1
+    # A single band has nothing to raster.
+    assert plan_gemm_all_reduce(100, 8192, 4096, 2).raster_bands == 1
+
+
+@pytest.mark.parametrize("value,error", [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bad_raster_bands(value, error) -> None:
+    with pytest.raises(error, match="raster_bands"):
+        plan_gemm_all_reduce(4096, 8192, 4096, 2, raster_bands=value)

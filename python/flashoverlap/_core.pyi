@@ -30,6 +30,10 @@ class Plan:
     def groups(self) -> list[dict[str, object]]: ...
     @property
     def tile_group(self) -> list[int]: ...
+    @property
+    def tile_order(self) -> list[int]: ...
+    @property
+    def raster_bands(self) -> int: ...
     def describe(self) -> str: ...
 
 def version() -> str: ...
@@ -43,9 +47,10 @@ def plan_gemm_all_reduce(
     major: int = 9,
     mode: str = "auto",
     bands_per_group: Optional[int] = None,
-    reserved_sms: int = 16,
+    reserved_sms: int = 32,
     max_groups: int = 16,
     kernel: Optional[str] = None,
+    raster_bands: Optional[int] = None,
 ) -> Plan: ...
 def load_nvrtc(path: str) -> None: ...
 def nvrtc_version() -> tuple[int, int]: ...
@@ -61,8 +66,22 @@ def create_communicator(
 def destroy_communicator(name: str) -> bool: ...
 def communicator_names() -> list[str]: ...
 def gemm(
-    x: int, weight: int, out: int, m: int, n: int, k: int, dtype: str, device: int, stream: int, kernel: Optional[str] = None
-) -> None: ...
+    x: int,
+    weight: int,
+    out: int,
+    m: int,
+    n: int,
+    k: int,
+    dtype: str,
+    device: int,
+    stream: int,
+    kernel: Optional[str] = None,
+    raster_bands: Optional[int] = None,
+    sms: Optional[int] = None,
+    signal_bands: Optional[int] = None,
+) -> None:
+    """The GEMM alone. signal_bands (a measurement hook): signal one counter per group of this
+    many row bands, as the overlapped ops do, with nobody waiting."""
 def gemm_all_reduce(
     group_name: str,
     x: int,
@@ -75,9 +94,10 @@ def gemm_all_reduce(
     stream: int,
     mode: str = "auto",
     bands_per_group: Optional[int] = None,
-    reserved_sms: int = 16,
+    reserved_sms: int = 32,
     max_groups: int = 16,
     kernel: Optional[str] = None,
+    raster_bands: Optional[int] = None,
 ) -> str:
     """Enqueues the overlapped op and returns "overlap", or enqueues nothing and
     returns "sequential" (the caller then runs its GEMM and all_reduce)."""
@@ -91,7 +111,8 @@ def communicator_plan(
     stream: int,
     mode: str = "auto",
     bands_per_group: Optional[int] = None,
-    reserved_sms: int = 16,
+    reserved_sms: int = 32,
     max_groups: int = 16,
     kernel: Optional[str] = None,
+    raster_bands: Optional[int] = None,
 ) -> Plan: ...

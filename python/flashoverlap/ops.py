@@ -24,7 +24,7 @@ def _stream_handle(device: torch.device) -> int:
 
 
 _LIB = torch.library.Library("flashoverlap", "DEF")
-_LIB.define("gemm(Tensor x, Tensor weight, str? kernel=None) -> Tensor")
+_LIB.define("gemm(Tensor x, Tensor weight, str? kernel=None, int? raster_bands=None, int? sms=None) -> Tensor")
 _LIB.define("gemm_all_reduce(Tensor x, Tensor weight, str group_name, str mode='auto', int? bands_per_group=None, "
             "str? kernel=None) -> Tensor")
 
@@ -37,18 +37,20 @@ def _register(name: str, impl, fake) -> None:
     torch.library.register_fake(f"flashoverlap::{name}", fake, lib=_LIB)
 
 
-def _gemm_impl(x: torch.Tensor, weight: torch.Tensor, kernel: Optional[str] = None) -> torch.Tensor:
+def _gemm_impl(x: torch.Tensor, weight: torch.Tensor, kernel: Optional[str] = None,
+               raster_bands: Optional[int] = None, sms: Optional[int] = None) -> torch.Tensor:
     m, n, k = check_gemm_operands(x, weight)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     _nvrtc.ensure_loaded()
     _core.gemm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype_name(x.dtype),
-               x.device.index, _stream_handle(x.device), kernel)
+               x.device.index, _stream_handle(x.device), kernel, raster_bands, sms)
     return out
 
 
-def _gemm_fake(x: torch.Tensor, weight: torch.Tensor, kernel: Optional[str] = None) -> torch.Tensor:
+def _gemm_fake(x: torch.Tensor, weight: torch.Tensor, kernel: Optional[str] = None,
+               raster_bands: Optional[int] = None, sms: Optional[int] = None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -105,18 +107,32 @@ def _check_mode(mode: str, bands_per_group: Optional[int]) -> None:
             raise ValueError(f"bands_per_group: expected >= 1, got {bands_per_group}")
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor, *, kernel: Optional[str] = None) -> torch.Tensor:
+def _check_positive_int(name: str, value: Optional[int]) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: expected >= 1, got {value}")
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, *, kernel: Optional[str] = None,
+         raster_bands: Optional[int] = None, sms: Optional[int] = None) -> torch.Tensor:
     """``x @ weight.T`` with flashoverlap's GEMM kernel alone (no signals, no communication).
 
     x: [..., K], weight: [N, K] (nn.Linear layout), both bfloat16 or both float16, contiguous,
     on one CUDA device; N and K multiples of 8. kernel: "sm80" (any sm_80+ GPU), "sm90_n128" or
-    "sm90_n256" (Hopper only); default: the device's default kernel.
+    "sm90_n256" (Hopper only); default: the device's default kernel. raster_bands: row bands per
+    L2 raster block of the tile order (1: row by row); default: the planner's choice. sms: SMs
+    (persistent CTAs) the kernel uses, at most the device's; default: all of them.
     """
     check_gemm_operands(x, weight, devices=False)
     _check_kernel(kernel)
+    _check_positive_int("raster_bands", raster_bands)
+    _check_positive_int("sms", sms)
     check_device("x", x)
     check_device("weight", weight, x.device)
-    return torch.ops.flashoverlap.gemm(x, weight, kernel)
+    return torch.ops.flashoverlap.gemm(x, weight, kernel, raster_bands, sms)
 
 
 def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel):

@@ -13,21 +13,23 @@ from ._validation import dtype_name
 def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torch.dtype = torch.bfloat16,
                          sms: int = 132, compute_capability: tuple[int, int] = (9, 0), mode: str = "auto",
                          bands_per_group: Optional[int] = None, reserved_sms: Optional[int] = None,
-                         max_groups: Optional[int] = None, kernel: Optional[str] = None) -> "_core.Plan":
+                         max_groups: Optional[int] = None, kernel: Optional[str] = None,
+                         raster_bands: Optional[int] = None) -> "_core.Plan":
     """The GEMM + AllReduce plan for out[m, n] = x[m, k] @ w[n, k]^T over ``world_size`` GPUs with
-    ``sms`` multiprocessors (default: an H200). Needs no GPU."""
+    ``sms`` multiprocessors (default: an H200). raster_bands: row bands per L2 raster block of the
+    tile order inside each group (default: the planner's choice). Needs no GPU."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
     max_groups = _env.max_groups() if max_groups is None else max_groups
     for name, value, least in (("m", m, 1), ("n", n, 1), ("k", k, 1), ("world_size", world_size, 1), ("sms", sms, 1),
                                ("bands_per_group", bands_per_group, 1), ("reserved_sms", reserved_sms, 0),
-                               ("max_groups", max_groups, 1)):
-        if value is None and name == "bands_per_group":
+                               ("max_groups", max_groups, 1), ("raster_bands", raster_bands, 1)):
+        if value is None and name in ("bands_per_group", "raster_bands"):
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
         if not least <= value < 2**31:
             raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
     return _core.plan_gemm_all_reduce(m, n, k, world_size, dtype_name(dtype), sms, compute_capability[0], mode,
-                                      bands_per_group, reserved_sms, max_groups, kernel)
+                                      bands_per_group, reserved_sms, max_groups, kernel, raster_bands)

@@ -69,6 +69,10 @@ pub enum GemmKernel {
 }
 
 const SM80_STAGES: u32 = 3;
+/// Dynamic shared memory an sm_90 block may use, and the sm90 kernel's
+/// epilogue buffer (128 x 128 16-bit outputs).
+const SM90_SMEM: u32 = 227 * 1024;
+const SM90_EPILOGUE: u32 = 128 * 128 * 2;
 
 impl GemmKernel {
     pub const ALL: [GemmKernel; 3] = [
@@ -95,8 +99,9 @@ impl GemmKernel {
     fn stages(self) -> u32 {
         match self {
             GemmKernel::Sm80 => SM80_STAGES,
-            // 192 KiB of stages either way, under the 227 KiB an sm_90 block may have.
-            GemmKernel::Sm90 { bn } => 192 * 1024 / ((128 + bn) * 64 * 2),
+            // As many stages as fit beside the epilogue buffer in the 227 KiB
+            // an sm_90 block may have: 4 for BN = 256, 6 for BN = 128.
+            GemmKernel::Sm90 { bn } => (SM90_SMEM - SM90_EPILOGUE - 1024) / ((128 + bn) * 64 * 2),
         }
     }
 
@@ -156,8 +161,9 @@ impl GemmKernel {
                     ("FO_BN", bn.to_string()),
                     ("FO_STAGES", stages.to_string()),
                 ],
-                // The stages, then a full and an empty mbarrier per stage.
-                dynamic_smem: stages * (bm + bn) * bk * 2 + stages * 16,
+                // The stages, the epilogue buffer, then a full and an empty
+                // mbarrier per stage.
+                dynamic_smem: stages * (bm + bn) * bk * 2 + SM90_EPILOGUE + stages * 16,
             },
         }
     }

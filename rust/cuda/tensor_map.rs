@@ -9,7 +9,7 @@ use cudarc::driver::sys;
 
 /// A row-major [rows, cols] matrix read in boxes of [box_rows, box_cols],
 /// box_cols * 2 bytes = 128 so that each box row is one 128-byte swizzle
-/// row. Reads past the matrix return zeros.
+/// row. Reads past the matrix return zeros; stores past it are dropped.
 pub fn row_major_2d(
     ptr: u64,
     rows: u32,

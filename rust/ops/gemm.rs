@@ -3,12 +3,15 @@
 
 use crate::cuda::driver::{self, DeviceInfo};
 use crate::cuda::kernels::{self, GemmKernel, Kernel};
-use crate::cuda::stream::RawStream;
+use crate::cuda::memory::DeviceBuffer;
+use crate::cuda::stream::{self, RawStream};
 use crate::cuda::tensor_map;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
-use crate::plan::TileShape;
+use crate::plan::{self, GroupPartition, OutputTiles, TileOrder, TileShape};
+use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
 
 /// out[M, N] = x[M, K] @ weight[N, K]^T; pointers are device addresses.
 #[derive(Debug, Clone, Copy)]
@@ -123,26 +126,100 @@ pub fn launch(
             let (bm, _, bk) = gemm.which.tile();
             let mut a = tensor_map::row_major_2d(args.x, args.m, args.k, bm, bk, args.dtype)?;
             let mut b = tensor_map::row_major_2d(args.weight, args.n, args.k, bn, bk, args.dtype)?;
+            // The epilogue stores 128 x 64 boxes (one 128-byte swizzle row each).
+            let mut out = tensor_map::row_major_2d(args.out, args.m, args.n, bm, 64, args.dtype)?;
             let mut params: Vec<*mut c_void> = vec![
                 (&mut a as *mut _ as *mut c_void),
                 (&mut b as *mut _ as *mut c_void),
+                (&mut out as *mut _ as *mut c_void),
             ];
-            params.extend(tail);
+            params.extend(&tail[1..]);
             gemm.kernel
                 .launch(grid, gemm.which.threads(), stream, &mut params)
         }
     }
 }
 
-/// The GEMM alone on all SMs of `ordinal`, on the caller's stream.
-pub fn gemm(
-    args: &GemmArgs,
-    ordinal: i32,
-    which: Option<GemmKernel>,
-    stream: RawStream,
-) -> Result<()> {
+/// How the GEMM alone runs; every field None/false is the default launch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Launch {
+    pub kernel: Option<GemmKernel>,
+    /// Row bands per raster block (1: row-band order); None: plan's default.
+    pub raster_bands: Option<u32>,
+    /// CTAs (one per SM); None: every SM of the device.
+    pub sms: Option<u32>,
+    /// Signal a counter per group of this many row bands, as the overlapped
+    /// ops do (nobody waits): measures what the signaling epilogue costs.
+    pub signal_bands: Option<u32>,
+}
+
+/// Device tables of one (device, shape, launch): order, group per position, counters.
+struct Tables {
+    order: Option<DeviceBuffer>,
+    group: Option<DeviceBuffer>,
+    counters: Option<DeviceBuffer>,
+}
+
+type TableKey = (i32, u32, u32, u32, u32, Option<u32>);
+static TABLES: Mutex<Option<HashMap<TableKey, Arc<Tables>>>> = Mutex::new(None);
+
+fn tables(device: &DeviceInfo, tiles: &OutputTiles, raster: u32, signal: Option<u32>, stream: RawStream) -> Result<Arc<Tables>> {
+    let key = (device.ordinal, tiles.tiles_m, tiles.tiles_n, tiles.tile.bn, raster, signal);
+    let mut guard = TABLES.lock().unwrap_or_else(|p| p.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    if let Some(t) = map.get(&key) {
+        return Ok(t.clone());
+    }
+    if stream::is_capturing(stream)? {
+        return Err(Error::Invalid(format!(
+            "gemm: a {}x{} output with raster_bands={raster} is first launched during CUDA graph capture; run it \
+             once before capturing so that its tile tables exist",
+            tiles.m, tiles.n
+        )));
+    }
+    let partition = match signal {
+        Some(bands) => GroupPartition::uniform(tiles, bands)?,
+        None => GroupPartition::whole(tiles),
+    };
+    let order = TileOrder::rastered(tiles, &partition.band_counts(), raster)?;
+    let t = Arc::new(Tables {
+        order: (!order.is_identity())
+            .then(|| DeviceBuffer::from_u32(&order.positions))
+            .transpose()?,
+        group: signal
+            .map(|_| DeviceBuffer::from_u32(&order.by_position(&partition.tile_group_table(tiles))))
+            .transpose()?,
+        counters: signal
+            .map(|_| DeviceBuffer::zeroed_u32(partition.len()))
+            .transpose()?,
+    });
+    map.insert(key, t.clone());
+    Ok(t)
+}
+
+/// The GEMM alone on `ordinal`, on the caller's stream.
+pub fn gemm(args: &GemmArgs, ordinal: i32, how: &Launch, stream: RawStream) -> Result<()> {
     args.validate()?;
     let device = driver::bind(ordinal)?;
-    let kernel = load(&device, args.dtype, which)?;
-    launch(&kernel, args, &Signals::default(), device.sms, stream)
+    let sms = how.sms.unwrap_or(device.sms);
+    if sms == 0 || sms > device.sms {
+        return Err(Error::Invalid(format!(
+            "sms: must be in 1..={} (the device's SMs), got {sms}",
+            device.sms
+        )));
+    }
+    let kernel = load(&device, args.dtype, how.kernel)?;
+    let tiles = OutputTiles::new(args.m, args.n, tile_shape(kernel.which))?;
+    let raster = how.raster_bands.unwrap_or_else(|| plan::default_raster_bands(&tiles, sms));
+    if raster == 0 || how.signal_bands == Some(0) {
+        return Err(Error::Invalid("raster_bands and signal_bands must be >= 1".into()));
+    }
+    let t = tables(&device, &tiles, raster, how.signal_bands, stream)?;
+    let ptr = |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, |b| b.ptr);
+    let signals = Signals {
+        tile_order: ptr(&t.order),
+        tile_group: ptr(&t.group),
+        counters: ptr(&t.counters),
+    };
+    launch(&kernel, args, &signals, sms, stream)
 }

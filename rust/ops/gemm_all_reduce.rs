@@ -5,7 +5,8 @@
 //! Comm stream C:     [wait fork] wait(c0>=n0) c0=0 AR(g0) wait(c1>=n1) ... [join]
 //!
 //! Groups are unions of whole row bands, so each AllReduce runs in place on
-//! contiguous output rows and nothing is reordered afterwards.
+//! contiguous output rows and nothing is reordered afterwards; inside a
+//! group the kernel walks tiles in the plan's L2-friendly raster order.
 //!
 //! Where the plan says overlap does not pay, nothing is enqueued here: the
 //! caller runs its library GEMM (cuBLAS, faster than ours today) and then
@@ -35,6 +36,8 @@ pub struct Options {
     pub bands_per_group: Option<u32>,
     pub reserved_sms: u32,
     pub max_groups: u32,
+    /// Row bands per raster block inside each group; None: the plan's default.
+    pub raster_bands: Option<u32>,
 }
 
 /// What a shape needs on the device, made on its first call.
@@ -42,6 +45,8 @@ pub struct Prepared {
     pub plan: GemmAllReducePlan,
     /// The kernel the plan tiled for; the launch must use this one.
     kernel: GemmKernel,
+    /// The tile order, when it is not the identity.
+    tile_order: Option<DeviceBuffer>,
     tile_group: DeviceBuffer,
     counters: DeviceBuffer,
     next_slot: AtomicUsize,
@@ -67,8 +72,14 @@ pub fn hardware_for(sms: u32, major: i32, kernel: GemmKernel) -> HardwareModel {
     }
 }
 
-pub fn request(args: &GemmArgs, world: u32, opts: &Options, kernel: GemmKernel) -> PlanRequest {
+pub fn request(args: &GemmArgs, world: u32, opts: &Options, kernel: GemmKernel, sms: u32) -> PlanRequest {
+    let raster_bands = opts.raster_bands.unwrap_or_else(|| {
+        plan::OutputTiles::new(args.m, args.n, gemm::tile_shape(kernel))
+            .map(|t| plan::default_raster_bands(&t, sms.saturating_sub(opts.reserved_sms)))
+            .unwrap_or(1)
+    });
     PlanRequest {
+        raster_bands,
         m: args.m,
         n: args.n,
         k: args.k,
@@ -117,10 +128,13 @@ fn prepare(
         .kernel
         .unwrap_or_else(|| GemmKernel::default_for(comm.device.major));
     let hw = hardware_for(comm.device.sms, comm.device.major, kernel);
-    let plan = plan::plan_gemm_all_reduce(&request(args, comm.world as u32, opts, kernel), &hw)?;
+    let plan = plan::plan_gemm_all_reduce(&request(args, comm.world as u32, opts, kernel, hw.sms), &hw)?;
     let groups = plan.partition.len().max(1);
     let prepared = Arc::new(Prepared {
         kernel,
+        tile_order: (!plan.order.is_identity())
+            .then(|| DeviceBuffer::from_u32(&plan.order.positions))
+            .transpose()?,
         tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
         counters: DeviceBuffer::zeroed_u32(groups * COUNTER_SLOTS)?,
         next_slot: AtomicUsize::new(0),
@@ -167,7 +181,7 @@ pub fn gemm_all_reduce(
     let slot = prepared.next_slot.fetch_add(1, Ordering::Relaxed) % COUNTER_SLOTS;
     let counters = prepared.counters.ptr + (slot * groups * 4) as u64;
     let signals = Signals {
-        tile_order: 0,
+        tile_order: prepared.tile_order.as_ref().map_or(0, |b| b.ptr),
         tile_group: prepared.tile_group.ptr,
         counters,
     };

@@ -105,14 +105,14 @@ impl GroupPartition {
         self.groups.iter().map(|g| g.bands.len() as u32).collect()
     }
 
-    /// Group id of every position of the row-band order (len = tiles.count()), what the kernel reads.
+    /// Group id of every tile id (len = tiles.count()); `TileOrder::by_position`
+    /// turns it into what the kernel reads.
     /// The partition must have been built for `tiles` (see [`Self::check_against`]).
     pub fn tile_group_table(&self, tiles: &OutputTiles) -> Vec<u32> {
         let group_of_band: Vec<u32> = (0u32..)
             .zip(&self.groups)
             .flat_map(|(g, group)| group.bands.clone().map(move |_| g))
             .collect();
-        // Row-band order: position p holds tile id p, whose band is its row coordinate.
         (0..tiles.count())
             .map(|p| group_of_band[tiles.coords(p).0 as usize])
             .collect()

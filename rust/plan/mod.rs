@@ -19,7 +19,7 @@ pub use gemm_all_reduce::{
     plan_gemm_all_reduce, GemmAllReducePlan, ModeRequest, PlanRequest, Schedule,
 };
 pub use groups::{CollectiveSlice, GroupPartition, WaveGroup};
-pub use order::{OrderKind, TileOrder};
+pub use order::{default_raster_bands, OrderKind, TileOrder};
 pub use predictor::{
     best_partition, predict, predict_sequential, CollectiveModel, GroupTiming, HardwareModel,
     Timeline,

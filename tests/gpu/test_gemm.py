@@ -55,10 +55,10 @@ def poison(shape, dtype, device) -> None:
     del block
 
 
-def check_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def check_gemm(x: torch.Tensor, w: torch.Tensor, **launch) -> torch.Tensor:
     n = w.shape[0]
     poison((*x.shape[:-1], n), x.dtype, x.device)
-    out = flashoverlap.gemm(x, w)
+    out = flashoverlap.gemm(x, w, **launch)
     assert out.shape == (*x.shape[:-1], n)
     assert out.dtype == x.dtype and out.device == x.device
     assert not out.isnan().any(), "unwritten (NaN) outputs"
@@ -178,3 +178,32 @@ def test_operands_on_another_device() -> None:
     assert out.device == torch.device("cuda", 1)
     with pytest.raises(ValueError, match=r"^weight:.*cuda:0"):
         flashoverlap.gemm(x, w.to("cuda:0"))
+
+
+def _kernels() -> list[str]:
+    major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
+    return ["sm80", "sm90_n128", "sm90_n256"] if major == 9 else ["sm80"]
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+@pytest.mark.parametrize("raster", [1, 3, 16])
+@pytest.mark.parametrize("sms", [None, 1, 100])
+@pytest.mark.parametrize("m,n,k", [(2100, 8192, 1000), (77, 1032, 4104), (1000, 136, 24)])
+def test_every_kernel_order_and_sm_count(kernel: str, raster: int, sms, m: int, n: int, k: int) -> None:
+    # Fewer CTAs than tiles (each CTA walks many positions) and raster blocks that do not divide
+    # the bands must still write every output exactly once.
+    dtype = random.Random(f"{kernel}{raster}{sms}{m}").choice([torch.bfloat16, torch.float16])
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    check_gemm(x, w, kernel=kernel, raster_bands=raster, sms=sms)
+
+
+@pytest.mark.parametrize("name,value,error", [("raster_bands", 0, ValueError), ("raster_bands", 2.0, TypeError),
+                                              ("sms", 0, ValueError), ("sms", 100000, ValueError),
+                                              ("sms", True, TypeError)])
+def test_bad_launch_options_raise_then_a_good_call(name: str, value, error) -> None:
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(264, 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(error, match=name):
+        flashoverlap.gemm(x, w, **{name: value})
+    check_gemm(x, w)

@@ -45,6 +45,8 @@ pub struct PlanRequest {
     /// Cap on the searched layout's group count.
     pub max_groups: u32,
     pub mode: ModeRequest,
+    /// Row bands per raster block inside each group (1: row-band order).
+    pub raster_bands: u32,
 }
 
 impl PlanRequest {
@@ -66,6 +68,7 @@ impl PlanRequest {
             )));
         }
         require_positive("max_groups", self.max_groups, PlanError::InvalidPartition)?;
+        require_positive("raster_bands", self.raster_bands, PlanError::InvalidPartition)?;
         if let Some(bands) = self.bands_per_group {
             require_positive("bands_per_group", bands, PlanError::InvalidPartition)?;
         }
@@ -140,13 +143,14 @@ pub fn plan_gemm_all_reduce(
             predict_sequential(&tiles, req.k, hw, req.world, req.elem_bytes)?,
         ),
     };
+    let order = TileOrder::rastered(&tiles, &partition.band_counts(), req.raster_bands)?;
     Ok(GemmAllReducePlan {
         request: req.clone(),
         schedule,
         ctas,
         waves: Waves::new(ctas, tiles.count())?,
-        order: TileOrder::row_band(&tiles),
-        tile_group: partition.tile_group_table(&tiles),
+        tile_group: order.by_position(&partition.tile_group_table(&tiles)),
+        order,
         partition,
         timeline,
         tiles,
@@ -163,9 +167,13 @@ mod tests {
     fn assert_consistent(plan: &GemmAllReducePlan) {
         let tiles = &plan.tiles;
         assert_eq!(plan.waves, Waves::new(plan.ctas, tiles.count()).unwrap());
-        assert_eq!(plan.order, TileOrder::row_band(tiles));
+        let order = TileOrder::rastered(tiles, &plan.partition.band_counts(), plan.request.raster_bands);
+        assert_eq!(plan.order, order.unwrap());
         assert!(plan.partition.check_against(tiles).is_ok());
-        assert_eq!(plan.tile_group, plan.partition.tile_group_table(tiles));
+        let by_tile = plan.partition.tile_group_table(tiles);
+        assert_eq!(plan.tile_group, plan.order.by_position(&by_tile));
+        // Groups are signalled in order: the group id never decreases along positions.
+        assert!(plan.tile_group.windows(2).all(|w| w[0] <= w[1]));
         assert_eq!(plan.timeline.groups.len(), plan.partition.len());
         assert!(plan.partition.len() as u32 <= plan.request.max_groups);
     }
