@@ -124,20 +124,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             for (int box = 0; box < EPI_BOXES; ++box)
               fo::tma_store_2d(&tma_c, epi + box * BOX_BYTES, n0 + ch * EPI_COLS + box * 64, m0);
             fo::bulk_commit();
-            if (ch == CHUNKS - 1 && counters != nullptr) {
-              // The tile's outputs are in global memory before its signal.
-              fo::bulk_wait_all();
-              fo::fence_async_global();
-              fo::signal_add(counters + tile_group[pos], 1u);
-            } else {
-              fo::bulk_wait_read();
-            }
+            fo::bulk_wait_read();
           }
           __syncwarp();
-          // The consumers wait for the buffer before every fill but their
-          // first, so the last free has no taker and is skipped.
+          // The buffer is free as soon as TMA has read it. The consumers wait
+          // for it before every fill but their first, so the last free has no
+          // taker and is skipped.
           const bool last = pos + gridDim.x >= num_tiles && ch == CHUNKS - 1;
           if (!last) fo::named_arrive(BAR_EPI_FREE, EPI_THREADS);
+          if (lane == 0 && ch == CHUNKS - 1 && counters != nullptr) {
+            // The tile's outputs are in global memory before its signal.
+            fo::bulk_wait_all();
+            fo::fence_async_global();
+            fo::signal_add(counters + tile_group[pos], 1u);
+          }
         }
       }
       if (lane == 0) fo::bulk_wait_all();

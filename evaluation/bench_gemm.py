@@ -11,10 +11,11 @@ speed over the 17 shapes of issue 3 (M in 2048..16384 x (N, K) in
     at each SM count the overlapped ops use (132, 116, 100 SMs);
   - the signaling epilogue (one counter per group of 4 row bands, row-band
     order) vs the same launch without signals;
-  - the other tile width (sm90_n128) at the default raster.
+  - each tile width (sm90_n128, sm90_n256) at the default raster.
 
 Every configuration of a shape is timed in the same interleaved loop as
-cuBLAS: random data, inputs rotated over three buffers, CUDA events, median
+cuBLAS: random data, every launch on the next of four operand sets (so none
+finds its inputs in L2 from the launch before), CUDA events, median
 of `--iters` runs after warm-up. Ratios are cuBLAS time / our time.
 
     python evaluation/bench_gemm.py [--quick] [--iters 30] [--out evaluation/results/gemm_kernel_h200]
@@ -38,6 +39,7 @@ SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 409
 CHECK_SHAPES = [(128, 128, 64), (1, 8, 8), (77, 1024, 1024), (1000, 4096, 1024), (3000, 136, 4104),
                 (4096, 8192, 4096), (300, 264, 72), (2100, 8192, 1000)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+BUFFERS = 4
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
@@ -79,23 +81,28 @@ def check(configs: dict) -> bool:
 
 def time_shape(m: int, n: int, k: int, dt: torch.dtype, configs: dict, iters: int) -> dict:
     """Median microseconds of cuBLAS and of each configuration, interleaved run by run."""
-    xs = [torch.randn(m, k, device="cuda", dtype=dt) for _ in range(3)]
-    ws = [torch.randn(n, k, device="cuda", dtype=dt) for _ in range(3)]
-    outs = [torch.empty(m, n, device="cuda", dtype=dt) for _ in range(3)]
+    # Every launch takes the next of BUFFERS operand sets, so no launch finds its inputs in L2
+    # from the launch before (sets of the smallest shape are larger than the 60 MB L2).
+    xs = [torch.randn(m, k, device="cuda", dtype=dt) for _ in range(BUFFERS)]
+    ws = [torch.randn(n, k, device="cuda", dtype=dt) for _ in range(BUFFERS)]
+    outs = [torch.empty(m, n, device="cuda", dtype=dt) for _ in range(BUFFERS)]
     runs = {"cublas": lambda i: torch.matmul(xs[i], ws[i].t(), out=outs[i])}
     for name, cfg in configs.items():
         runs[name] = (lambda c: lambda i: launch(xs[i], ws[i], outs[i], c))(cfg)
+    turn = 0
     for fn in runs.values():
-        for i in range(3):
-            fn(i)
+        for _ in range(BUFFERS):
+            fn(turn % BUFFERS)
+            turn += 1
     torch.cuda.synchronize()
     events = {name: [] for name in runs}
-    for it in range(iters):
+    for _ in range(iters):
         for name, fn in runs.items():
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            fn(it % 3)
+            fn(turn % BUFFERS)
             e.record()
+            turn += 1
             events[name].append((s, e))
     torch.cuda.synchronize()
     return {name: statistics.median(s.elapsed_time(e) for s, e in ev) * 1000 for name, ev in events.items()}
@@ -135,6 +142,7 @@ def main() -> int:
         configs["signal_default"] = {"signal": 4}
         if props.major == 9:
             configs["n128"] = {"kernel": "sm90_n128"}
+            configs["n256"] = {"kernel": "sm90_n256"}
     ok = check(configs)
 
     results = []
@@ -171,8 +179,11 @@ def main() -> int:
         over_d = geomean(x["us"]["signal_default"] / x["us"]["default"] for x in bf) - 1
         say(f"signaling overhead (geomean time ratio, signals per 4 bands vs none): row-band order {over:+.2%}, "
             f"default order {over_d:+.2%}")
-        if "n128" in configs:
-            say(f"sm90_n128 vs cuBLAS geomean {geomean(x['us']['cublas'] / x['us']['n128'] for x in bf):.3f}")
+        for name in ("n128", "n256"):
+            if name in configs:
+                cells = " ".join(f"{x['us']['cublas'] / x['us'][name]:.3f}" for x in bf)
+                say(f"sm90_{name} vs cuBLAS: geomean {geomean(x['us']['cublas'] / x['us'][name] for x in bf):.3f}; "
+                    f"per shape {cells}")
     say(f"correct={ok}")
     if args.out:
         with open(args.out + ".txt", "w") as f:
