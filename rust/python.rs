@@ -227,7 +227,7 @@ fn plan_gemm_all_reduce(
     let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands)?;
     let which = opts
         .kernel
-        .unwrap_or_else(|| GemmKernel::default_for(major));
+        .unwrap_or_else(|| GemmKernel::default_for(major, m, n, sms.saturating_sub(reserved_sms)));
     let hw = gar::hardware_for(sms, major, which);
     plan::plan_gemm_all_reduce(&gar::request(&args, world_size, &opts, which, sms), &hw)
         .map(PyPlan)

@@ -395,3 +395,10 @@ def test_default_raster_is_chosen_by_the_planner() -> None:
 def test_bad_raster_bands(value, error) -> None:
     with pytest.raises(error, match="raster_bands"):
         plan_gemm_all_reduce(4096, 8192, 4096, 2, raster_bands=value)
+
+
+@pytest.mark.parametrize("m, reserved, bn", [(3000, 32, 256), (6144, 32, 128), (6144, 0, 256), (8192, 0, 128)])
+def test_hopper_tile_width_is_chosen_per_shape(m: int, reserved: int, bn: int) -> None:
+    # 128-wide tiles from 24 waves of 128 x 128 tiles on the GEMM's CTAs (132 - reserved).
+    plan = plan_gemm_all_reduce(m, 8192, 4096, 2, reserved_sms=reserved, mode="overlap")
+    assert plan.tile == (128, bn, 64)

@@ -127,12 +127,15 @@ impl GemmKernel {
         }
     }
 
-    /// The kernel a device uses when the caller does not name one: on Hopper
-    /// the wgmma kernel with 128 x 256 tiles (H200: 0.90x cuBLAS geometric
-    /// mean over six shapes, against 0.79x for 128 x 128 and 0.34x for sm80).
-    pub fn default_for(major: i32) -> Self {
+    /// The kernel a device uses for an `m` x `n` output on `ctas` CTAs when
+    /// the caller does not name one: on Hopper the wgmma kernel with the tile
+    /// width plan/ picks (H200: 1.01x cuBLAS geometric mean over 17 shapes),
+    /// elsewhere the mma.sync kernel.
+    pub fn default_for(major: i32, m: u32, n: u32, ctas: u32) -> Self {
         if major == 9 {
-            GemmKernel::Sm90 { bn: 256 }
+            GemmKernel::Sm90 {
+                bn: crate::plan::hopper_tile_n(m, n, ctas),
+            }
         } else {
             GemmKernel::Sm80
         }

@@ -73,10 +73,8 @@ pub struct LoadedGemm {
     kernel: Kernel,
 }
 
-/// Loads `which` (or the device's default) for `dtype`; a kernel the device
-/// cannot run is a clear error.
-pub fn load(device: &DeviceInfo, dtype: Dtype, which: Option<GemmKernel>) -> Result<LoadedGemm> {
-    let which = which.unwrap_or_else(|| GemmKernel::default_for(device.major));
+/// Loads `which` for `dtype`; a kernel the device cannot run is a clear error.
+pub fn load(device: &DeviceInfo, dtype: Dtype, which: GemmKernel) -> Result<LoadedGemm> {
     if !which.runs_on(&device.arch()) {
         return Err(Error::Invalid(format!(
             "kernel: {} does not run on {} (device {})",
@@ -208,7 +206,10 @@ pub fn gemm(args: &GemmArgs, ordinal: i32, how: &Launch, stream: RawStream) -> R
             device.sms
         )));
     }
-    let kernel = load(&device, args.dtype, how.kernel)?;
+    let which = how
+        .kernel
+        .unwrap_or_else(|| GemmKernel::default_for(device.major, args.m, args.n, sms));
+    let kernel = load(&device, args.dtype, which)?;
     let tiles = OutputTiles::new(args.m, args.n, tile_shape(kernel.which))?;
     let raster = how.raster_bands.unwrap_or_else(|| plan::default_raster_bands(&tiles, sms));
     if raster == 0 || how.signal_bands == Some(0) {

@@ -126,7 +126,10 @@ fn prepare(
     }
     let kernel = opts
         .kernel
-        .unwrap_or_else(|| GemmKernel::default_for(comm.device.major));
+        .unwrap_or_else(|| {
+            let ctas = comm.device.sms.saturating_sub(opts.reserved_sms);
+            GemmKernel::default_for(comm.device.major, args.m, args.n, ctas)
+        });
     let hw = hardware_for(comm.device.sms, comm.device.major, kernel);
     let plan = plan::plan_gemm_all_reduce(&request(args, comm.world as u32, opts, kernel, hw.sms), &hw)?;
     let groups = plan.partition.len().max(1);
@@ -173,7 +176,7 @@ pub fn gemm_all_reduce(
     if plan.schedule == Schedule::Sequential {
         return Ok(Schedule::Sequential);
     }
-    let kernel = gemm::load(&comm.device, args.dtype, Some(prepared.kernel))?;
+    let kernel = gemm::load(&comm.device, args.dtype, prepared.kernel)?;
     let nccl = comm.nccl()?;
     let comm_stream = comm.stream.0;
     let elem = args.dtype.bytes() as u64;

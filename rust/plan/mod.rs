@@ -24,5 +24,5 @@ pub use predictor::{
     best_partition, predict, predict_sequential, CollectiveModel, GroupTiming, HardwareModel,
     Timeline,
 };
-pub use tiles::{OutputTiles, TileShape};
+pub use tiles::{hopper_tile_n, OutputTiles, TileShape};
 pub use waves::Waves;
