@@ -56,12 +56,11 @@ pub struct Prepared {
 /// the kernel that will run), a pessimistic model elsewhere.
 pub fn hardware_for(sms: u32, major: i32, kernel: GemmKernel) -> HardwareModel {
     if major == 9 && sms == 132 {
-        // bf16 on H200, random data (evaluation/results): sm80 244-285,
-        // sm90_n128 464-597, sm90_n256 468-718 TFLOP/s.
+        // bf16 on H200, random data, all SMs (evaluation/results/gemm_kernel_h200.txt):
+        // sm80 244-285 TFLOP/s; the sm90 kernel 510-770, 1.01x cuBLAS in the same run.
         let gemm_tflops = match kernel {
             GemmKernel::Sm80 => 285.0,
-            GemmKernel::Sm90 { bn: 128 } => 550.0,
-            GemmKernel::Sm90 { .. } => 640.0,
+            GemmKernel::Sm90 { .. } => 690.0,
         };
         HardwareModel {
             gemm_tflops,
