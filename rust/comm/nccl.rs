@@ -158,7 +158,8 @@ impl Nccl {
     }
 
     /// Creates a blocking communicator whose collectives use at most
-    /// `max_ctas` CTAs (None: NCCL's choice). Collective over all ranks.
+    /// `max_ctas` CTAs (None: NCCL's choice), each CTA its own cluster.
+    /// Collective over all ranks.
     pub fn init_rank(
         &self,
         world: i32,
@@ -171,7 +172,13 @@ impl Nccl {
             magic: CONFIG_MAGIC,
             version: CONFIG_VERSION,
             blocking: 1,
-            cga_cluster_size: UNDEF_INT,
+            // NCCL's default on sm_90 launches its CTAs in clusters of 4,
+            // which need 4 free SMs of one GPC. Beside a persistent GEMM the
+            // free SMs are scattered over the GPCs, so clustered CTAs waited
+            // for the GEMM to end (measured: with 16-24 SMs reserved, the
+            // "overlap" ran slower than GEMM then AllReduce). Single-CTA
+            // clusters run on any free SM.
+            cga_cluster_size: 1,
             min_ctas: UNDEF_INT,
             max_ctas: max_ctas.unwrap_or(UNDEF_INT),
             net_name: std::ptr::null(),
