@@ -205,7 +205,7 @@ fn version() -> &'static str {
 /// Plans GEMM + AllReduce for a device described by `sms` and compute
 /// capability `major`; needs no GPU.
 #[pyfunction]
-#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16, kernel=None, raster_bands=None))]
+#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=24, max_groups=16, kernel=None, raster_bands=None))]
 #[allow(clippy::too_many_arguments)]
 fn plan_gemm_all_reduce(
     m: u32,
@@ -363,7 +363,7 @@ fn gemm(
 }
 
 #[pyfunction]
-#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16, kernel=None, raster_bands=None))]
+#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=24, max_groups=16, kernel=None, raster_bands=None))]
 #[allow(clippy::too_many_arguments)]
 fn gemm_all_reduce(
     py: Python<'_>,
@@ -417,7 +417,7 @@ fn all_reduce(
 
 /// The plan `gemm_all_reduce` runs for these arguments on this communicator.
 #[pyfunction]
-#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=32, max_groups=16, kernel=None, raster_bands=None))]
+#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=24, max_groups=16, kernel=None, raster_bands=None))]
 #[allow(clippy::too_many_arguments)]
 fn communicator_plan(
     group_name: &str,

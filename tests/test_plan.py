@@ -13,7 +13,7 @@ import flashoverlap
 from flashoverlap import plan_gemm_all_reduce
 
 H200_SMS = 132
-DEFAULT_RESERVED = 32
+DEFAULT_RESERVED = 24
 DEFAULT_MAX_GROUPS = 16
 
 M_VALUES = [1, 77, 1000, 3000, 16384]
@@ -133,10 +133,11 @@ def test_auto_overlaps_exactly_when_overlap_is_predicted_faster(m: int, n: int, 
     # The sequential baseline does not depend on the mode asked for.
     assert overlap.predicted_sequential_us == pytest.approx(sequential.predicted_us)
     assert auto.predicted_sequential_us == pytest.approx(sequential.predicted_us)
-    # Auto searches the same layouts as "overlap" and keeps them only if they win.
-    pays = overlap.predicted_us < sequential.predicted_us
+    # Auto searches the same layouts as "overlap" and keeps them only if they win by the
+    # planner's 3% margin (AUTO_OVERLAP_MARGIN in rust/plan/gemm_all_reduce).
+    pays = overlap.predicted_us < 0.97 * sequential.predicted_us
     assert auto.schedule == ("overlap" if pays else "sequential")
-    assert auto.predicted_us == pytest.approx(min(overlap.predicted_us, sequential.predicted_us))
+    assert auto.predicted_us == pytest.approx(overlap.predicted_us if pays else sequential.predicted_us)
     if auto.schedule == "overlap":
         assert auto.groups == overlap.groups
 

@@ -24,8 +24,8 @@ def force_sequential() -> bool:
 
 
 def reserved_sms() -> int:
-    """FLASHOVERLAP_RESERVED_SMS: SMs left free of GEMM CTAs for the collectives (default 32)."""
-    v = _int("FLASHOVERLAP_RESERVED_SMS", 32)
+    """FLASHOVERLAP_RESERVED_SMS: SMs left free of GEMM CTAs for the collectives (default 24)."""
+    v = _int("FLASHOVERLAP_RESERVED_SMS", 24)
     assert v is not None
     if v < 0:
         raise ValueError(f"FLASHOVERLAP_RESERVED_SMS: expected >= 0, got {v}")

@@ -50,12 +50,15 @@ impl HardwareModel {
             // (BK 64, 3 stages), cuBLAS 680-810.
             gemm_tflops: 285.0,
             sequential_gemm_tflops: 720.0,
+            // NCCL AllReduce on 2x H200 over NVLink: 64 MB in ~260 us, 256 MB
+            // in 900-1030 us, small messages 60-80 us (the bandwidth is set a
+            // little low: with 300 GB/s the model under-rated overlap at M = 2048).
             comm: CollectiveModel {
                 latency_us: 45.0,
                 bus_gbps: 270.0,
             },
             // Fitted to forced overlap with the TMA-store sm90 kernel on 2x
-            // H200 (32 SMs reserved, 16 shapes, evaluation/results): no
+            // H200 (24 SMs reserved, 16 shapes, evaluation/results): no
             // slowdown beyond the reserved SMs is visible, and with none the
             // model picks overlap on every shape where it measured >= 1.02x
             // faster than cuBLAS + NCCL (still 5-10% pessimistic there).
