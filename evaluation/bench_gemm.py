@@ -141,7 +141,7 @@ def main() -> int:
         if props.major == 9:
             configs["n128"] = {"kernel": "sm90_n128"}
             configs["n256"] = {"kernel": "sm90_n256"}
-    ok = check(configs)
+    ok = check({**configs, "signal_r1": {"raster": 1, "signal": 4}, "signal_default": {"signal": 4}})
 
     results = []
     for dname, dt in DTYPES.items():
