@@ -134,8 +134,8 @@ def test_auto_overlaps_exactly_when_overlap_is_predicted_faster(m: int, n: int, 
     assert overlap.predicted_sequential_us == pytest.approx(sequential.predicted_us)
     assert auto.predicted_sequential_us == pytest.approx(sequential.predicted_us)
     # Auto searches the same layouts as "overlap" and keeps them only if they win by the
-    # planner's 3% margin (AUTO_OVERLAP_MARGIN in rust/plan/gemm_all_reduce).
-    pays = overlap.predicted_us < 0.97 * sequential.predicted_us
+    # planner's 4% margin (AUTO_OVERLAP_MARGIN in rust/plan/gemm_all_reduce).
+    pays = overlap.predicted_us < 0.96 * sequential.predicted_us
     assert auto.schedule == ("overlap" if pays else "sequential")
     assert auto.predicted_us == pytest.approx(overlap.predicted_us if pays else sequential.predicted_us)
     if auto.schedule == "overlap":
