@@ -24,6 +24,8 @@ import torch
 # NVLink multicast stays off wherever this library starts processes.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
+ROUNDS = 3
+
 DEFAULT_SHAPES = [(4096, 8192, 4096), (8192, 8192, 1024), (8192, 8192, 3584), (16384, 8192, 4096)]
 
 
@@ -61,8 +63,8 @@ class Row:
     concurrent_nccl_first_speedup: float
 
 
-def _interleaved_medians_us(fns: dict[str, Callable[[int], object]], iters: int, warmup: int) -> dict[str, float]:
-    """Median time of each function, their iterations interleaved (A B C A B C ...)
+def _interleaved_times_us(fns: dict[str, Callable[[int], object]], iters: int, warmup: int) -> dict[str, list[float]]:
+    """Per-iteration times of each function, their iterations interleaved (A B C A B C ...)
     so that clock and thermal drift over the run affects every variant alike. Each call
     gets the next operand-set index, so no call finds its inputs in L2 from the call before."""
     turn = 0
@@ -81,7 +83,7 @@ def _interleaved_medians_us(fns: dict[str, Callable[[int], object]], iters: int,
             end.record()
             events[name].append((start, end))
     torch.cuda.synchronize()
-    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) * 1000.0 for name, pairs in events.items()}
+    return {name: [s.elapsed_time(e) * 1000.0 for s, e in pairs] for name, pairs in events.items()}
 
 
 def _max_over_ranks(v: float) -> float:
@@ -92,13 +94,14 @@ def _max_over_ranks(v: float) -> float:
     return float(t.item())
 
 
-def measure_shape(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup: int) -> Row:
-    """Runs on every rank; all ranks must call it with the same arguments."""
+def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup: int) -> tuple[dict, dict]:
+    """One round of one shape: (per-iteration times of every variant, plan and error facts).
+    Runs on every rank; all ranks must call it with the same arguments."""
     import torch.distributed as dist
 
     import flashoverlap
 
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
     # Rotate inputs across enough sets to exceed the L2 (60 MB on H200).
     per_set = (m * k + n * k) * 2
@@ -157,14 +160,24 @@ def measure_shape(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     forced_plan = flashoverlap.plan_of(xs[0], ws[0], mode="overlap")
 
     dist.barrier()
-    medians = _interleaved_medians_us({"cublas": cublas, "ours_gemm": ours_gemm, "nccl": nccl, "seq": sequential,
-                                       "fo": overlapped, "forced": forced, "concurrent": concurrent,
-                                       "concurrent_nccl_first": concurrent_nccl_first}, iters, warmup)
-    times = {name: _max_over_ranks(us) for name, us in medians.items()}
+    times = _interleaved_times_us({"cublas": cublas, "ours_gemm": ours_gemm, "nccl": nccl, "seq": sequential,
+                                   "fo": overlapped, "forced": forced, "concurrent": concurrent,
+                                   "concurrent_nccl_first": concurrent_nccl_first}, iters, warmup)
+    facts = {"schedule": plan.schedule, "groups": len(plan.groups), "predicted_us": plan.predicted_us,
+             "rel": rel, "rel_forced": rel_forced, "forced_groups": len(forced_plan.groups)}
+    return times, facts
+
+
+def make_row(m: int, n: int, k: int, dtype: torch.dtype, raw: dict[str, list[float]], facts: dict) -> Row:
+    """The row of a shape from its pooled per-iteration times (median per variant, max over ranks)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    times = {name: _max_over_ranks(statistics.median(v)) for name, v in raw.items()}
     return Row(m, n, k, str(dtype).replace("torch.", ""), world, times["cublas"], times["ours_gemm"], times["nccl"],
-               times["seq"], times["fo"], times["seq"] / times["fo"], plan.schedule, len(plan.groups),
-               plan.predicted_us, _max_over_ranks(rel), times["forced"], len(forced_plan.groups),
-               (times["ours_gemm"] + times["nccl"]) / times["forced"], _max_over_ranks(rel_forced),
+               times["seq"], times["fo"], times["seq"] / times["fo"], facts["schedule"], facts["groups"],
+               facts["predicted_us"], _max_over_ranks(facts["rel"]), times["forced"], facts["forced_groups"],
+               (times["ours_gemm"] + times["nccl"]) / times["forced"], _max_over_ranks(facts["rel_forced"]),
                times["concurrent"], times["seq"] / times["concurrent"], times["concurrent_nccl_first"],
                times["seq"] / times["concurrent_nccl_first"])
 
@@ -182,11 +195,21 @@ def _worker(rank: int, world: int, init_method: str, shapes, dtype_name: str, it
     dtype = getattr(torch, dtype_name)
     rows = []
     try:
-        # A discarded pass first: the first shape measured by a fresh process pair ran up to 1.5x
-        # slow in every variant on these machines (clocks, lazy init), which is not what we measure.
-        measure_shape(*shapes[0], dtype, max(3, iters // 5), warmup)
-        for (m, n, k) in shapes:
-            row = measure_shape(m, n, k, dtype, iters, warmup)
+        # A discarded pass first, then ROUNDS passes over all shapes whose runs are pooled per
+        # shape: on these machines a few-second transient slowed every variant of whichever shape
+        # was being measured (up to 2x, once per run or so); spread over rounds it moves a third
+        # of a shape's runs, not all of them, and the median stays put.
+        measure_round(*shapes[0], dtype, max(3, iters // 5), warmup)
+        pooled = {shape: {} for shape in shapes}
+        facts = {}
+        per_round = max(1, -(-iters // ROUNDS))
+        for _ in range(ROUNDS):
+            for shape in shapes:
+                raw, facts[shape] = measure_round(*shape, dtype, per_round, warmup)
+                for name, v in raw.items():
+                    pooled[shape].setdefault(name, []).extend(v)
+        for shape in shapes:
+            row = make_row(*shape, dtype, pooled[shape], facts[shape])
             rows.append(asdict(row))
             if rank == 0:
                 print(format_row(row), flush=True)
@@ -232,7 +255,7 @@ def environment(world: int) -> dict:
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "host": platform.node(),
         "env": {k: os.environ.get(k) for k in sorted(SAFE_ENV) + ["FLASHOVERLAP_RESERVED_SMS", "FLASHOVERLAP_NCCL_MAX_CTAS"]},
-        "method": "median of CUDA-event-timed iterations after warm-up, variants interleaved, max over ranks; random inputs rotated across buffers",
+        "method": "median of CUDA-event-timed iterations after warm-up, variants interleaved, pooled over 3 rounds across all shapes, max over ranks; random inputs rotated across buffers",
     }
 
 
