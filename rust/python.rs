@@ -78,7 +78,9 @@ fn options(
     raster_bands: Option<u32>,
 ) -> PyResult<gar::Options> {
     if raster_bands == Some(0) {
-        return Err(PyValueError::new_err("raster_bands: must be >= 1 or None, got 0"));
+        return Err(PyValueError::new_err(
+            "raster_bands: must be >= 1 or None, got 0",
+        ));
     }
     Ok(gar::Options {
         kernel: gemm_kernel(kernel)?,
@@ -224,7 +226,14 @@ fn plan_gemm_all_reduce(
 ) -> PyResult<PyPlan> {
     // Planning needs the shape only; no pointer is ever read.
     let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands)?;
+    let opts = options(
+        mode,
+        bands_per_group,
+        reserved_sms,
+        max_groups,
+        kernel,
+        raster_bands,
+    )?;
     let which = opts
         .kernel
         .unwrap_or_else(|| GemmKernel::default_for(major, m, n, sms.saturating_sub(reserved_sms)));
@@ -384,7 +393,14 @@ fn gemm_all_reduce(
     raster_bands: Option<u32>,
 ) -> PyResult<&'static str> {
     let args = operands(x, weight, out, m, n, k, dtype)?;
-    let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands)?;
+    let opts = options(
+        mode,
+        bands_per_group,
+        reserved_sms,
+        max_groups,
+        kernel,
+        raster_bands,
+    )?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     py.detach(|| gar::gemm_all_reduce(&comm, &args, &opts, stream::from_handle(stream)))
         .map(schedule_name)
@@ -435,7 +451,14 @@ fn communicator_plan(
 ) -> PyResult<PyPlan> {
     // Planning needs the shape only; no pointer is ever read.
     let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let opts = options(mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands)?;
+    let opts = options(
+        mode,
+        bands_per_group,
+        reserved_sms,
+        max_groups,
+        kernel,
+        raster_bands,
+    )?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     gar::plan_of(&comm, &args, &opts, stream::from_handle(stream))
         .map(PyPlan)

@@ -161,8 +161,21 @@ struct Tables {
 type TableKey = (i32, u32, u32, u32, u32, Option<u32>);
 static TABLES: Mutex<Option<HashMap<TableKey, Arc<Tables>>>> = Mutex::new(None);
 
-fn tables(device: &DeviceInfo, tiles: &OutputTiles, raster: u32, signal: Option<u32>, stream: RawStream) -> Result<Arc<Tables>> {
-    let key = (device.ordinal, tiles.tiles_m, tiles.tiles_n, tiles.tile.bn, raster, signal);
+fn tables(
+    device: &DeviceInfo,
+    tiles: &OutputTiles,
+    raster: u32,
+    signal: Option<u32>,
+    stream: RawStream,
+) -> Result<Arc<Tables>> {
+    let key = (
+        device.ordinal,
+        tiles.tiles_m,
+        tiles.tiles_n,
+        tiles.tile.bn,
+        raster,
+        signal,
+    );
     let mut guard = TABLES.lock().unwrap_or_else(|p| p.into_inner());
     let map = guard.get_or_insert_with(HashMap::new);
     if let Some(t) = map.get(&key) {
@@ -211,9 +224,13 @@ pub fn gemm(args: &GemmArgs, ordinal: i32, how: &Launch, stream: RawStream) -> R
         .unwrap_or_else(|| GemmKernel::default_for(device.major, args.m, args.n, sms));
     let kernel = load(&device, args.dtype, which)?;
     let tiles = OutputTiles::new(args.m, args.n, tile_shape(kernel.which))?;
-    let raster = how.raster_bands.unwrap_or_else(|| plan::default_raster_bands(&tiles, sms));
+    let raster = how
+        .raster_bands
+        .unwrap_or_else(|| plan::default_raster_bands(&tiles, sms));
     if raster == 0 || how.signal_bands == Some(0) {
-        return Err(Error::Invalid("raster_bands and signal_bands must be >= 1".into()));
+        return Err(Error::Invalid(
+            "raster_bands and signal_bands must be >= 1".into(),
+        ));
     }
     let t = tables(&device, &tiles, raster, how.signal_bands, stream)?;
     let ptr = |b: &Option<DeviceBuffer>| b.as_ref().map_or(0, |b| b.ptr);

@@ -71,7 +71,13 @@ pub fn hardware_for(sms: u32, major: i32, kernel: GemmKernel) -> HardwareModel {
     }
 }
 
-pub fn request(args: &GemmArgs, world: u32, opts: &Options, kernel: GemmKernel, sms: u32) -> PlanRequest {
+pub fn request(
+    args: &GemmArgs,
+    world: u32,
+    opts: &Options,
+    kernel: GemmKernel,
+    sms: u32,
+) -> PlanRequest {
     let raster_bands = opts.raster_bands.unwrap_or_else(|| {
         plan::OutputTiles::new(args.m, args.n, gemm::tile_shape(kernel))
             .map(|t| plan::default_raster_bands(&t, sms.saturating_sub(opts.reserved_sms)))
@@ -123,14 +129,13 @@ fn prepare(
             args.dtype.name()
         )));
     }
-    let kernel = opts
-        .kernel
-        .unwrap_or_else(|| {
-            let ctas = comm.device.sms.saturating_sub(opts.reserved_sms);
-            GemmKernel::default_for(comm.device.major, args.m, args.n, ctas)
-        });
+    let kernel = opts.kernel.unwrap_or_else(|| {
+        let ctas = comm.device.sms.saturating_sub(opts.reserved_sms);
+        GemmKernel::default_for(comm.device.major, args.m, args.n, ctas)
+    });
     let hw = hardware_for(comm.device.sms, comm.device.major, kernel);
-    let plan = plan::plan_gemm_all_reduce(&request(args, comm.world as u32, opts, kernel, hw.sms), &hw)?;
+    let plan =
+        plan::plan_gemm_all_reduce(&request(args, comm.world as u32, opts, kernel, hw.sms), &hw)?;
     let groups = plan.partition.len().max(1);
     let prepared = Arc::new(Prepared {
         kernel,

@@ -39,9 +39,15 @@ impl TileOrder {
 
     /// Rastered order inside groups of `band_counts` consecutive bands
     /// (summing to tiles.tiles_m); `bands` = 1 is the row-band order.
-    pub fn rastered(tiles: &OutputTiles, band_counts: &[u32], bands: u32) -> Result<Self, PlanError> {
+    pub fn rastered(
+        tiles: &OutputTiles,
+        band_counts: &[u32],
+        bands: u32,
+    ) -> Result<Self, PlanError> {
         if bands == 0 {
-            return Err(PlanError::InvalidPartition("raster bands must be >= 1, got 0".into()));
+            return Err(PlanError::InvalidPartition(
+                "raster bands must be >= 1, got 0".into(),
+            ));
         }
         let total: u64 = band_counts.iter().map(|&c| u64::from(c)).sum();
         if total != u64::from(tiles.tiles_m) {
@@ -88,7 +94,10 @@ impl TileOrder {
 
     /// `per_tile[id]` re-indexed by position: what the kernel reads at `pos`.
     pub fn by_position(&self, per_tile: &[u32]) -> Vec<u32> {
-        self.positions.iter().map(|&id| per_tile[id as usize]).collect()
+        self.positions
+            .iter()
+            .map(|&id| per_tile[id as usize])
+            .collect()
     }
 }
 
@@ -174,12 +183,19 @@ mod tests {
         assert_eq!(order.positions, vec![0, 2, 1, 3, 4, 5]);
         assert_eq!(order.kind, OrderKind::Rastered { bands: 2 });
         assert!(!order.is_identity());
-        assert_eq!(order.by_position(&[10, 11, 12, 13, 14, 15]), vec![10, 12, 11, 13, 14, 15]);
+        assert_eq!(
+            order.by_position(&[10, 11, 12, 13, 14, 15]),
+            vec![10, 12, 11, 13, 14, 15]
+        );
     }
 
     #[test]
     fn default_raster_prefers_square_waves() {
-        let tile = TileShape { bm: 128, bn: 256, bk: 64 };
+        let tile = TileShape {
+            bm: 128,
+            bn: 256,
+            bk: 64,
+        };
         let t = |m| OutputTiles::new(m, 8192, tile).unwrap();
         // 132 CTAs over 32 tile columns: 16 bands x 9 columns read half the
         // panel bytes of 5 bands x 32 columns.
@@ -195,6 +211,9 @@ mod tests {
         let t = crate::plan::testing::tiles(1000, 1000);
         assert!(TileOrder::rastered(&t, &[t.tiles_m], 0).is_err());
         assert!(TileOrder::rastered(&t, &[t.tiles_m - 1], 4).is_err());
-        assert_eq!(TileOrder::rastered(&t, &[t.tiles_m], 1).unwrap(), TileOrder::row_band(&t));
+        assert_eq!(
+            TileOrder::rastered(&t, &[t.tiles_m], 1).unwrap(),
+            TileOrder::row_band(&t)
+        );
     }
 }

@@ -73,7 +73,11 @@ impl PlanRequest {
             )));
         }
         require_positive("max_groups", self.max_groups, PlanError::InvalidPartition)?;
-        require_positive("raster_bands", self.raster_bands, PlanError::InvalidPartition)?;
+        require_positive(
+            "raster_bands",
+            self.raster_bands,
+            PlanError::InvalidPartition,
+        )?;
         if let Some(bands) = self.bands_per_group {
             require_positive("bands_per_group", bands, PlanError::InvalidPartition)?;
         }
@@ -172,7 +176,11 @@ mod tests {
     fn assert_consistent(plan: &GemmAllReducePlan) {
         let tiles = &plan.tiles;
         assert_eq!(plan.waves, Waves::new(plan.ctas, tiles.count()).unwrap());
-        let order = TileOrder::rastered(tiles, &plan.partition.band_counts(), plan.request.raster_bands);
+        let order = TileOrder::rastered(
+            tiles,
+            &plan.partition.band_counts(),
+            plan.request.raster_bands,
+        );
         assert_eq!(plan.order, order.unwrap());
         assert!(plan.partition.check_against(tiles).is_ok());
         let by_tile = plan.partition.tile_group_table(tiles);
