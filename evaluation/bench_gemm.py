@@ -33,6 +33,7 @@ import torch
 
 import flashoverlap
 from flashoverlap import _core
+from flashoverlap.bench import interleaved_times_us
 
 SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 4096), (8192, 14336), (8192, 1024),
                                                                     (8192, 3584))] + [(8192, 8192, 8192)]
@@ -86,27 +87,11 @@ def time_shape(m: int, n: int, k: int, dt: torch.dtype, configs: dict, iters: in
     xs = [torch.randn(m, k, device="cuda", dtype=dt) for _ in range(BUFFERS)]
     ws = [torch.randn(n, k, device="cuda", dtype=dt) for _ in range(BUFFERS)]
     outs = [torch.empty(m, n, device="cuda", dtype=dt) for _ in range(BUFFERS)]
-    runs = {"cublas": lambda i: torch.matmul(xs[i], ws[i].t(), out=outs[i])}
+    runs = {"cublas": lambda t: torch.matmul(xs[t % BUFFERS], ws[t % BUFFERS].t(), out=outs[t % BUFFERS])}
     for name, cfg in configs.items():
-        runs[name] = (lambda c: lambda i: launch(xs[i], ws[i], outs[i], c))(cfg)
-    turn = 0
-    for fn in runs.values():
-        for _ in range(BUFFERS):
-            fn(turn % BUFFERS)
-            turn += 1
-    torch.cuda.synchronize()
-    events = {name: [] for name in runs}
-    for _ in range(iters):
-        for name, fn in runs.items():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn(turn % BUFFERS)
-            e.record()
-            turn += 1
-            events[name].append((s, e))
-    torch.cuda.synchronize()
-    return {name: statistics.median(s.elapsed_time(e) for s, e in ev) * 1000 for name, ev in events.items()}
-
+        runs[name] = (lambda c: lambda t: launch(xs[t % BUFFERS], ws[t % BUFFERS], outs[t % BUFFERS], c))(cfg)
+    times = interleaved_times_us(runs, iters, warmup=BUFFERS)
+    return {name: statistics.median(v) for name, v in times.items()}
 
 def geomean(values) -> float:
     return statistics.geometric_mean(list(values))

@@ -9,7 +9,7 @@ use crate::dtype::Dtype;
 use crate::error::Error;
 use crate::ops::gemm::GemmArgs;
 use crate::ops::{all_reduce as ar_op, gemm as gemm_op, gemm_all_reduce as gar};
-use crate::plan::{self, GemmAllReducePlan, ModeRequest, Schedule};
+use crate::plan::{GemmAllReducePlan, ModeRequest, Schedule};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -181,7 +181,7 @@ impl PyPlan {
     /// Row bands per raster block of the tile order (1: row by row).
     #[getter]
     fn raster_bands(&self) -> u32 {
-        self.0.request.raster_bands
+        self.0.raster_bands()
     }
     fn describe(&self) -> String {
         self.0.describe()
@@ -234,13 +234,9 @@ fn plan_gemm_all_reduce(
         kernel,
         raster_bands,
     )?;
-    let which = opts
-        .kernel
-        .unwrap_or_else(|| GemmKernel::default_for(major, m, n, sms.saturating_sub(reserved_sms)));
-    let hw = gar::hardware_for(sms, major, which);
-    plan::plan_gemm_all_reduce(&gar::request(&args, world_size, &opts, which, sms), &hw)
-        .map(PyPlan)
-        .map_err(|e| to_py(e.into()))
+    gar::plan_for(&args, world_size, &opts, sms, major)
+        .map(|(_, p)| PyPlan(p))
+        .map_err(to_py)
 }
 
 #[pyfunction]

@@ -63,7 +63,7 @@ class Row:
     concurrent_nccl_first_speedup: float
 
 
-def _interleaved_times_us(fns: dict[str, Callable[[int], object]], iters: int, warmup: int) -> dict[str, list[float]]:
+def interleaved_times_us(fns: dict[str, Callable[[int], object]], iters: int, warmup: int) -> dict[str, list[float]]:
     """Per-iteration times of each function, their iterations interleaved (A B C A B C ...)
     so that clock and thermal drift over the run affects every variant alike. Each call
     gets the next operand-set index, so no call finds its inputs in L2 from the call before."""
@@ -119,23 +119,22 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     side = torch.cuda.Stream(priority=-1)
     unrelated = torch.randn(m, n, device="cuda", dtype=dtype, generator=gen)
 
-    def concurrent(i: int):
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        out = torch.matmul(xs[i % sets], ws[i % sets].t())
-        with torch.cuda.stream(side):
-            dist.all_reduce(unrelated)
-        main.wait_stream(side)
-        return out
-
-    def concurrent_nccl_first(i: int):
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            dist.all_reduce(unrelated)
-        out = torch.matmul(xs[i % sets], ws[i % sets].t())
-        main.wait_stream(side)
-        return out
+    def concurrent(nccl_first: bool) -> Callable[[int], torch.Tensor]:
+        """cuBLAS on the current stream and an AllReduce of `unrelated` on the side stream, no
+        dependency between them, the AllReduce enqueued first or second."""
+        def run(i: int) -> torch.Tensor:
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            if nccl_first:
+                with torch.cuda.stream(side):
+                    dist.all_reduce(unrelated)
+            out = torch.matmul(xs[i % sets], ws[i % sets].t())
+            if not nccl_first:
+                with torch.cuda.stream(side):
+                    dist.all_reduce(unrelated)
+            main.wait_stream(side)
+            return out
+        return run
 
     def nccl(i: int):
         dist.all_reduce(buf)
@@ -160,9 +159,9 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     forced_plan = flashoverlap.plan_of(xs[0], ws[0], mode="overlap")
 
     dist.barrier()
-    times = _interleaved_times_us({"cublas": cublas, "ours_gemm": ours_gemm, "nccl": nccl, "seq": sequential,
-                                   "fo": overlapped, "forced": forced, "concurrent": concurrent,
-                                   "concurrent_nccl_first": concurrent_nccl_first}, iters, warmup)
+    times = interleaved_times_us({"cublas": cublas, "ours_gemm": ours_gemm, "nccl": nccl, "seq": sequential,
+                                   "fo": overlapped, "forced": forced, "concurrent": concurrent(False),
+                                   "concurrent_nccl_first": concurrent(True)}, iters, warmup)
     facts = {"schedule": plan.schedule, "groups": len(plan.groups), "predicted_us": plan.predicted_us,
              "rel": rel, "rel_forced": rel_forced, "forced_groups": len(forced_plan.groups)}
     return times, facts
@@ -255,7 +254,8 @@ def environment(world: int) -> dict:
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "host": platform.node(),
         "env": {k: os.environ.get(k) for k in sorted(SAFE_ENV) + ["FLASHOVERLAP_RESERVED_SMS", "FLASHOVERLAP_NCCL_MAX_CTAS"]},
-        "method": "median of CUDA-event-timed iterations after warm-up, variants interleaved, pooled over 3 rounds across all shapes, max over ranks; random inputs rotated across buffers",
+        "method": f"median of CUDA-event-timed iterations after warm-up, variants interleaved, pooled over {ROUNDS} "
+                  "rounds across all shapes, max over ranks; random inputs rotated across buffers",
     }
 
 

@@ -97,16 +97,6 @@ def _check_kernel(kernel: Optional[str]) -> None:
         raise ValueError(f"kernel: expected one of {KERNELS} or None, got {kernel!r}")
 
 
-def _check_mode(mode: str, bands_per_group: Optional[int]) -> None:
-    if mode not in _MODES:
-        raise ValueError(f"mode: expected one of {_MODES}, got {mode!r}")
-    if bands_per_group is not None:
-        if isinstance(bands_per_group, bool) or not isinstance(bands_per_group, int):
-            raise TypeError(f"bands_per_group: expected an int or None, got {type(bands_per_group).__name__}")
-        if bands_per_group < 1:
-            raise ValueError(f"bands_per_group: expected >= 1, got {bands_per_group}")
-
-
 def _check_positive_int(name: str, value: Optional[int]) -> None:
     if value is None:
         return
@@ -114,6 +104,12 @@ def _check_positive_int(name: str, value: Optional[int]) -> None:
         raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name}: expected >= 1, got {value}")
+
+
+def _check_mode(mode: str, bands_per_group: Optional[int]) -> None:
+    if mode not in _MODES:
+        raise ValueError(f"mode: expected one of {_MODES}, got {mode!r}")
+    _check_positive_int("bands_per_group", bands_per_group)
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, *, kernel: Optional[str] = None,

@@ -138,7 +138,7 @@ pub fn launch(
     }
 }
 
-/// How the GEMM alone runs; every field None/false is the default launch.
+/// How the GEMM alone runs; every field None is the default launch.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Launch {
     pub kernel: Option<GemmKernel>,
@@ -149,6 +149,14 @@ pub struct Launch {
     /// Signal a counter per group of this many row bands, as the overlapped
     /// ops do (nobody waits): measures what the signaling epilogue costs.
     pub signal_bands: Option<u32>,
+}
+
+/// The device copy of a tile order the kernel reads; None for the identity,
+/// which the kernel walks without a table.
+pub fn order_table(order: &TileOrder) -> Result<Option<DeviceBuffer>> {
+    (!order.is_identity())
+        .then(|| DeviceBuffer::from_u32(&order.positions))
+        .transpose()
 }
 
 /// Device tables of one (device, shape, launch): order, group per position, counters.
@@ -194,9 +202,7 @@ fn tables(
     };
     let order = TileOrder::rastered(tiles, &partition.band_counts(), raster)?;
     let t = Arc::new(Tables {
-        order: (!order.is_identity())
-            .then(|| DeviceBuffer::from_u32(&order.positions))
-            .transpose()?,
+        order: order_table(&order)?,
         group: signal
             .map(|_| DeviceBuffer::from_u32(&order.by_position(&partition.tile_group_table(tiles))))
             .transpose()?,

@@ -54,7 +54,7 @@ pub struct Prepared {
 
 /// The predictor's machine: measured constants on H200 (with the rate of
 /// the kernel that will run), a pessimistic model elsewhere.
-pub fn hardware_for(sms: u32, major: i32, kernel: GemmKernel) -> HardwareModel {
+fn hardware_for(sms: u32, major: i32, kernel: GemmKernel) -> HardwareModel {
     if major == 9 && sms == 132 {
         // bf16 on H200, random data, all SMs (evaluation/results/gemm_kernel_h200.txt):
         // sm80 244-285 TFLOP/s; the sm90 kernel 510-770, 1.01x cuBLAS in the same run.
@@ -71,20 +71,8 @@ pub fn hardware_for(sms: u32, major: i32, kernel: GemmKernel) -> HardwareModel {
     }
 }
 
-pub fn request(
-    args: &GemmArgs,
-    world: u32,
-    opts: &Options,
-    kernel: GemmKernel,
-    sms: u32,
-) -> PlanRequest {
-    let raster_bands = opts.raster_bands.unwrap_or_else(|| {
-        plan::OutputTiles::new(args.m, args.n, gemm::tile_shape(kernel))
-            .map(|t| plan::default_raster_bands(&t, sms.saturating_sub(opts.reserved_sms)))
-            .unwrap_or(1)
-    });
+fn request(args: &GemmArgs, world: u32, opts: &Options, kernel: GemmKernel) -> PlanRequest {
     PlanRequest {
-        raster_bands,
         m: args.m,
         n: args.n,
         k: args.k,
@@ -95,7 +83,26 @@ pub fn request(
         bands_per_group: opts.bands_per_group,
         max_groups: opts.max_groups,
         mode: opts.mode,
+        raster_bands: opts.raster_bands,
     }
+}
+
+/// The kernel and plan of a call on a device with `sms` SMs of compute
+/// capability `major` (no GPU needed): the kernel is the caller's or the
+/// device's default for the CTAs the overlap leaves the GEMM.
+pub fn plan_for(
+    args: &GemmArgs,
+    world: u32,
+    opts: &Options,
+    sms: u32,
+    major: i32,
+) -> Result<(GemmKernel, GemmAllReducePlan)> {
+    let kernel = opts.kernel.unwrap_or_else(|| {
+        GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(opts.reserved_sms))
+    });
+    let hw = hardware_for(sms, major, kernel);
+    let plan = plan::plan_gemm_all_reduce(&request(args, world, opts, kernel), &hw)?;
+    Ok((kernel, plan))
 }
 
 fn prepare(
@@ -129,19 +136,17 @@ fn prepare(
             args.dtype.name()
         )));
     }
-    let kernel = opts.kernel.unwrap_or_else(|| {
-        let ctas = comm.device.sms.saturating_sub(opts.reserved_sms);
-        GemmKernel::default_for(comm.device.major, args.m, args.n, ctas)
-    });
-    let hw = hardware_for(comm.device.sms, comm.device.major, kernel);
-    let plan =
-        plan::plan_gemm_all_reduce(&request(args, comm.world as u32, opts, kernel, hw.sms), &hw)?;
+    let (kernel, plan) = plan_for(
+        args,
+        comm.world as u32,
+        opts,
+        comm.device.sms,
+        comm.device.major,
+    )?;
     let groups = plan.partition.len().max(1);
     let prepared = Arc::new(Prepared {
         kernel,
-        tile_order: (!plan.order.is_identity())
-            .then(|| DeviceBuffer::from_u32(&plan.order.positions))
-            .transpose()?,
+        tile_order: gemm::order_table(&plan.order)?,
         tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
         counters: DeviceBuffer::zeroed_u32(groups * COUNTER_SLOTS)?,
         next_slot: AtomicUsize::new(0),

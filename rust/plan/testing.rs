@@ -29,7 +29,7 @@ pub(crate) fn request(m: u32, n: u32, k: u32, world: u32) -> PlanRequest {
         bands_per_group: None,
         max_groups: 32,
         mode: ModeRequest::Auto,
-        raster_bands: 4,
+        raster_bands: Some(4),
     }
 }
 

@@ -7,7 +7,7 @@ mod describe;
 
 use crate::plan::error::{require_positive, PlanError};
 use crate::plan::groups::GroupPartition;
-use crate::plan::order::TileOrder;
+use crate::plan::order::{default_raster_bands, OrderKind, TileOrder};
 use crate::plan::predictor::{
     best_partition, predict, predict_sequential, HardwareModel, Timeline,
 };
@@ -50,8 +50,9 @@ pub struct PlanRequest {
     /// Cap on the searched layout's group count.
     pub max_groups: u32,
     pub mode: ModeRequest,
-    /// Row bands per raster block inside each group (1: row-band order).
-    pub raster_bands: u32,
+    /// Row bands per raster block inside each group (1: row-band order);
+    /// None: `default_raster_bands` for the overlap's CTAs.
+    pub raster_bands: Option<u32>,
 }
 
 impl PlanRequest {
@@ -73,11 +74,9 @@ impl PlanRequest {
             )));
         }
         require_positive("max_groups", self.max_groups, PlanError::InvalidPartition)?;
-        require_positive(
-            "raster_bands",
-            self.raster_bands,
-            PlanError::InvalidPartition,
-        )?;
+        if let Some(bands) = self.raster_bands {
+            require_positive("raster_bands", bands, PlanError::InvalidPartition)?;
+        }
         if let Some(bands) = self.bands_per_group {
             require_positive("bands_per_group", bands, PlanError::InvalidPartition)?;
         }
@@ -152,7 +151,10 @@ pub fn plan_gemm_all_reduce(
             predict_sequential(&tiles, req.k, hw, req.world, req.elem_bytes)?,
         ),
     };
-    let order = TileOrder::rastered(&tiles, &partition.band_counts(), req.raster_bands)?;
+    let raster = req
+        .raster_bands
+        .unwrap_or_else(|| default_raster_bands(&tiles, overlap_ctas));
+    let order = TileOrder::rastered(&tiles, &partition.band_counts(), raster)?;
     Ok(GemmAllReducePlan {
         request: req.clone(),
         schedule,
@@ -166,6 +168,16 @@ pub fn plan_gemm_all_reduce(
     })
 }
 
+impl GemmAllReducePlan {
+    /// Row bands per raster block of the tile order (1: row by row).
+    pub fn raster_bands(&self) -> u32 {
+        match self.order.kind {
+            OrderKind::RowBand => 1,
+            OrderKind::Rastered { bands } => bands,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -176,11 +188,7 @@ mod tests {
     fn assert_consistent(plan: &GemmAllReducePlan) {
         let tiles = &plan.tiles;
         assert_eq!(plan.waves, Waves::new(plan.ctas, tiles.count()).unwrap());
-        let order = TileOrder::rastered(
-            tiles,
-            &plan.partition.band_counts(),
-            plan.request.raster_bands,
-        );
+        let order = TileOrder::rastered(tiles, &plan.partition.band_counts(), plan.raster_bands());
         assert_eq!(plan.order, order.unwrap());
         assert!(plan.partition.check_against(tiles).is_ok());
         let by_tile = plan.partition.tile_group_table(tiles);
