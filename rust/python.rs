@@ -69,6 +69,15 @@ fn gemm_kernel(name: Option<&str>) -> PyResult<Option<GemmKernel>> {
     .transpose()
 }
 
+fn backend(name: &str) -> PyResult<gar::Backend> {
+    gar::Backend::parse(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "backend: expected 'nccl' or 'copy_engine', got {name:?}"
+        ))
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
 fn options(
     mode: &str,
     bands_per_group: Option<u32>,
@@ -76,6 +85,7 @@ fn options(
     max_groups: u32,
     kernel: Option<&str>,
     raster_bands: Option<u32>,
+    backend: &str,
 ) -> PyResult<gar::Options> {
     if raster_bands == Some(0) {
         return Err(PyValueError::new_err(
@@ -89,6 +99,7 @@ fn options(
         reserved_sms,
         max_groups,
         raster_bands,
+        backend: self::backend(backend)?,
     })
 }
 
@@ -207,7 +218,7 @@ fn version() -> &'static str {
 /// Plans GEMM + AllReduce for a device described by `sms` and compute
 /// capability `major`; needs no GPU.
 #[pyfunction]
-#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=24, max_groups=16, kernel=None, raster_bands=None))]
+#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=24, max_groups=16, kernel=None, raster_bands=None, backend="nccl"))]
 #[allow(clippy::too_many_arguments)]
 fn plan_gemm_all_reduce(
     m: u32,
@@ -223,6 +234,7 @@ fn plan_gemm_all_reduce(
     max_groups: u32,
     kernel: Option<&str>,
     raster_bands: Option<u32>,
+    backend: &str,
 ) -> PyResult<PyPlan> {
     // Planning needs the shape only; no pointer is ever read.
     let args = operands(0, 0, 0, m, n, k, dtype)?;
@@ -233,6 +245,7 @@ fn plan_gemm_all_reduce(
         max_groups,
         kernel,
         raster_bands,
+        backend,
     )?;
     gar::plan_for(&args, world_size, &opts, sms, major)
         .map(|(_, p)| PyPlan(p))
@@ -368,7 +381,7 @@ fn gemm(
 }
 
 #[pyfunction]
-#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=24, max_groups=16, kernel=None, raster_bands=None))]
+#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=24, max_groups=16, kernel=None, raster_bands=None, backend="nccl"))]
 #[allow(clippy::too_many_arguments)]
 fn gemm_all_reduce(
     py: Python<'_>,
@@ -387,6 +400,7 @@ fn gemm_all_reduce(
     max_groups: u32,
     kernel: Option<&str>,
     raster_bands: Option<u32>,
+    backend: &str,
 ) -> PyResult<&'static str> {
     let args = operands(x, weight, out, m, n, k, dtype)?;
     let opts = options(
@@ -396,6 +410,7 @@ fn gemm_all_reduce(
         max_groups,
         kernel,
         raster_bands,
+        backend,
     )?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     py.detach(|| gar::gemm_all_reduce(&comm, &args, &opts, stream::from_handle(stream)))
@@ -408,6 +423,37 @@ fn schedule_name(s: Schedule) -> &'static str {
         Schedule::Overlap => "overlap",
         Schedule::Sequential => "sequential",
     }
+}
+
+/// Collective: this rank's half of (re)making the copy-engine buffers of a
+/// communicator with `slot_bytes` per staging slot; returns the IPC handle
+/// every rank must receive (in rank order) for `peer_attach`.
+#[pyfunction]
+fn peer_prepare<'py>(py: Python<'py>, group_name: &str, slot_bytes: u64) -> PyResult<Bound<'py, PyBytes>> {
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    let handle = py
+        .detach(|| comm.peer_prepare(slot_bytes))
+        .map_err(to_py)?;
+    Ok(PyBytes::new(py, &handle))
+}
+
+#[pyfunction]
+fn peer_attach(py: Python<'_>, group_name: &str, handles: Vec<Vec<u8>>) -> PyResult<()> {
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    py.detach(|| comm.peer_attach(&handles)).map_err(to_py)
+}
+
+/// Bytes per staging slot of the communicator's copy-engine buffers (0: none yet).
+#[pyfunction]
+fn peer_slot_bytes(group_name: &str) -> PyResult<u64> {
+    Ok(communicator::get(group_name).map_err(to_py)?.peer_slot_bytes())
+}
+
+/// Waits until the communicator's streams are idle.
+#[pyfunction]
+fn synchronize_communicator(py: Python<'_>, group_name: &str) -> PyResult<()> {
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    py.detach(|| comm.synchronize()).map_err(to_py)
 }
 
 /// In-place sum AllReduce of `count` elements at `ptr` on the communicator's
@@ -429,7 +475,7 @@ fn all_reduce(
 
 /// The plan `gemm_all_reduce` runs for these arguments on this communicator.
 #[pyfunction]
-#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=24, max_groups=16, kernel=None, raster_bands=None))]
+#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=24, max_groups=16, kernel=None, raster_bands=None, backend="nccl"))]
 #[allow(clippy::too_many_arguments)]
 fn communicator_plan(
     group_name: &str,
@@ -444,6 +490,7 @@ fn communicator_plan(
     max_groups: u32,
     kernel: Option<&str>,
     raster_bands: Option<u32>,
+    backend: &str,
 ) -> PyResult<PyPlan> {
     // Planning needs the shape only; no pointer is ever read.
     let args = operands(0, 0, 0, m, n, k, dtype)?;
@@ -454,6 +501,7 @@ fn communicator_plan(
         max_groups,
         kernel,
         raster_bands,
+        backend,
     )?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     gar::plan_of(&comm, &args, &opts, stream::from_handle(stream))
@@ -481,5 +529,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gemm_all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(communicator_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(peer_prepare, m)?)?;
+    m.add_function(wrap_pyfunction!(peer_attach, m)?)?;
+    m.add_function(wrap_pyfunction!(peer_slot_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(synchronize_communicator, m)?)?;
     Ok(())
 }

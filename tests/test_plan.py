@@ -403,3 +403,31 @@ def test_hopper_tile_width_is_chosen_per_shape(m: int, reserved: int, bn: int) -
     # 128-wide tiles from 24 waves of 128 x 128 tiles on the GEMM's CTAs (132 - reserved).
     plan = plan_gemm_all_reduce(m, 8192, 4096, 2, reserved_sms=reserved, mode="overlap")
     assert plan.tile == (128, bn, 64)
+
+
+def test_backends_reserve_their_own_sms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLASHOVERLAP_RESERVED_SMS", raising=False)
+    nccl = plan_gemm_all_reduce(8192, 8192, 4096, 2, mode="overlap", backend="nccl")
+    ce = plan_gemm_all_reduce(8192, 8192, 4096, 2, mode="overlap", backend="copy_engine")
+    assert nccl.ctas == H200_SMS - DEFAULT_RESERVED
+    assert ce.ctas == H200_SMS - 8
+    # "auto" plans the copy engines on one node (<= 8 GPUs), NCCL beyond.
+    assert plan_gemm_all_reduce(8192, 8192, 4096, 8, mode="overlap", backend="auto").ctas == H200_SMS - 8
+    assert plan_gemm_all_reduce(8192, 8192, 4096, 16, mode="overlap", backend="auto").ctas == nccl.ctas
+    monkeypatch.setenv("FLASHOVERLAP_RESERVED_SMS", "16")
+    assert plan_gemm_all_reduce(8192, 8192, 4096, 2, mode="overlap", backend="copy_engine").ctas == H200_SMS - 16
+
+
+def test_copy_engine_groups_cost_less_than_nccl_ones() -> None:
+    """Per group the copy engines pay a smaller fixed cost, so the predicted overlap is no slower."""
+    for m in (2048, 4096, 16384):
+        nccl = plan_gemm_all_reduce(m, 8192, 4096, 2, mode="overlap", backend="nccl", reserved_sms=8)
+        ce = plan_gemm_all_reduce(m, 8192, 4096, 2, mode="overlap", backend="copy_engine", reserved_sms=8)
+        assert ce.predicted_overlap_us <= nccl.predicted_overlap_us
+        # The sequential schedule is the same cuBLAS + NCCL for both.
+        assert ce.predicted_sequential_us == pytest.approx(nccl.predicted_sequential_us)
+
+
+def test_unknown_backend_in_the_planner() -> None:
+    with pytest.raises(ValueError, match="backend"):
+        plan_gemm_all_reduce(8192, 8192, 4096, 2, backend="nvlink")

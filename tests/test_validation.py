@@ -393,7 +393,7 @@ def test_ops_are_registered() -> None:
     assert isinstance(gar, torch._ops.OpOverload)
     assert isinstance(gemm_op, torch._ops.OpOverload)
     names = [a.name for a in gar._schema.arguments]
-    assert names == ["x", "weight", "group_name", "mode", "bands_per_group", "kernel"]
+    assert names == ["x", "weight", "group_name", "mode", "bands_per_group", "kernel", "backend"]
     assert [a.name for a in gemm_op._schema.arguments] == ["x", "weight", "kernel", "raster_bands", "sms"]
     # Functional ops: nothing is mutated, one tensor comes back.
     assert not gar._schema.is_mutable and not gemm_op._schema.is_mutable
@@ -418,3 +418,24 @@ def test_misaligned_operand_is_named(call) -> None:
     w = torch.randn(32, 64, dtype=torch.bfloat16)
     with raises_naming(ValueError, "x", "16-byte aligned"):
         call(x, w)
+
+
+@pytest.mark.parametrize("backend", ["nvlink", "", "NCCL", 1])
+@pytest.mark.parametrize("call", [gemm_all_reduce, plan_of], ids=lambda f: f.__name__)
+def test_unknown_backend_is_named(no_distributed, call, backend) -> None:
+    x, w = operands()
+    with raises_naming(ValueError, "backend", "copy_engine"):
+        call(x, w, backend=backend)
+    valid_plan_still_works()
+
+
+def test_bad_backend_in_the_environment(no_distributed, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashoverlap import _env
+
+    monkeypatch.setenv("FLASHOVERLAP_BACKEND", "infiniband")
+    with pytest.raises(ValueError, match="FLASHOVERLAP_BACKEND"):
+        _env.backend()
+    monkeypatch.setenv("FLASHOVERLAP_BACKEND", " Copy_Engine ")
+    assert _env.backend() == "copy_engine"
+    monkeypatch.delenv("FLASHOVERLAP_BACKEND")
+    assert _env.backend() == "auto"

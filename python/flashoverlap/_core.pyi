@@ -51,6 +51,7 @@ def plan_gemm_all_reduce(
     max_groups: int = 16,
     kernel: Optional[str] = None,
     raster_bands: Optional[int] = None,
+    backend: str = "nccl",
 ) -> Plan: ...
 def load_nvrtc(path: str) -> None: ...
 def nvrtc_version() -> tuple[int, int]: ...
@@ -98,10 +99,18 @@ def gemm_all_reduce(
     max_groups: int = 16,
     kernel: Optional[str] = None,
     raster_bands: Optional[int] = None,
+    backend: str = "nccl",
 ) -> str:
     """Enqueues the overlapped op and returns "overlap", or enqueues nothing and
     returns "sequential" (the caller then runs its GEMM and all_reduce)."""
 def all_reduce(group_name: str, ptr: int, count: int, dtype: str, stream: int) -> None: ...
+def peer_prepare(group_name: str, slot_bytes: int) -> bytes:
+    """Collective, first half: waits for the communicator's streams, allocates this rank's
+    copy-engine buffer and returns its IPC handle."""
+def peer_attach(group_name: str, handles: list[bytes]) -> None:
+    """Collective, second half: maps every rank's buffer (handles in rank order)."""
+def peer_slot_bytes(group_name: str) -> int: ...
+def synchronize_communicator(group_name: str) -> None: ...
 def communicator_plan(
     group_name: str,
     m: int,
@@ -115,4 +124,5 @@ def communicator_plan(
     max_groups: int = 16,
     kernel: Optional[str] = None,
     raster_bands: Optional[int] = None,
+    backend: str = "nccl",
 ) -> Plan: ...

@@ -23,12 +23,31 @@ def force_sequential() -> bool:
     return os.environ.get("FLASHOVERLAP_FORCE_SEQUENTIAL", "").strip().lower() in _TRUE
 
 
-def reserved_sms() -> int:
-    """FLASHOVERLAP_RESERVED_SMS: SMs left free of GEMM CTAs for the collectives (default 24)."""
-    v = _int("FLASHOVERLAP_RESERVED_SMS", 24)
+# SMs the overlapped GEMM leaves free, per backend: NCCL's CTAs need 24 to
+# run at full speed beside the GEMM (8/16/24/32/48 measured on 2x H200); the
+# copy-engine backend moves bytes with no SM and needs SMs only for its
+# reduction kernel.
+_RESERVED_DEFAULT = {"nccl": 24, "copy_engine": 8}
+BACKENDS = ("auto", "nccl", "copy_engine")
+
+
+def reserved_sms(backend: str = "nccl") -> int:
+    """FLASHOVERLAP_RESERVED_SMS: SMs left free of GEMM CTAs for the collectives
+    (default 24 with NCCL, 8 with the copy-engine backend)."""
+    v = _int("FLASHOVERLAP_RESERVED_SMS", _RESERVED_DEFAULT[backend])
     assert v is not None
     if v < 0:
         raise ValueError(f"FLASHOVERLAP_RESERVED_SMS: expected >= 0, got {v}")
+    return v
+
+
+def backend() -> str:
+    """FLASHOVERLAP_BACKEND: what moves the bytes of the overlapped collectives when an op is not
+    told: "auto" (default: copy engines where every rank is on one node, else NCCL), "nccl" or
+    "copy_engine"."""
+    v = os.environ.get("FLASHOVERLAP_BACKEND", "").strip().lower() or "auto"
+    if v not in BACKENDS:
+        raise ValueError(f"FLASHOVERLAP_BACKEND: expected one of {BACKENDS}, got {v!r}")
     return v
 
 

@@ -9,6 +9,7 @@ names.
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Optional, Sequence, Union
 
 import torch
@@ -20,6 +21,7 @@ ProcessGroup = dist.ProcessGroup
 _log = logging.getLogger("flashoverlap")
 
 _by_name: dict[str, "Communicator"] = {}
+MAX_PEER_WORLD = 8
 
 
 def resolve_group(group: Optional[ProcessGroup]) -> ProcessGroup:
@@ -66,21 +68,57 @@ class Communicator:
         if max_ctas is None:
             max_ctas = _env.nccl_max_ctas() or _env.reserved_sms() or None
         self.max_ctas = max_ctas
+        self._peer = False
         # The sequential schedule runs the group's own NCCL AllReduce where it
         # has one: torch's communicator is not capped to the reserved SMs.
         self.torch_nccl = "nccl" in str(dist.get_backend(pg)).lower()
         uid = _core.new_unique_id() if self.rank == 0 else bytes(128)
-        box = [uid]
+        box = [(uid, socket.gethostname())]
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, box[0][1], group=pg)
         dist.broadcast_object_list(box, src=self.ranks[0], group=pg)
-        _core.create_communicator(self.name, self.world_size, self.rank, box[0], device.index, max_ctas)
+        # The copy-engine backend maps peers' memory: every rank on one host.
+        self.one_node = len(set(hosts)) == 1 and self.world_size <= MAX_PEER_WORLD
+        _core.create_communicator(self.name, self.world_size, self.rank, box[0][0], device.index, max_ctas)
         _by_name[self.name] = self
         _log.info("created communicator %r: rank %d of %s on %s, NCCL maxCTAs %s", self.name, self.rank,
                   list(self.ranks), device, max_ctas)
 
+    def ensure_peer_buffers(self, slot_bytes: int) -> None:
+        """Collective: makes the copy-engine staging slots hold at least ``slot_bytes`` (grown
+        to a power of two of at least 16 MiB, so that few shapes regrow them). Every rank calls
+        it with the same size (as the ops do: all ranks call an op with the same shape)."""
+        if _core.peer_slot_bytes(self.name) >= slot_bytes:
+            return
+        if not self.one_node:
+            raise ValueError(
+                f"backend: 'copy_engine' needs every rank of communicator {self.name!r} on one node; "
+                "use backend='nccl'"
+            )
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                f"backend: the copy-engine buffers of communicator {self.name!r} must grow to {slot_bytes} bytes, "
+                "which cannot happen during CUDA graph capture; run the op once with this shape before capturing"
+            )
+        size = max(16 << 20, 1 << (slot_bytes - 1).bit_length())
+        handle = _core.peer_prepare(self.name, size)
+        handles = [None] * self.world_size
+        dist.all_gather_object(handles, handle, group=self.group)
+        _core.peer_attach(self.name, handles)
+        self._peer = True
+        _log.info("communicator %r: copy-engine slots of %d bytes", self.name, size)
+
     def destroy(self) -> None:
-        """Unregisters the communicator; NCCL resources are freed once pending work is done."""
+        """Unregisters the communicator; NCCL resources are freed once pending work is done.
+
+        Collective once the copy-engine backend has been used: the peers may still be writing
+        into this rank's buffers until every rank has finished its work, so all ranks wait
+        for each other before the buffers go."""
         if _by_name.get(self.name) is self:
             del _by_name[self.name]
+            if self._peer:
+                _core.synchronize_communicator(self.name)
+                dist.barrier(group=self.group, device_ids=[self.device.index])
             _core.destroy_communicator(self.name)
 
     def __repr__(self) -> str:

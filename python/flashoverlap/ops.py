@@ -26,7 +26,7 @@ def _stream_handle(device: torch.device) -> int:
 _LIB = torch.library.Library("flashoverlap", "DEF")
 _LIB.define("gemm(Tensor x, Tensor weight, str? kernel=None, int? raster_bands=None, int? sms=None) -> Tensor")
 _LIB.define("gemm_all_reduce(Tensor x, Tensor weight, str group_name, str mode='auto', int? bands_per_group=None, "
-            "str? kernel=None) -> Tensor")
+            "str? kernel=None, str? backend=None) -> Tensor")
 
 
 def _register(name: str, impl, fake) -> None:
@@ -54,11 +54,24 @@ def _gemm_fake(x: torch.Tensor, weight: torch.Tensor, kernel: Optional[str] = No
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _resolve_backend(comm: Communicator, backend: Optional[str]) -> str:
+    """The backend a call runs: the caller's, else FLASHOVERLAP_BACKEND; "auto" is the copy
+    engines where every rank is on one node, else NCCL."""
+    if backend is None:
+        backend = _env.backend()
+    _check_backend(backend)
+    if backend == "auto":
+        return "copy_engine" if comm.one_node else "nccl"
+    return backend
+
+
 def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
-                          bands_per_group: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
+                          bands_per_group: Optional[int] = None, kernel: Optional[str] = None,
+                          backend: Optional[str] = None) -> torch.Tensor:
     m, n, k = check_gemm_operands(x, weight)
     comm = communicator_by_name(group_name)
     _check_mode(mode, bands_per_group)
+    backend = _resolve_backend(comm, backend)
     check_device("x", x, comm.device)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -67,8 +80,11 @@ def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
+    if backend == "copy_engine" and mode != "sequential":
+        comm.ensure_peer_buffers(out.numel() * out.element_size())
     schedule = _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype,
-                                     stream, mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel)
+                                     stream, mode, bands_per_group, _env.reserved_sms(backend), _env.max_groups(),
+                                     kernel, None, backend)
     if schedule == "sequential":
         # Overlap does not pay here (or was not asked for): exactly the unfused
         # composition, torch's library GEMM (cuBLAS) then one AllReduce.
@@ -81,7 +97,8 @@ def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str
 
 
 def _gemm_all_reduce_fake(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
-                          bands_per_group: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
+                          bands_per_group: Optional[int] = None, kernel: Optional[str] = None,
+                          backend: Optional[str] = None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -95,6 +112,11 @@ KERNELS = ("sm80", "sm90_n128", "sm90_n256")
 def _check_kernel(kernel: Optional[str]) -> None:
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS} or None, got {kernel!r}")
+
+
+def _check_backend(backend: Optional[str]) -> None:
+    if backend is not None and backend not in _env.BACKENDS:
+        raise ValueError(f"backend: expected one of {_env.BACKENDS} or None, got {backend!r}")
 
 
 def _check_positive_int(name: str, value: Optional[int]) -> None:
@@ -131,13 +153,14 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, *, kernel: Optional[str] = None,
     return torch.ops.flashoverlap.gemm(x, weight, kernel, raster_bands, sms)
 
 
-def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel):
+def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend):
     """The argument checks of the collective ops, in the documented order (shapes and dtypes,
     options, an initialised process group, devices), then the communicator (created
     collectively on first use). Returns (M, N, K, communicator)."""
     m, n, k = check_gemm_operands(x, weight, devices=False)
     _check_mode(mode, bands_per_group)
     _check_kernel(kernel)
+    _check_backend(backend)
     if not isinstance(group, (str, Communicator)) and communicator is None:
         resolve_group(group)
     check_device("x", x)
@@ -149,7 +172,7 @@ def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel)
 
 def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,
                     communicator=None, mode: str = "auto", bands_per_group: Optional[int] = None,
-                    kernel: Optional[str] = None) -> torch.Tensor:
+                    kernel: Optional[str] = None, backend: Optional[str] = None) -> torch.Tensor:
     """``torch.distributed.all_reduce(x @ weight.T)`` (sum), with the AllReduce of each finished
     wave group of the GEMM overlapping the rest of the GEMM.
 
@@ -160,19 +183,28 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
     bands_per_group: force every wave group to hold this many row bands of output tiles
       (default: chosen by the predictor).
     kernel: the GEMM kernel, as for :func:`gemm`.
+    backend: what moves each group's bytes: "copy_engine" (copies into peers' memory on the copy
+      engines, and a sum on the few SMs the GEMM leaves free; every rank on one node), "nccl"
+      (ncclAllReduce), or "auto" (copy engines where possible, else NCCL); default:
+      FLASHOVERLAP_BACKEND, else "auto". The first call of a larger output with the copy engines
+      grows the peer buffers, collectively. Where the plan falls back to running the GEMM then
+      the AllReduce, the AllReduce is the group's own (NCCL) whatever the backend.
     """
-    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel)
-    return torch.ops.flashoverlap.gemm_all_reduce(x, weight, comm.name, mode, bands_per_group, kernel)
+    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
+    return torch.ops.flashoverlap.gemm_all_reduce(x, weight, comm.name, mode, bands_per_group, kernel, backend)
 
 
 def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
-            mode: str = "auto", bands_per_group: Optional[int] = None, kernel: Optional[str] = None) -> "_core.Plan":
+            mode: str = "auto", bands_per_group: Optional[int] = None, kernel: Optional[str] = None,
+            backend: Optional[str] = None) -> "_core.Plan":
     """The plan ``gemm_all_reduce`` runs for these arguments (tiles, waves, groups, predicted timeline)."""
-    m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel)
+    m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
+    backend = _resolve_backend(comm, backend)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
     return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), mode,
-                                   bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel)
+                                   bands_per_group, _env.reserved_sms(backend), _env.max_groups(), kernel, None,
+                                   backend)
 
 
 def compile_kernels(arch: str) -> "list[tuple[str, str, int]]":

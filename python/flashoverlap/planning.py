@@ -14,13 +14,18 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
                          sms: int = 132, compute_capability: tuple[int, int] = (9, 0), mode: str = "auto",
                          bands_per_group: Optional[int] = None, reserved_sms: Optional[int] = None,
                          max_groups: Optional[int] = None, kernel: Optional[str] = None,
-                         raster_bands: Optional[int] = None) -> "_core.Plan":
+                         raster_bands: Optional[int] = None, backend: str = "nccl") -> "_core.Plan":
     """The GEMM + AllReduce plan for out[m, n] = x[m, k] @ w[n, k]^T over ``world_size`` GPUs with
     ``sms`` multiprocessors (default: an H200). raster_bands: row bands per L2 raster block of the
-    tile order inside each group (default: the planner's choice). Needs no GPU."""
+    tile order inside each group (default: the planner's choice). backend: "nccl", "copy_engine"
+    or "auto" (the copy engines up to 8 GPUs, taken to be one node; NCCL beyond). Needs no GPU."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
-    reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
+    if backend not in _env.BACKENDS:
+        raise ValueError(f"backend: expected one of {_env.BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "copy_engine" if isinstance(world_size, int) and world_size <= 8 else "nccl"
+    reserved_sms = _env.reserved_sms(backend) if reserved_sms is None else reserved_sms
     max_groups = _env.max_groups() if max_groups is None else max_groups
     for name, value, least in (("m", m, 1), ("n", n, 1), ("k", k, 1), ("world_size", world_size, 1), ("sms", sms, 1),
                                ("bands_per_group", bands_per_group, 1), ("reserved_sms", reserved_sms, 0),
@@ -32,4 +37,4 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
         if not least <= value < 2**31:
             raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
     return _core.plan_gemm_all_reduce(m, n, k, world_size, dtype_name(dtype), sms, compute_capability[0], mode,
-                                      bands_per_group, reserved_sms, max_groups, kernel, raster_bands)
+                                      bands_per_group, reserved_sms, max_groups, kernel, raster_bands, backend)

@@ -2,9 +2,10 @@
 //! the per-shape state the overlapped ops keep, registered by name.
 
 use super::nccl::{self, Comm, UniqueId};
+use super::peer::{PeerBuffers, PeerLayout, PendingPeer};
 use crate::cuda::driver::{self, DeviceInfo};
 use crate::cuda::memory::DeviceBuffer;
-use crate::cuda::stream::{Event, OwnedStream};
+use crate::cuda::stream::{self, Event, OwnedStream};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use std::any::Any;
@@ -24,6 +25,15 @@ pub struct Communicator {
     pub fork: Event,
     /// ...and the comm stream before the caller's stream (join).
     pub join: Event,
+    /// Second stream of the copy-engine backend: the reductions run here
+    /// while the comm stream issues the next group's copies.
+    pub reduce_stream: OwnedStream,
+    pub reduce_join: Event,
+    /// One event per wave group, ordering a group's copies before its reduction.
+    pub group_events: Mutex<Vec<Event>>,
+    /// The copy-engine backend's buffers, once attached.
+    peer: Mutex<Option<Arc<PeerBuffers>>>,
+    pending_peer: Mutex<Option<PendingPeer>>,
     /// Held while an op enqueues, so that calls from several threads never
     /// interleave their waits and collectives (NCCL needs one order on all ranks).
     pub enqueue: Mutex<()>,
@@ -43,6 +53,63 @@ impl Communicator {
     pub fn nccl(&self) -> Result<&'static nccl::Nccl> {
         nccl::get()
     }
+
+    /// The attached peer buffers, if any.
+    pub fn peer(&self) -> Option<Arc<PeerBuffers>> {
+        self.peer.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Bytes each staging slot holds (0 before any attach).
+    pub fn peer_slot_bytes(&self) -> u64 {
+        self.peer().map_or(0, |p| p.layout.slot_bytes)
+    }
+
+    /// First half of (re)making the peer buffers, collective over the ranks:
+    /// waits until this rank's copies and reductions are done, allocates a
+    /// buffer with `slot_bytes` per slot and returns its IPC handle. Every
+    /// rank then exchanges the handles and calls `peer_attach`.
+    pub fn peer_prepare(&self, slot_bytes: u64) -> Result<Vec<u8>> {
+        driver::bind(self.device.ordinal)?;
+        let _order = self.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+        self.synchronize()?;
+        let layout = PeerLayout::new(self.world as usize, slot_bytes)?;
+        let (pending, handle) = PendingPeer::allocate(layout)?;
+        *self.pending_peer.lock().unwrap_or_else(|p| p.into_inner()) = Some(pending);
+        Ok(handle)
+    }
+
+    /// Second half: maps every rank's new buffer. The old buffers go now:
+    /// the exchange between the halves ordered every rank's last use of them
+    /// (each had synchronized its streams) before this.
+    pub fn peer_attach(&self, handles: &[Vec<u8>]) -> Result<()> {
+        driver::bind(self.device.ordinal)?;
+        let _order = self.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+        let pending = self
+            .pending_peer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| Error::Invalid("peer_attach: no peer_prepare before it".into()))?;
+        let buffers = pending.attach(self.rank as usize, handles)?;
+        *self.peer.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(buffers));
+        Ok(())
+    }
+
+    /// Waits until everything enqueued on this communicator's streams is done.
+    pub fn synchronize(&self) -> Result<()> {
+        driver::bind(self.device.ordinal)?;
+        stream::synchronize(self.stream.0)?;
+        stream::synchronize(self.reduce_stream.0)
+    }
+
+    /// Events for `groups` wave groups (made outside capture, on first use of a shape).
+    pub fn ensure_group_events(&self, groups: usize) -> Result<()> {
+        let mut events = self.group_events.lock().unwrap_or_else(|p| p.into_inner());
+        while events.len() < groups {
+            events.push(Event::new()?);
+        }
+        Ok(())
+    }
 }
 
 impl Drop for Communicator {
@@ -52,6 +119,7 @@ impl Drop for Communicator {
             // SAFETY: the stream is live until self.stream drops after this.
             unsafe {
                 cudarc::driver::sys::cuStreamSynchronize(self.stream.0);
+                cudarc::driver::sys::cuStreamSynchronize(self.reduce_stream.0);
             }
             if let Ok(n) = nccl::get() {
                 let _ = n.destroy(self.comm);
@@ -120,6 +188,11 @@ pub fn create(
         stream: OwnedStream::high_priority()?,
         fork: Event::new()?,
         join: Event::new()?,
+        reduce_stream: OwnedStream::high_priority()?,
+        reduce_join: Event::new()?,
+        group_events: Mutex::new(Vec::new()),
+        peer: Mutex::new(None),
+        pending_peer: Mutex::new(None),
         enqueue: Mutex::new(()),
         prepared: Mutex::new(HashMap::new()),
     };

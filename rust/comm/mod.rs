@@ -1,5 +1,7 @@
 //! NCCL, opened from the very libnccl torch already mapped into the process,
-//! and communicators registered under the names the ops receive.
+//! communicators registered under the names the ops receive, and the peer
+//! buffers of the copy-engine backend.
 
 pub mod communicator;
 pub mod nccl;
+pub mod peer;

@@ -31,6 +31,10 @@ const SOURCES: &[Source] = &[
         name: "gemm_signal_sm90.cu",
         text: include_str!("../../csrc/gemm_signal_sm90.cu"),
     },
+    Source {
+        name: "peer_reduce.cu",
+        text: include_str!("../../csrc/peer_reduce.cu"),
+    },
 ];
 
 /// One compiled variant of one kernel.
@@ -172,13 +176,38 @@ impl GemmKernel {
     }
 }
 
-/// Every variant the library can launch on `arch`, for the compile check CI runs.
+/// Threads per block of the peer reduction.
+pub const PEER_REDUCE_THREADS: u32 = 512;
+
+/// The copy-engine AllReduce's reduction of `ranks` partials (2..=8): each
+/// thread keeps 8 16-byte vectors in flight whatever the world size, which stays
+/// within the 128 registers 512 threads may have.
+pub fn peer_reduce_spec(dtype: Dtype, ranks: u32) -> KernelSpec {
+    let bf16 = if dtype == Dtype::Bf16 { "1" } else { "0" }.to_string();
+    KernelSpec {
+        source: "peer_reduce.cu",
+        entry: "fo_peer_reduce",
+        defines: vec![
+            ("FO_BF16", bf16),
+            ("FO_RANKS", ranks.to_string()),
+            ("FO_UNROLL", (8 / ranks).max(1).to_string()),
+        ],
+        dynamic_smem: 0,
+    }
+}
+
+/// Every variant the library can launch on `arch`, for the compile check CI
+/// runs (the peer reduction for 2, 4 and 8 ranks).
 pub fn all_for(arch: &str) -> Vec<KernelSpec> {
-    GemmKernel::ALL
+    let gemms = GemmKernel::ALL
         .into_iter()
         .filter(|k| k.runs_on(arch))
-        .flat_map(|k| [k.spec(Dtype::Bf16), k.spec(Dtype::F16)])
-        .collect()
+        .flat_map(|k| [k.spec(Dtype::Bf16), k.spec(Dtype::F16)]);
+    let reduces = [2, 4, 8]
+        .into_iter()
+        .flat_map(|r| [peer_reduce_spec(Dtype::Bf16, r), peer_reduce_spec(Dtype::F16, r)]);
+    let runs = GemmKernel::Sm80.runs_on(arch);
+    gemms.chain(reduces.filter(|_| runs)).collect()
 }
 
 /// The cubin of `spec` for `arch` (e.g. "sm_90a"), from the cache or NVRTC.

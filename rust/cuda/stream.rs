@@ -78,13 +78,21 @@ impl Event {
 
     /// Makes `waiter` wait for everything enqueued on `source` so far.
     pub fn order(&self, source: RawStream, waiter: RawStream) -> Result<()> {
-        // SAFETY: both handles are live streams of the current context.
+        self.order_all(source, &[waiter])
+    }
+
+    /// Makes every stream of `waiters` wait for everything enqueued on `source` so far.
+    pub fn order_all(&self, source: RawStream, waiters: &[RawStream]) -> Result<()> {
+        // SAFETY: all handles are live streams of the current context.
         unsafe {
             check(sys::cuEventRecord(self.0, source), "cuEventRecord")?;
-            check(
-                sys::cuStreamWaitEvent(waiter, self.0, 0),
-                "cuStreamWaitEvent",
-            )
+            for &waiter in waiters {
+                check(
+                    sys::cuStreamWaitEvent(waiter, self.0, 0),
+                    "cuStreamWaitEvent",
+                )?;
+            }
+            Ok(())
         }
     }
 }
@@ -128,6 +136,22 @@ pub fn write(stream: RawStream, flag: sys::CUdeviceptr, value: u32) -> Result<()
         },
         "cuStreamWriteValue32",
     )
+}
+
+/// Copies `bytes` from `src` to `dst` in stream order; between GPUs (a peer
+/// buffer mapped through IPC) the copy engines move the bytes, no SM.
+pub fn copy(stream: RawStream, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+    // SAFETY: both ranges are live device memory mapped in the current context.
+    check(
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) },
+        "cuMemcpyDtoDAsync",
+    )
+}
+
+/// Waits until every operation enqueued on `stream` has finished.
+pub fn synchronize(stream: RawStream) -> Result<()> {
+    // SAFETY: live stream of the current context.
+    check(unsafe { sys::cuStreamSynchronize(stream) }, "cuStreamSynchronize")
 }
 
 /// Whether `stream` is being captured into a CUDA graph: then nothing may be

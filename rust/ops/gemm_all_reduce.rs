@@ -8,18 +8,32 @@
 //! contiguous output rows and nothing is reordered afterwards; inside a
 //! group the kernel walks tiles in the plan's L2-friendly raster order.
 //!
+//! With the copy-engine backend (`Backend::CopyEngine`, ranks of one node)
+//! no SM moves a byte: per group the comm stream copies the group's partial
+//! into every peer's staging slot (copy engines) and flags it there with a
+//! stream memory write; a second stream waits for the peers' flags and sums
+//! the staged partials into the output with a small kernel on the SMs the
+//! GEMM leaves free:
+//!
+//! Comm stream C:   wait(free) wait(c0) copy(g0 -> peers) flag(peers) [e0] wait(c1) copy(g1) ...
+//! Reduce stream R: [wait e0] wait(ready g0 from peers) reduce(g0) [wait e1] ... set(free at peers)
+//!
 //! Where the plan says overlap does not pay, nothing is enqueued here: the
 //! caller runs its library GEMM (cuBLAS, faster than ours today) and then
 //! `all_reduce::all_reduce`.
 
 use super::gemm::{self, GemmArgs, Signals};
 use crate::comm::communicator::Communicator;
+use crate::comm::peer::{PeerBuffers, MAX_PEER_GROUPS};
 use crate::cuda::driver;
-use crate::cuda::kernels::GemmKernel;
+use crate::cuda::kernels::{self, GemmKernel, Kernel, PEER_REDUCE_THREADS};
 use crate::cuda::memory::DeviceBuffer;
 use crate::cuda::stream::{self, RawStream};
 use crate::error::{Error, Result};
-use crate::plan::{self, GemmAllReducePlan, HardwareModel, ModeRequest, PlanRequest, Schedule};
+use crate::plan::{
+    self, CollectiveModel, GemmAllReducePlan, HardwareModel, ModeRequest, PlanRequest, Schedule,
+};
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -27,6 +41,26 @@ use std::sync::Arc;
 /// never sees counts left by the call before it, even if the caller
 /// enqueues on several streams.
 const COUNTER_SLOTS: usize = 4;
+
+/// What moves the bytes of each group's AllReduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// ncclAllReduce on the comm stream (CTAs on the reserved SMs).
+    Nccl,
+    /// Copy-engine copies into peers' staging slots plus a reduction on
+    /// the reserved SMs; ranks of one node with peer access only.
+    CopyEngine,
+}
+
+impl Backend {
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "nccl" => Some(Backend::Nccl),
+            "copy_engine" => Some(Backend::CopyEngine),
+            _ => None,
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Options {
@@ -38,6 +72,7 @@ pub struct Options {
     pub max_groups: u32,
     /// Row bands per raster block inside each group; None: the plan's default.
     pub raster_bands: Option<u32>,
+    pub backend: Backend,
 }
 
 /// What a shape needs on the device, made on its first call.
@@ -53,8 +88,9 @@ pub struct Prepared {
 }
 
 /// The predictor's machine: measured constants on H200 (with the rate of
-/// the kernel that will run), a pessimistic model elsewhere.
-fn hardware_for(sms: u32, major: i32, kernel: GemmKernel) -> HardwareModel {
+/// the kernel that will run and the backend's per-group cost), a
+/// pessimistic model elsewhere.
+fn hardware_for(sms: u32, major: i32, kernel: GemmKernel, backend: Backend) -> HardwareModel {
     if major == 9 && sms == 132 {
         // bf16 on H200, random data, all SMs (evaluation/results/gemm_kernel_h200.txt):
         // sm80 244-285 TFLOP/s; the sm90 kernel 510-770, 1.01x cuBLAS in the same run.
@@ -62,9 +98,20 @@ fn hardware_for(sms: u32, major: i32, kernel: GemmKernel) -> HardwareModel {
             GemmKernel::Sm80 => 285.0,
             GemmKernel::Sm90 { .. } => 690.0,
         };
+        let h200 = HardwareModel::h200();
+        let overlap_comm = match backend {
+            Backend::Nccl => h200.comm,
+            // Copy-engine copies (BASELINES.md: 4 MB in 25 us, 128 MB at
+            // 379 GB/s) pipelined with the reduction on the reserved SMs.
+            Backend::CopyEngine => CollectiveModel {
+                latency_us: 15.0,
+                bus_gbps: 330.0,
+            },
+        };
         HardwareModel {
             gemm_tflops,
-            ..HardwareModel::h200()
+            overlap_comm,
+            ..h200
         }
     } else {
         HardwareModel::generic(sms)
@@ -100,7 +147,7 @@ pub fn plan_for(
     let kernel = opts.kernel.unwrap_or_else(|| {
         GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(opts.reserved_sms))
     });
-    let hw = hardware_for(sms, major, kernel);
+    let hw = hardware_for(sms, major, kernel, opts.backend);
     let plan = plan::plan_gemm_all_reduce(&request(args, world, opts, kernel), &hw)?;
     Ok((kernel, plan))
 }
@@ -144,6 +191,14 @@ fn prepare(
         comm.device.major,
     )?;
     let groups = plan.partition.len().max(1);
+    if opts.backend == Backend::CopyEngine {
+        if groups > MAX_PEER_GROUPS {
+            return Err(Error::Invalid(format!(
+                "bands_per_group: the copy-engine backend signals at most {MAX_PEER_GROUPS} groups, the plan has {groups}"
+            )));
+        }
+        comm.ensure_group_events(groups)?;
+    }
     let prepared = Arc::new(Prepared {
         kernel,
         tile_order: gemm::order_table(&plan.order)?,
@@ -186,9 +241,6 @@ pub fn gemm_all_reduce(
         return Ok(Schedule::Sequential);
     }
     let kernel = gemm::load(&comm.device, args.dtype, prepared.kernel)?;
-    let nccl = comm.nccl()?;
-    let comm_stream = comm.stream.0;
-    let elem = args.dtype.bytes() as u64;
     let groups = plan.partition.groups.len();
     let slot = prepared.next_slot.fetch_add(1, Ordering::Relaxed) % COUNTER_SLOTS;
     let counters = prepared.counters.ptr + (slot * groups * 4) as u64;
@@ -197,14 +249,38 @@ pub fn gemm_all_reduce(
         tile_group: prepared.tile_group.ptr,
         counters,
     };
+    match opts.backend {
+        Backend::Nccl => enqueue_nccl(comm, args, plan, &kernel, &signals, caller)?,
+        Backend::CopyEngine => {
+            enqueue_copy_engine(comm, args, opts, plan, &kernel, &signals, caller)?
+        }
+    }
+    Ok(Schedule::Overlap)
+}
 
+/// The counter of group `g` (4-byte words from `signals.counters`).
+fn counter(signals: &Signals, g: usize) -> u64 {
+    signals.counters + (g * 4) as u64
+}
+
+fn enqueue_nccl(
+    comm: &Communicator,
+    args: &GemmArgs,
+    plan: &GemmAllReducePlan,
+    kernel: &gemm::LoadedGemm,
+    signals: &Signals,
+    caller: RawStream,
+) -> Result<()> {
+    let nccl = comm.nccl()?;
+    let comm_stream = comm.stream.0;
+    let elem = args.dtype.bytes() as u64;
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     // The comm stream starts after everything the caller enqueued before this
     // op (and, under graph capture, joins the capture here).
     comm.fork.order(caller, comm_stream)?;
-    gemm::launch(&kernel, args, &signals, plan.ctas, caller)?;
+    gemm::launch(kernel, args, signals, plan.ctas, caller)?;
     for (g, group) in plan.partition.groups.iter().enumerate() {
-        let counter = counters + (g * 4) as u64;
+        let counter = counter(signals, g);
         stream::wait_geq(comm_stream, counter, group.tiles)?;
         // Every tile of the group has counted, so the reset races with nothing.
         stream::write(comm_stream, counter, 0)?;
@@ -216,6 +292,134 @@ pub fn gemm_all_reduce(
             comm_stream.cast(),
         )?;
     }
-    comm.join.order(comm_stream, caller)?;
-    Ok(Schedule::Overlap)
+    comm.join.order(comm_stream, caller)
+}
+
+/// The peer buffers, checked to hold this output in every slot.
+fn peer_buffers(comm: &Communicator, args: &GemmArgs) -> Result<Arc<PeerBuffers>> {
+    let bytes = u64::from(args.m) * u64::from(args.n) * args.dtype.bytes() as u64;
+    match comm.peer() {
+        Some(p) if p.layout.slot_bytes >= bytes => Ok(p),
+        _ => Err(Error::Invalid(format!(
+            "backend: the copy-engine buffers of communicator {:?} hold {} bytes per rank, this output needs {bytes};              flashoverlap.gemm_all_reduce grows them (collectively) before the call",
+            comm.name,
+            comm.peer_slot_bytes()
+        ))),
+    }
+}
+
+/// Launches the reduction of `bytes` at `offset` of the output: the
+/// partials staged by every peer plus this rank's own, in rank order.
+fn reduce(
+    reducer: &Kernel,
+    peer: &PeerBuffers,
+    out: u64,
+    offset: u64,
+    bytes: u64,
+    ctas: u32,
+    stream: RawStream,
+) -> Result<()> {
+    let me = peer.rank;
+    let mut sources = [0u64; 7];
+    let mut i = 0;
+    for source in (0..peer.layout.world).filter(|&s| s != me) {
+        sources[i] = peer.layout.slot(peer.bases[me], me, source) + offset;
+        i += 1;
+    }
+    let mut out = out + offset;
+    let mut own = me as i32;
+    let mut vectors = (bytes / 16) as i64;
+    let blocks = (vectors as u64).div_ceil(u64::from(PEER_REDUCE_THREADS)).max(1);
+    let grid = u64::from(ctas.max(1)).min(blocks) as u32;
+    let mut params: [*mut c_void; 4] = [
+        (&mut out as *mut u64).cast(),
+        (&mut sources as *mut [u64; 7]).cast(),
+        (&mut own as *mut i32).cast(),
+        (&mut vectors as *mut i64).cast(),
+    ];
+    reducer.launch(grid, PEER_REDUCE_THREADS, stream, &mut params)
+}
+
+fn enqueue_copy_engine(
+    comm: &Communicator,
+    args: &GemmArgs,
+    opts: &Options,
+    plan: &GemmAllReducePlan,
+    kernel: &gemm::LoadedGemm,
+    signals: &Signals,
+    caller: RawStream,
+) -> Result<()> {
+    let peer = peer_buffers(comm, args)?;
+    let layout = peer.layout;
+    let me = peer.rank;
+    let elem = args.dtype.bytes() as u64;
+    let reducer = (layout.world > 1)
+        .then(|| {
+            kernels::load(
+                &comm.device,
+                &kernels::peer_reduce_spec(args.dtype, layout.world as u32),
+            )
+        })
+        .transpose()?;
+    let (copies, reduces) = (comm.stream.0, comm.reduce_stream.0);
+    let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+    let events = comm.group_events.lock().unwrap_or_else(|p| p.into_inner());
+    if events.len() < plan.partition.len() {
+        return Err(Error::Invalid("internal: group events not made".into()));
+    }
+    for group in &plan.partition.groups {
+        if (group.slice.offset * elem) % 16 != 0 || (group.slice.count * elem) % 16 != 0 {
+            return Err(Error::Invalid(format!(
+                "internal: group slice {:?} is not 16-byte aligned",
+                group.slice
+            )));
+        }
+    }
+    comm.fork.order_all(caller, &[copies, reduces])?;
+    gemm::launch(kernel, args, signals, plan.ctas, caller)?;
+    // This rank's slot in each peer may be written once that peer reduced
+    // the previous call (the flag starts set).
+    for p in peer.peers() {
+        let free = layout.free_flag(peer.bases[me], p);
+        stream::wait_geq(copies, free, 1)?;
+        stream::write(copies, free, 0)?;
+    }
+    for (g, group) in plan.partition.groups.iter().enumerate() {
+        let counter = counter(signals, g);
+        stream::wait_geq(copies, counter, group.tiles)?;
+        stream::write(copies, counter, 0)?;
+        let (offset, bytes) = (group.slice.offset * elem, group.slice.count * elem);
+        for p in peer.peers() {
+            let dst = layout.slot(peer.bases[p], p, me) + offset;
+            stream::copy(copies, dst, args.out + offset, bytes as usize)?;
+            // A stream write is fenced after the copy before it: the peer
+            // sees the flag only once the bytes are there.
+            stream::write(copies, layout.ready_flag(peer.bases[p], g, me), 1)?;
+        }
+        // The reduction rewrites this group's rows in place, so it also
+        // waits for this rank's own copies of them.
+        events[g].order(copies, reduces)?;
+        for p in peer.peers() {
+            let ready = layout.ready_flag(peer.bases[me], g, p);
+            stream::wait_geq(reduces, ready, 1)?;
+            stream::write(reduces, ready, 0)?;
+        }
+        if let Some(reducer) = &reducer {
+            reduce(
+                reducer,
+                &peer,
+                args.out,
+                offset,
+                bytes,
+                opts.reserved_sms,
+                reduces,
+            )?;
+        }
+    }
+    // Every staged partial of this call is summed: the peers may write again.
+    for p in peer.peers() {
+        stream::write(reduces, layout.free_flag(peer.bases[p], me), 1)?;
+    }
+    comm.join.order(copies, caller)?;
+    comm.reduce_join.order(reduces, caller)
 }

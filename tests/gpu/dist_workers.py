@@ -146,7 +146,7 @@ def run_case(rank: int, world: int, case: dict, **call) -> dict:
 
 # Targets.
 
-def cases(rank: int, world: int, cases: list) -> dict:
+def cases(rank: int, world: int, cases: list, backend=None) -> dict:
     """Every case of the list, each with fresh inputs; plans are checked too."""
     import torch
     import torch.distributed as dist
@@ -168,8 +168,9 @@ def cases(rank: int, world: int, cases: list) -> dict:
 
     failures, records = [], []
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    call = {} if backend is None else {"backend": backend}
     for case in cases:
-        result = run_case(rank, world, case)
+        result = run_case(rank, world, case, **call)
         if result["error"]:
             failures.append(result["error"])
         lead, n, k = tuple(case["lead"]), case["n"], case["k"]
@@ -178,7 +179,7 @@ def cases(rank: int, world: int, cases: list) -> dict:
             continue
         x = torch.empty(*lead, k, dtype=dtype_of(case["dtype"]), device=device)
         w = torch.empty(n, k, dtype=dtype_of(case["dtype"]), device=device)
-        plan = flashoverlap.plan_of(x, w, mode=case["mode"], bands_per_group=case["bands"])
+        plan = flashoverlap.plan_of(x, w, mode=case["mode"], bands_per_group=case["bands"], **call)
         groups = plan.groups
         problems = []
         if plan.shape != (m, n, k) or plan.world_size != world:
@@ -202,7 +203,7 @@ def cases(rank: int, world: int, cases: list) -> dict:
     return {"records": records}
 
 
-def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed: int) -> dict:
+def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed: int, backend=None) -> dict:
     """Captures gemm_all_reduce once and replays it on fresh inputs."""
     import torch
 
@@ -211,7 +212,7 @@ def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed
     device = torch.device("cuda", rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     dtype = torch.bfloat16
-    call = dict(mode="overlap", bands_per_group=1)
+    call = dict(mode="overlap", bands_per_group=1, backend=backend)
     static_x, static_w = make_inputs(seed, rank, (m,), n, k, dtype, device)
 
     # Warm up outside the capture, on a side stream.
@@ -254,7 +255,7 @@ def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed
         raise AssertionError("\n".join(failures[:20]))
 
     # The sequential schedule (library GEMM, then one AllReduce) is capturable too.
-    seq = dict(mode="sequential")
+    seq = dict(mode="sequential", backend=backend)
     with torch.cuda.stream(side):
         flashoverlap.gemm_all_reduce(static_x, static_w, **seq)
     torch.cuda.current_stream(device).wait_stream(side)
@@ -280,15 +281,48 @@ def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed
     refused = None
     try:
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            flashoverlap.gemm_all_reduce(fresh_x, fresh_w, mode="overlap", bands_per_group=1)
+            flashoverlap.gemm_all_reduce(fresh_x, fresh_w, mode="overlap", bands_per_group=1, backend=backend)
     except ValueError as e:
         refused = str(e)
     assert refused is not None and "capture" in refused, refused
     # ...and the op still works afterwards, for that shape too.
     result = run_case(rank, world, dict(seed=seed, lead=[77], n=1024, k=1024, dtype="bf16",
-                                        mode="overlap", bands=1))
+                                        mode="overlap", bands=1), backend=backend)
     assert result["error"] is None, result["error"]
     return {"replays": replays, "refused": refused}
+
+
+def backends_agree(rank: int, world: int, seed: int, shapes: list) -> dict:
+    """Both backends, interleaved on one communicator (a shape that grows the copy-engine
+    buffers between calls of smaller ones included): bit-identical on every rank, and right."""
+    import torch
+    import torch.distributed as dist
+
+    import flashoverlap
+
+    device = torch.device("cuda", rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    failures = []
+    for i, (m, n, k) in enumerate(shapes):
+        s = seed + i
+        x, w = make_inputs(s, rank, (m,), n, k, torch.bfloat16, device)
+        ref = reference(s, world, (m,), n, k, torch.bfloat16, device)
+        outs = {}
+        for backend in ("copy_engine", "nccl", "copy_engine"):
+            poison((m, n), torch.bfloat16, device)
+            out = flashoverlap.gemm_all_reduce(x, w, mode="overlap", bands_per_group=1, backend=backend)
+            error = mismatch(out, ref, f"{m}x{n}x{k} {backend}")
+            if error:
+                failures.append(error)
+            outs.setdefault(backend, out)
+        # Every rank holds the same copy-engine sum, bit for bit.
+        gathered = [torch.empty_like(outs["copy_engine"]) for _ in range(world)]
+        dist.all_gather(gathered, outs["copy_engine"])
+        if any(not torch.equal(g, gathered[0]) for g in gathered):
+            failures.append(f"{m}x{n}x{k}: ranks hold different copy-engine sums")
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return {"shapes": len(shapes)}
 
 
 def bad_inputs(rank: int, world: int, seed: int) -> dict:
@@ -485,6 +519,7 @@ def communicators(rank: int, world: int, seed: int) -> dict:
 TARGETS = {
     "cases": cases,
     "cuda_graph": cuda_graph,
+    "backends_agree": backends_agree,
     "bad_inputs": bad_inputs,
     "communicators": communicators,
 }

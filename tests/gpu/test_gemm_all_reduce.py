@@ -121,7 +121,7 @@ def test_main_cases_cover_what_is_asked() -> None:
 
 @pytest.mark.gpus(2)
 def test_gemm_all_reduce_matches_reference(tmp_path: Path) -> None:
-    results = run_workers(tmp_path, "cases", world_size(), cases=main_cases())
+    results = run_workers(tmp_path, "cases", world_size(), cases=main_cases(), backend="nccl")
     records = results[0]["records"]
     # The overlapped path with several groups, and the sequential one, both ran.
     overlapped = [r for r in records if r["schedule"] == "overlap" and r["groups"] > 1]
@@ -135,8 +135,31 @@ def test_gemm_all_reduce_matches_reference(tmp_path: Path) -> None:
 @pytest.mark.gpus(2)
 def test_cuda_graph_replays(tmp_path: Path) -> None:
     (result, *_) = run_workers(tmp_path, "cuda_graph", world_size(), m=1000, n=4096, k=1024, replays=100,
-                               seed=SEED + 77)
+                               seed=SEED + 77, backend="nccl")
     assert result["replays"] == 100
+
+
+@pytest.mark.gpus(2)
+def test_copy_engine_backend_matches_reference(tmp_path: Path) -> None:
+    results = run_workers(tmp_path, "cases", world_size(), cases=main_cases(SEED + 31), backend="copy_engine")
+    records = results[0]["records"]
+    assert len([r for r in records if r["schedule"] == "overlap" and r["groups"] > 1]) >= 10, records
+    for other in results[1:]:
+        assert other["records"] == records
+
+
+@pytest.mark.gpus(2)
+def test_copy_engine_cuda_graph_replays(tmp_path: Path) -> None:
+    (result, *_) = run_workers(tmp_path, "cuda_graph", world_size(), m=1000, n=4096, k=1024, replays=100,
+                               seed=SEED + 78, backend="copy_engine")
+    assert result["replays"] == 100
+
+
+@pytest.mark.gpus(2)
+def test_backends_interleave_and_agree(tmp_path: Path) -> None:
+    # 8192 x 4096 bf16 outgrows the first 16 MiB slots; the small shapes after it reuse them.
+    shapes = [(300, 1024, 512), (8192, 4096, 1024), (77, 136, 40), (3000, 8192, 1024)]
+    run_workers(tmp_path, "backends_agree", world_size(), seed=SEED + 90, shapes=shapes)
 
 
 @pytest.mark.gpus(2)

@@ -67,9 +67,11 @@ impl<'a> OverlapCost<'a> {
         f64::from(self.waves.count()) * self.wave_us * self.hw.overlap_gemm_slowdown
     }
 
-    /// AllReduce of `rows` output rows under the overlap CTA cap.
+    /// AllReduce of `rows` output rows while overlapping (the overlap
+    /// backend's model, under the overlap CTA cap).
     pub(super) fn comm_us(&self, rows: u32) -> f64 {
-        self.hw.overlap_comm_slowdown * self.all_reduce_us(rows)
+        let bytes = self.bytes(rows);
+        self.hw.overlap_comm_slowdown * self.hw.overlap_comm.all_reduce_us(bytes, self.world)
     }
 
     /// The library GEMM on all SMs with nothing beside it, then one
@@ -89,7 +91,10 @@ impl<'a> OverlapCost<'a> {
     }
 
     fn all_reduce_us(&self, rows: u32) -> f64 {
-        let bytes = u64::from(rows) * u64::from(self.tiles.n) * u64::from(self.elem_bytes);
-        self.hw.comm.all_reduce_us(bytes, self.world)
+        self.hw.comm.all_reduce_us(self.bytes(rows), self.world)
+    }
+
+    fn bytes(&self, rows: u32) -> u64 {
+        u64::from(rows) * u64::from(self.tiles.n) * u64::from(self.elem_bytes)
     }
 }

@@ -24,6 +24,19 @@ impl CollectiveModel {
     }
 }
 
+// NCCL AllReduce on 2x H200 over NVLink: 64 MB in ~260 us, 256 MB in
+// 900-1030 us, small messages 60-80 us (the bandwidth is set a little low:
+// with 300 GB/s the model under-rated overlap at M = 2048).
+const H200_NCCL: CollectiveModel = CollectiveModel {
+    latency_us: 45.0,
+    bus_gbps: 270.0,
+};
+
+const GENERIC_LINK: CollectiveModel = CollectiveModel {
+    latency_us: 60.0,
+    bus_gbps: 100.0,
+};
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HardwareModel {
     pub sms: u32,
@@ -32,8 +45,11 @@ pub struct HardwareModel {
     /// TFLOP/s of the GEMM the sequential schedule runs instead (the
     /// framework's library GEMM, cuBLAS), which may be faster than ours.
     pub sequential_gemm_tflops: f64,
-    /// The collective when it has its full CTA budget.
+    /// The collective when it has its full CTA budget (the sequential schedule's).
     pub comm: CollectiveModel,
+    /// Each wave group's collective while overlapping: `comm` for NCCL, or
+    /// another backend's (copy engines) whose cost per byte differs.
+    pub overlap_comm: CollectiveModel,
     /// Multiplicative slowdown of the GEMM while collectives run concurrently (>= 1).
     pub overlap_gemm_slowdown: f64,
     /// Multiplicative slowdown of the collective under the CTA cap used during overlap (>= 1).
@@ -50,13 +66,8 @@ impl HardwareModel {
             // (BK 64, 3 stages), cuBLAS 680-810.
             gemm_tflops: 285.0,
             sequential_gemm_tflops: 720.0,
-            // NCCL AllReduce on 2x H200 over NVLink: 64 MB in ~260 us, 256 MB
-            // in 900-1030 us, small messages 60-80 us (the bandwidth is set a
-            // little low: with 300 GB/s the model under-rated overlap at M = 2048).
-            comm: CollectiveModel {
-                latency_us: 45.0,
-                bus_gbps: 270.0,
-            },
+            comm: H200_NCCL,
+            overlap_comm: H200_NCCL,
             // Fitted to forced overlap with the TMA-store sm90 kernel on 2x
             // H200 (24 SMs reserved, 16 shapes, evaluation/results): no
             // slowdown beyond the reserved SMs is visible, and with none the
@@ -74,10 +85,8 @@ impl HardwareModel {
             sms,
             gemm_tflops: 100.0,
             sequential_gemm_tflops: 150.0,
-            comm: CollectiveModel {
-                latency_us: 60.0,
-                bus_gbps: 100.0,
-            },
+            comm: GENERIC_LINK,
+            overlap_comm: GENERIC_LINK,
             overlap_gemm_slowdown: 1.2,
             overlap_comm_slowdown: 1.1,
         }
@@ -109,6 +118,18 @@ impl HardwareModel {
                 self.comm.bus_gbps,
                 "> 0",
                 self.comm.bus_gbps > 0.0,
+            ),
+            (
+                "overlap_comm.latency_us",
+                self.overlap_comm.latency_us,
+                ">= 0",
+                self.overlap_comm.latency_us >= 0.0,
+            ),
+            (
+                "overlap_comm.bus_gbps",
+                self.overlap_comm.bus_gbps,
+                "> 0",
+                self.overlap_comm.bus_gbps > 0.0,
             ),
             (
                 "overlap_gemm_slowdown",
