@@ -3,12 +3,16 @@
 //
 // The copy-engine AllReduce moves bytes with no SM; this kernel is the only
 // SM work it does, so it runs on the few SMs the GEMM leaves free and must
-// keep HBM busy from them: 16-byte accesses, FO_UNROLL independent vectors
-// per thread in flight, fp32 sums rounded once.
+// keep HBM busy from them: 16-byte accesses, several tiles of loads in
+// flight per block, fp32 sums rounded once.
 #include "ptx.cuh"
 
-#ifndef FO_UNROLL
-#define FO_UNROLL 4
+// FO_VPT: vectors per thread per partial per tile; FO_STAGES: tiles in flight.
+#ifndef FO_VPT
+#define FO_VPT 4
+#endif
+#ifndef FO_STAGES
+#define FO_STAGES 3
 #endif
 // FO_RANKS: the world size, a compile-time constant so that the loads of
 // every partial are unrolled and in flight together.
@@ -53,13 +57,6 @@ __device__ __forceinline__ void add8(float (&acc)[8], V4 v) {
 }
 
 // Streaming loads: each value is read once, keep it out of L1.
-__device__ __forceinline__ V4 load_stream(const V4* p) {
-  V4 r;
-  asm volatile("ld.global.cs.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-
 __device__ __forceinline__ V4 pack8(const float (&a)[8]) {
   return V4{fo::pack2(a[0], a[1]), fo::pack2(a[2], a[3]), fo::pack2(a[4], a[5]), fo::pack2(a[6], a[7])};
 }
@@ -72,41 +69,67 @@ __device__ __forceinline__ const V4* partial(const V4* out, const Sources& src, 
 
 }  // namespace
 
+// Each block walks tiles of FO_VPT * 512 vectors (per partial) in a grid
+// stride. Loads go global -> shared with cp.async, FO_STAGES tiles ahead:
+// they hold no registers while in flight, so one block keeps ~192 KiB of
+// loads outstanding, which is what a few SMs need to draw a large share of
+// HBM bandwidth (plain loads into registers managed ~60 GB/s per SM). Each
+// thread reads back only what it loaded itself, so no block barrier is needed.
+#define FO_THREADS 512
+#define FO_TILE (FO_VPT * FO_THREADS)
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return fo::smem_addr(p); }
+
+__device__ __forceinline__ void issue_tile(V4* ring, int stage, const V4* out, const Sources& src, int own,
+                                           long long tile, long long vectors) {
+  const long long first = tile * FO_TILE + threadIdx.x;
+#pragma unroll
+  for (int p = 0; p < FO_RANKS; ++p) {
+    const V4* from = partial(out, src, own, p);
+#pragma unroll
+    for (int u = 0; u < FO_VPT; ++u) {
+      const long long i = first + u * FO_THREADS;
+      const bool in = i < vectors;
+      V4* slot = ring + ((stage * FO_RANKS + p) * FO_VPT + u) * FO_THREADS + threadIdx.x;
+      // Past the end: a zero-filled chunk from a valid address, never stored.
+      fo::cp_async_16(smem_u32(slot), in ? from + i : from, in ? 16 : 0);
+    }
+  }
+}
+
 // `vectors` 16-byte vectors of 8 values each; FO_RANKS partials in all (this
 // rank's, number `own`, and FO_RANKS - 1 staged ones). Every rank adds the
 // partials in rank order, so that all ranks get bit-identical sums.
-extern "C" __global__ void __launch_bounds__(512) fo_peer_reduce(V4* out, Sources src, int own, long long vectors) {
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  for (; i + (FO_UNROLL - 1) * stride < vectors; i += FO_UNROLL * stride) {
-    float acc[FO_UNROLL][8];
+extern "C" __global__ void __launch_bounds__(FO_THREADS, 1) fo_peer_reduce(V4* out, Sources src, int own,
+                                                                           long long vectors) {
+  extern __shared__ V4 ring[];  // [FO_STAGES][FO_RANKS][FO_VPT][FO_THREADS]
+  const long long tiles = (vectors + FO_TILE - 1) / FO_TILE;
+  long long next = blockIdx.x;
 #pragma unroll
-    for (int u = 0; u < FO_UNROLL; ++u) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
-    }
-    V4 v[FO_RANKS][FO_UNROLL];
-#pragma unroll
-    for (int p = 0; p < FO_RANKS; ++p) {
-      const V4* from = partial(out, src, own, p);
-#pragma unroll
-      for (int u = 0; u < FO_UNROLL; ++u) v[p][u] = load_stream(from + i + u * stride);
-    }
-#pragma unroll
-    for (int p = 0; p < FO_RANKS; ++p) {
-#pragma unroll
-      for (int u = 0; u < FO_UNROLL; ++u) add8(acc[u], v[p][u]);
-    }
-#pragma unroll
-    for (int u = 0; u < FO_UNROLL; ++u) out[i + u * stride] = pack8(acc[u]);
+  for (int s = 0; s < FO_STAGES - 1; ++s) {
+    if (next < tiles) issue_tile(ring, s, out, src, own, next, vectors);
+    fo::cp_async_commit();
+    next += gridDim.x;
   }
-  // The remainder, one vector at a time.
-  for (; i < vectors; i += stride) {
-    float acc[8];
+  int stage = 0;
+  for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    // Keep FO_STAGES - 1 tiles in flight behind the one about to be summed.
+    if (next < tiles) issue_tile(ring, (stage + FO_STAGES - 1) % FO_STAGES, out, src, own, next, vectors);
+    fo::cp_async_commit();
+    next += gridDim.x;
+    fo::cp_async_wait<FO_STAGES - 1>();
+    const long long first = tile * FO_TILE + threadIdx.x;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+    for (int u = 0; u < FO_VPT; ++u) {
+      const long long i = first + u * FO_THREADS;
+      float acc[8];
 #pragma unroll
-    for (int p = 0; p < FO_RANKS; ++p) add8(acc, partial(out, src, own, p)[i]);
-    out[i] = pack8(acc);
+      for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+#pragma unroll
+      for (int p = 0; p < FO_RANKS; ++p) add8(acc, ring[((stage * FO_RANKS + p) * FO_VPT + u) * FO_THREADS + threadIdx.x]);
+      if (i < vectors) out[i] = pack8(acc);
+    }
+    stage = (stage + 1) % FO_STAGES;
   }
+  fo::cp_async_wait<0>();
 }

@@ -179,20 +179,24 @@ impl GemmKernel {
 /// Threads per block of the peer reduction.
 pub const PEER_REDUCE_THREADS: u32 = 512;
 
-/// The copy-engine AllReduce's reduction of `ranks` partials (2..=8): each
-/// thread keeps 8 16-byte vectors in flight whatever the world size, which stays
-/// within the 128 registers 512 threads may have.
-pub fn peer_reduce_spec(dtype: Dtype, ranks: u32) -> KernelSpec {
+/// The copy-engine AllReduce's reduction of `ranks` partials (2..=8) on a
+/// device of compute capability `major`: each thread loads 8 16-byte
+/// vectors per tile whatever the world size, and Hopper keeps 3 tiles in
+/// flight (192 KiB of shared memory per block), older GPUs 2 (at most 128).
+pub fn peer_reduce_spec(dtype: Dtype, ranks: u32, major: i32) -> KernelSpec {
     let bf16 = if dtype == Dtype::Bf16 { "1" } else { "0" }.to_string();
+    let (stages, vectors) = if major >= 9 { (3, 8) } else { (2, 4) };
+    let per_thread = (vectors / ranks).max(1);
     KernelSpec {
         source: "peer_reduce.cu",
         entry: "fo_peer_reduce",
         defines: vec![
             ("FO_BF16", bf16),
             ("FO_RANKS", ranks.to_string()),
-            ("FO_UNROLL", (8 / ranks).max(1).to_string()),
+            ("FO_VPT", per_thread.to_string()),
+            ("FO_STAGES", stages.to_string()),
         ],
-        dynamic_smem: 0,
+        dynamic_smem: stages * ranks * per_thread * PEER_REDUCE_THREADS * 16,
     }
 }
 
@@ -203,9 +207,13 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
         .into_iter()
         .filter(|k| k.runs_on(arch))
         .flat_map(|k| [k.spec(Dtype::Bf16), k.spec(Dtype::F16)]);
-    let reduces = [2, 4, 8]
-        .into_iter()
-        .flat_map(|r| [peer_reduce_spec(Dtype::Bf16, r), peer_reduce_spec(Dtype::F16, r)]);
+    let major = if arch == "sm_90a" { 9 } else { 8 };
+    let reduces = [2, 4, 8].into_iter().flat_map(move |r| {
+        [
+            peer_reduce_spec(Dtype::Bf16, r, major),
+            peer_reduce_spec(Dtype::F16, r, major),
+        ]
+    });
     let runs = GemmKernel::Sm80.runs_on(arch);
     gemms.chain(reduces.filter(|_| runs)).collect()
 }

@@ -357,7 +357,7 @@ fn enqueue_copy_engine(
         .then(|| {
             kernels::load(
                 &comm.device,
-                &kernels::peer_reduce_spec(args.dtype, layout.world as u32),
+                &kernels::peer_reduce_spec(args.dtype, layout.world as u32, comm.device.major),
             )
         })
         .transpose()?;
