@@ -410,12 +410,12 @@ def test_backends_reserve_their_own_sms(monkeypatch: pytest.MonkeyPatch) -> None
     nccl = plan_gemm_all_reduce(8192, 8192, 4096, 2, mode="overlap", backend="nccl")
     ce = plan_gemm_all_reduce(8192, 8192, 4096, 2, mode="overlap", backend="copy_engine")
     assert nccl.ctas == H200_SMS - DEFAULT_RESERVED
-    assert ce.ctas == H200_SMS - 8
+    assert ce.ctas == H200_SMS - 16
     # "auto" plans the copy engines on one node (<= 8 GPUs), NCCL beyond.
-    assert plan_gemm_all_reduce(8192, 8192, 4096, 8, mode="overlap", backend="auto").ctas == H200_SMS - 8
+    assert plan_gemm_all_reduce(8192, 8192, 4096, 8, mode="overlap", backend="auto").ctas == H200_SMS - 16
     assert plan_gemm_all_reduce(8192, 8192, 4096, 16, mode="overlap", backend="auto").ctas == nccl.ctas
-    monkeypatch.setenv("FLASHOVERLAP_RESERVED_SMS", "16")
-    assert plan_gemm_all_reduce(8192, 8192, 4096, 2, mode="overlap", backend="copy_engine").ctas == H200_SMS - 16
+    monkeypatch.setenv("FLASHOVERLAP_RESERVED_SMS", "12")
+    assert plan_gemm_all_reduce(8192, 8192, 4096, 2, mode="overlap", backend="copy_engine").ctas == H200_SMS - 12
 
 
 def test_copy_engine_groups_cost_less_than_nccl_ones() -> None:

@@ -101,11 +101,14 @@ fn hardware_for(sms: u32, major: i32, kernel: GemmKernel, backend: Backend) -> H
         let h200 = HardwareModel::h200();
         let overlap_comm = match backend {
             Backend::Nccl => h200.comm,
-            // Copy-engine copies (BASELINES.md: 4 MB in 25 us, 128 MB at
-            // 379 GB/s) pipelined with the reduction on the reserved SMs.
+            // Copy-engine copies (376 GB/s alone on 2x H200: 256 MB in
+            // 714 us) pipelined with the reduction on 16 reserved SMs (~1.7
+            // TB/s of HBM traffic, 3 bytes per output byte), slowed by each
+            // other and by the GEMM (measured: one group after the GEMM vs forced
+            // overlap on 4 shapes).
             Backend::CopyEngine => CollectiveModel {
-                latency_us: 15.0,
-                bus_gbps: 330.0,
+                latency_us: 20.0,
+                bus_gbps: 300.0,
             },
         };
         HardwareModel {
