@@ -81,7 +81,7 @@ fn backend(name: &str) -> PyResult<gar::Backend> {
 fn options(
     mode: &str,
     bands_per_group: Option<u32>,
-    reserved_sms: u32,
+    reserved_sms: Option<u32>,
     max_groups: u32,
     kernel: Option<&str>,
     raster_bands: Option<u32>,
@@ -218,7 +218,7 @@ fn version() -> &'static str {
 /// Plans GEMM + AllReduce for a device described by `sms` and compute
 /// capability `major`; needs no GPU.
 #[pyfunction]
-#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=24, max_groups=16, kernel=None, raster_bands=None, backend="nccl"))]
+#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl"))]
 #[allow(clippy::too_many_arguments)]
 fn plan_gemm_all_reduce(
     m: u32,
@@ -230,7 +230,7 @@ fn plan_gemm_all_reduce(
     major: i32,
     mode: &str,
     bands_per_group: Option<u32>,
-    reserved_sms: u32,
+    reserved_sms: Option<u32>,
     max_groups: u32,
     kernel: Option<&str>,
     raster_bands: Option<u32>,
@@ -381,7 +381,7 @@ fn gemm(
 }
 
 #[pyfunction]
-#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=24, max_groups=16, kernel=None, raster_bands=None, backend="nccl"))]
+#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl"))]
 #[allow(clippy::too_many_arguments)]
 fn gemm_all_reduce(
     py: Python<'_>,
@@ -396,7 +396,7 @@ fn gemm_all_reduce(
     stream: usize,
     mode: &str,
     bands_per_group: Option<u32>,
-    reserved_sms: u32,
+    reserved_sms: Option<u32>,
     max_groups: u32,
     kernel: Option<&str>,
     raster_bands: Option<u32>,
@@ -475,7 +475,7 @@ fn all_reduce(
 
 /// The plan `gemm_all_reduce` runs for these arguments on this communicator.
 #[pyfunction]
-#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=24, max_groups=16, kernel=None, raster_bands=None, backend="nccl"))]
+#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl"))]
 #[allow(clippy::too_many_arguments)]
 fn communicator_plan(
     group_name: &str,
@@ -486,7 +486,7 @@ fn communicator_plan(
     stream: usize,
     mode: &str,
     bands_per_group: Option<u32>,
-    reserved_sms: u32,
+    reserved_sms: Option<u32>,
     max_groups: u32,
     kernel: Option<&str>,
     raster_bands: Option<u32>,

@@ -23,21 +23,16 @@ def force_sequential() -> bool:
     return os.environ.get("FLASHOVERLAP_FORCE_SEQUENTIAL", "").strip().lower() in _TRUE
 
 
-# SMs the overlapped GEMM leaves free, per backend: NCCL's CTAs need 24 to
-# run at full speed beside the GEMM (8/16/24/32/48 measured on 2x H200); the
-# copy-engine backend moves bytes with no SM and needs SMs only for its
-# reduction kernel (8/16/24 measured: 16 keeps the reduction behind the
-# copies, 8 does not).
-_RESERVED_DEFAULT = {"nccl": 24, "copy_engine": 16}
 BACKENDS = ("auto", "nccl", "copy_engine")
 
 
-def reserved_sms(backend: str = "nccl") -> int:
-    """FLASHOVERLAP_RESERVED_SMS: SMs left free of GEMM CTAs for the collectives
-    (default 24 with NCCL, 16 with the copy-engine backend)."""
-    v = _int("FLASHOVERLAP_RESERVED_SMS", _RESERVED_DEFAULT[backend])
-    assert v is not None
-    if v < 0:
+def reserved_sms(backend: str = "nccl") -> int | None:
+    """FLASHOVERLAP_RESERVED_SMS: SMs left free of GEMM CTAs for the collectives. Default: 24
+    with NCCL (its CTAs need them beside the GEMM; 8/16/24/32/48 measured on 2x H200); with the
+    copy-engine backend None, which lets the planner pick 4, 8 or 16 per shape for the
+    reduction kernel (the copies take no SM)."""
+    v = _int("FLASHOVERLAP_RESERVED_SMS", 24 if backend == "nccl" else None)
+    if v is not None and v < 0:
         raise ValueError(f"FLASHOVERLAP_RESERVED_SMS: expected >= 0, got {v}")
     return v
 

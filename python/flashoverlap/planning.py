@@ -30,7 +30,7 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
     for name, value, least in (("m", m, 1), ("n", n, 1), ("k", k, 1), ("world_size", world_size, 1), ("sms", sms, 1),
                                ("bands_per_group", bands_per_group, 1), ("reserved_sms", reserved_sms, 0),
                                ("max_groups", max_groups, 1), ("raster_bands", raster_bands, 1)):
-        if value is None and name in ("bands_per_group", "raster_bands"):
+        if value is None and name in ("bands_per_group", "raster_bands", "reserved_sms"):
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")

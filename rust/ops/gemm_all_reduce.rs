@@ -68,7 +68,9 @@ pub struct Options {
     pub kernel: Option<GemmKernel>,
     pub mode: ModeRequest,
     pub bands_per_group: Option<u32>,
-    pub reserved_sms: u32,
+    /// SMs left free of GEMM CTAs; None: the backend's default (NCCL: 24;
+    /// copy engines: chosen per shape by the predictor).
+    pub reserved_sms: Option<u32>,
     pub max_groups: u32,
     /// Row bands per raster block inside each group; None: the plan's default.
     pub raster_bands: Option<u32>,
@@ -90,7 +92,13 @@ pub struct Prepared {
 /// The predictor's machine: measured constants on H200 (with the rate of
 /// the kernel that will run and the backend's per-group cost), a
 /// pessimistic model elsewhere.
-fn hardware_for(sms: u32, major: i32, kernel: GemmKernel, backend: Backend) -> HardwareModel {
+fn hardware_for(
+    sms: u32,
+    major: i32,
+    kernel: GemmKernel,
+    backend: Backend,
+    reserved: u32,
+) -> HardwareModel {
     if major == 9 && sms == 132 {
         // bf16 on H200, random data, all SMs (evaluation/results/gemm_kernel_h200.txt):
         // sm80 244-285 TFLOP/s; the sm90 kernel 510-770, 1.01x cuBLAS in the same run.
@@ -102,13 +110,14 @@ fn hardware_for(sms: u32, major: i32, kernel: GemmKernel, backend: Backend) -> H
         let overlap_comm = match backend {
             Backend::Nccl => h200.comm,
             // Copy-engine copies (376 GB/s alone on 2x H200: 256 MB in
-            // 714 us) pipelined with the reduction on 16 reserved SMs (~1.7
-            // TB/s of HBM traffic, 3 bytes per output byte), slowed by each
-            // other and by the GEMM (measured: one group after the GEMM vs forced
-            // overlap on 4 shapes).
+            // 714 us) pipelined with the reduction (3 bytes of HBM traffic
+            // per output byte, ~90-100 GB/s per reserved SM), slowed by each
+            // other and by the GEMM: fitted to forced overlap on the 16
+            // shapes with 16 reserved SMs (evaluation/results); with fewer
+            // the reduction is the bottleneck and the rate falls with them.
             Backend::CopyEngine => CollectiveModel {
-                latency_us: 20.0,
-                bus_gbps: 300.0,
+                latency_us: 30.0,
+                bus_gbps: 240.0 * (f64::from(reserved) / 12.0).min(1.0),
             },
         };
         HardwareModel {
@@ -121,7 +130,13 @@ fn hardware_for(sms: u32, major: i32, kernel: GemmKernel, backend: Backend) -> H
     }
 }
 
-fn request(args: &GemmArgs, world: u32, opts: &Options, kernel: GemmKernel) -> PlanRequest {
+fn request(
+    args: &GemmArgs,
+    world: u32,
+    opts: &Options,
+    kernel: GemmKernel,
+    reserved: u32,
+) -> PlanRequest {
     PlanRequest {
         m: args.m,
         n: args.n,
@@ -129,7 +144,7 @@ fn request(args: &GemmArgs, world: u32, opts: &Options, kernel: GemmKernel) -> P
         world,
         elem_bytes: args.dtype.bytes(),
         tile: gemm::tile_shape(kernel),
-        reserved_sms: opts.reserved_sms,
+        reserved_sms: reserved,
         bands_per_group: opts.bands_per_group,
         max_groups: opts.max_groups,
         mode: opts.mode,
@@ -137,9 +152,19 @@ fn request(args: &GemmArgs, world: u32, opts: &Options, kernel: GemmKernel) -> P
     }
 }
 
+/// NCCL's CTAs need 24 SMs beside the GEMM to run at full speed (8, 16,
+/// 24, 32, 48 measured on 2x H200).
+pub const NCCL_RESERVED_SMS: u32 = 24;
+/// What the copy-engine backend may leave its reduction: 16 keeps it behind
+/// the copies; 4 or 8 suit GEMM-bound shapes, where one more wave of tiles
+/// costs more than a slower reduction that stays hidden.
+const COPY_ENGINE_RESERVED_SMS: [u32; 3] = [4, 8, 16];
+
 /// The kernel and plan of a call on a device with `sms` SMs of compute
 /// capability `major` (no GPU needed): the kernel is the caller's or the
-/// device's default for the CTAs the overlap leaves the GEMM.
+/// device's default for the CTAs the overlap leaves the GEMM; where the SMs
+/// to reserve are not given, the copy-engine backend tries each candidate
+/// and keeps the plan predicted fastest.
 pub fn plan_for(
     args: &GemmArgs,
     world: u32,
@@ -147,12 +172,28 @@ pub fn plan_for(
     sms: u32,
     major: i32,
 ) -> Result<(GemmKernel, GemmAllReducePlan)> {
-    let kernel = opts.kernel.unwrap_or_else(|| {
-        GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(opts.reserved_sms))
-    });
-    let hw = hardware_for(sms, major, kernel, opts.backend);
-    let plan = plan::plan_gemm_all_reduce(&request(args, world, opts, kernel), &hw)?;
-    Ok((kernel, plan))
+    let candidates: Vec<u32> = match (opts.reserved_sms, opts.backend) {
+        (Some(r), _) => vec![r],
+        (None, Backend::Nccl) => vec![NCCL_RESERVED_SMS],
+        (None, Backend::CopyEngine) => COPY_ENGINE_RESERVED_SMS.to_vec(),
+    };
+    let mut best: Option<(GemmKernel, GemmAllReducePlan)> = None;
+    for &reserved in candidates.iter().filter(|&&r| r < sms || candidates.len() == 1) {
+        let kernel = opts.kernel.unwrap_or_else(|| {
+            GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved))
+        });
+        let hw = hardware_for(sms, major, kernel, opts.backend, reserved);
+        let plan = plan::plan_gemm_all_reduce(&request(args, world, opts, kernel, reserved), &hw)?;
+        let faster = |b: &GemmAllReducePlan| plan.timeline.overlap_us < b.timeline.overlap_us;
+        if best.as_ref().is_none_or(|(_, b)| faster(b)) {
+            best = Some((kernel, plan));
+        }
+    }
+    best.ok_or_else(|| {
+        Error::Invalid(format!(
+            "reserved_sms: every candidate leaves no SM to the GEMM on a device with {sms} SMs"
+        ))
+    })
 }
 
 fn prepare(
@@ -255,7 +296,7 @@ pub fn gemm_all_reduce(
     match opts.backend {
         Backend::Nccl => enqueue_nccl(comm, args, plan, &kernel, &signals, caller)?,
         Backend::CopyEngine => {
-            enqueue_copy_engine(comm, args, opts, plan, &kernel, &signals, caller)?
+            enqueue_copy_engine(comm, args, plan, &kernel, &signals, caller)?
         }
     }
     Ok(Schedule::Overlap)
@@ -346,7 +387,6 @@ fn reduce(
 fn enqueue_copy_engine(
     comm: &Communicator,
     args: &GemmArgs,
-    opts: &Options,
     plan: &GemmAllReducePlan,
     kernel: &gemm::LoadedGemm,
     signals: &Signals,
@@ -414,7 +454,7 @@ fn enqueue_copy_engine(
                 args.out,
                 offset,
                 bytes,
-                opts.reserved_sms,
+                plan.request.reserved_sms,
                 reduces,
             )?;
         }
