@@ -107,22 +107,30 @@ fn hardware_for(
             GemmKernel::Sm90 { .. } => 690.0,
         };
         let h200 = HardwareModel::h200();
-        let overlap_comm = match backend {
-            Backend::Nccl => h200.comm,
+        let (overlap_comm, overlap_fixed_us) = match backend {
+            Backend::Nccl => (h200.comm, 0.0),
             // Copy-engine copies (376 GB/s alone on 2x H200: 256 MB in
             // 714 us) pipelined with the reduction (3 bytes of HBM traffic
             // per output byte, ~90-100 GB/s per reserved SM), slowed by each
             // other and by the GEMM: fitted to forced overlap on the 16
             // shapes with 16 reserved SMs (evaluation/results); with fewer
             // the reduction is the bottleneck and the rate falls with them.
-            Backend::CopyEngine => CollectiveModel {
-                latency_us: 30.0,
-                bus_gbps: 240.0 * (f64::from(reserved) / 12.0).min(1.0),
-            },
+            // Its cost per group is small (memops and a copy per peer), but
+            // each call pays ~40 us that no group shows: a 30 us latency per
+            // group made the search pick 2-3 groups and lose up to 10% on
+            // communication-bound shapes.
+            Backend::CopyEngine => (
+                CollectiveModel {
+                    latency_us: 8.0,
+                    bus_gbps: 240.0 * (f64::from(reserved) / 12.0).min(1.0),
+                },
+                40.0,
+            ),
         };
         HardwareModel {
             gemm_tflops,
             overlap_comm,
+            overlap_fixed_us,
             ..h200
         }
     } else {

@@ -138,7 +138,8 @@ pub fn plan_gemm_all_reduce(
                 req.elem_bytes,
                 req.max_groups,
             )?;
-            let pays = best.1.overlap_us < AUTO_OVERLAP_MARGIN * best.1.sequential_us;
+            let pays = best.1.overlap_us + hw.overlap_fixed_us
+                < AUTO_OVERLAP_MARGIN * best.1.sequential_us;
             (mode == ModeRequest::Overlap || pays).then_some(best)
         }
     };

@@ -54,6 +54,10 @@ pub struct HardwareModel {
     pub overlap_gemm_slowdown: f64,
     /// Multiplicative slowdown of the collective under the CTA cap used during overlap (>= 1).
     pub overlap_comm_slowdown: f64,
+    /// A per-call cost of the overlapped schedule that no group's timing
+    /// shows (stream forks and joins, flag waits, pipeline fill), charged
+    /// when Auto decides whether overlapping pays.
+    pub overlap_fixed_us: f64,
 }
 
 impl HardwareModel {
@@ -75,6 +79,7 @@ impl HardwareModel {
             // faster than cuBLAS + NCCL (still 5-10% pessimistic there).
             overlap_gemm_slowdown: 1.0,
             overlap_comm_slowdown: 1.0,
+            overlap_fixed_us: 0.0,
         }
     }
 
@@ -89,6 +94,7 @@ impl HardwareModel {
             overlap_comm: GENERIC_LINK,
             overlap_gemm_slowdown: 1.2,
             overlap_comm_slowdown: 1.1,
+            overlap_fixed_us: 0.0,
         }
     }
 
@@ -130,6 +136,12 @@ impl HardwareModel {
                 self.overlap_comm.bus_gbps,
                 "> 0",
                 self.overlap_comm.bus_gbps > 0.0,
+            ),
+            (
+                "overlap_fixed_us",
+                self.overlap_fixed_us,
+                ">= 0",
+                self.overlap_fixed_us >= 0.0,
             ),
             (
                 "overlap_gemm_slowdown",
