@@ -429,11 +429,13 @@ fn schedule_name(s: Schedule) -> &'static str {
 /// communicator with `slot_bytes` per staging slot; returns the IPC handle
 /// every rank must receive (in rank order) for `peer_attach`.
 #[pyfunction]
-fn peer_prepare<'py>(py: Python<'py>, group_name: &str, slot_bytes: u64) -> PyResult<Bound<'py, PyBytes>> {
+fn peer_prepare<'py>(
+    py: Python<'py>,
+    group_name: &str,
+    slot_bytes: u64,
+) -> PyResult<Bound<'py, PyBytes>> {
     let comm = communicator::get(group_name).map_err(to_py)?;
-    let handle = py
-        .detach(|| comm.peer_prepare(slot_bytes))
-        .map_err(to_py)?;
+    let handle = py.detach(|| comm.peer_prepare(slot_bytes)).map_err(to_py)?;
     Ok(PyBytes::new(py, &handle))
 }
 
@@ -446,7 +448,9 @@ fn peer_attach(py: Python<'_>, group_name: &str, handles: Vec<Vec<u8>>) -> PyRes
 /// Bytes per staging slot of the communicator's copy-engine buffers (0: none yet).
 #[pyfunction]
 fn peer_slot_bytes(group_name: &str) -> PyResult<u64> {
-    Ok(communicator::get(group_name).map_err(to_py)?.peer_slot_bytes())
+    Ok(communicator::get(group_name)
+        .map_err(to_py)?
+        .peer_slot_bytes())
 }
 
 /// Waits until the communicator's streams are idle.

@@ -70,7 +70,11 @@ impl PeerLayout {
     /// The slot of `receiver`'s buffer (at `base`) that holds `source`'s partial.
     pub fn slot(&self, base: u64, receiver: usize, source: usize) -> u64 {
         debug_assert!(source != receiver && source < self.world && receiver < self.world);
-        let index = if source < receiver { source } else { source - 1 };
+        let index = if source < receiver {
+            source
+        } else {
+            source - 1
+        };
         base + FLAG_BYTES + index as u64 * self.slot_bytes
     }
 }

@@ -140,7 +140,12 @@ pub fn write(stream: RawStream, flag: sys::CUdeviceptr, value: u32) -> Result<()
 
 /// Copies `bytes` from `src` to `dst` in stream order; between GPUs (a peer
 /// buffer mapped through IPC) the copy engines move the bytes, no SM.
-pub fn copy(stream: RawStream, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+pub fn copy(
+    stream: RawStream,
+    dst: sys::CUdeviceptr,
+    src: sys::CUdeviceptr,
+    bytes: usize,
+) -> Result<()> {
     // SAFETY: both ranges are live device memory mapped in the current context.
     check(
         unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream) },
@@ -151,7 +156,10 @@ pub fn copy(stream: RawStream, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, byt
 /// Waits until every operation enqueued on `stream` has finished.
 pub fn synchronize(stream: RawStream) -> Result<()> {
     // SAFETY: live stream of the current context.
-    check(unsafe { sys::cuStreamSynchronize(stream) }, "cuStreamSynchronize")
+    check(
+        unsafe { sys::cuStreamSynchronize(stream) },
+        "cuStreamSynchronize",
+    )
 }
 
 /// Whether `stream` is being captured into a CUDA graph: then nothing may be

@@ -186,14 +186,17 @@ pub fn plan_for(
         (None, Backend::CopyEngine) => COPY_ENGINE_RESERVED_SMS.to_vec(),
     };
     let mut best: Option<(GemmKernel, GemmAllReducePlan)> = None;
-    for &reserved in candidates.iter().filter(|&&r| r < sms || candidates.len() == 1) {
+    for &reserved in candidates
+        .iter()
+        .filter(|&&r| r < sms || candidates.len() == 1)
+    {
         let kernel = opts.kernel.unwrap_or_else(|| {
             GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved))
         });
         let hw = hardware_for(sms, major, kernel, opts.backend, reserved);
         let plan = plan::plan_gemm_all_reduce(&request(args, world, opts, kernel, reserved), &hw)?;
         let faster = |b: &GemmAllReducePlan| plan.timeline.overlap_us < b.timeline.overlap_us;
-        if best.as_ref().is_none_or(|(_, b)| faster(b)) {
+        if best.as_ref().map_or(true, |(_, b)| faster(b)) {
             best = Some((kernel, plan));
         }
     }
@@ -303,9 +306,7 @@ pub fn gemm_all_reduce(
     };
     match opts.backend {
         Backend::Nccl => enqueue_nccl(comm, args, plan, &kernel, &signals, caller)?,
-        Backend::CopyEngine => {
-            enqueue_copy_engine(comm, args, plan, &kernel, &signals, caller)?
-        }
+        Backend::CopyEngine => enqueue_copy_engine(comm, args, plan, &kernel, &signals, caller)?,
     }
     Ok(Schedule::Overlap)
 }
@@ -373,15 +374,15 @@ fn reduce(
 ) -> Result<()> {
     let me = peer.rank;
     let mut sources = [0u64; 7];
-    let mut i = 0;
-    for source in (0..peer.layout.world).filter(|&s| s != me) {
+    for (i, source) in (0..peer.layout.world).filter(|&s| s != me).enumerate() {
         sources[i] = peer.layout.slot(peer.bases[me], me, source) + offset;
-        i += 1;
     }
     let mut out = out + offset;
     let mut own = me as i32;
     let mut vectors = (bytes / 16) as i64;
-    let blocks = (vectors as u64).div_ceil(u64::from(PEER_REDUCE_THREADS)).max(1);
+    let blocks = (vectors as u64)
+        .div_ceil(u64::from(PEER_REDUCE_THREADS))
+        .max(1);
     let grid = u64::from(ctas.max(1)).min(blocks) as u32;
     let mut params: [*mut c_void; 4] = [
         (&mut out as *mut u64).cast(),
