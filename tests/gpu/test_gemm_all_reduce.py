@@ -119,9 +119,14 @@ def test_main_cases_cover_what_is_asked() -> None:
     assert len({c["seed"] for c in cases}) == len(cases)
 
 
+BACKENDS = {"nccl": 0, "copy_engine": 31}
+
+
 @pytest.mark.gpus(2)
-def test_gemm_all_reduce_matches_reference(tmp_path: Path) -> None:
-    results = run_workers(tmp_path, "cases", world_size(), cases=main_cases(), backend="nccl")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gemm_all_reduce_matches_reference(tmp_path: Path, backend: str) -> None:
+    results = run_workers(tmp_path, "cases", world_size(), cases=main_cases(SEED + BACKENDS[backend]),
+                          backend=backend)
     records = results[0]["records"]
     # The overlapped path with several groups, and the sequential one, both ran.
     overlapped = [r for r in records if r["schedule"] == "overlap" and r["groups"] > 1]
@@ -133,25 +138,10 @@ def test_gemm_all_reduce_matches_reference(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpus(2)
-def test_cuda_graph_replays(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_graph_replays(tmp_path: Path, backend: str) -> None:
     (result, *_) = run_workers(tmp_path, "cuda_graph", world_size(), m=1000, n=4096, k=1024, replays=100,
-                               seed=SEED + 77, backend="nccl")
-    assert result["replays"] == 100
-
-
-@pytest.mark.gpus(2)
-def test_copy_engine_backend_matches_reference(tmp_path: Path) -> None:
-    results = run_workers(tmp_path, "cases", world_size(), cases=main_cases(SEED + 31), backend="copy_engine")
-    records = results[0]["records"]
-    assert len([r for r in records if r["schedule"] == "overlap" and r["groups"] > 1]) >= 10, records
-    for other in results[1:]:
-        assert other["records"] == records
-
-
-@pytest.mark.gpus(2)
-def test_copy_engine_cuda_graph_replays(tmp_path: Path) -> None:
-    (result, *_) = run_workers(tmp_path, "cuda_graph", world_size(), m=1000, n=4096, k=1024, replays=100,
-                               seed=SEED + 78, backend="copy_engine")
+                               seed=SEED + 77 + BACKENDS[backend], backend=backend)
     assert result["replays"] == 100
 
 
