@@ -516,6 +516,7 @@ fn communicator_plan(
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlan>()?;
+    m.add("NCCL_RESERVED_SMS", gar::NCCL_RESERVED_SMS)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(plan_gemm_all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(load_nvrtc, m)?)?;

@@ -36,6 +36,9 @@ class Plan:
     def raster_bands(self) -> int: ...
     def describe(self) -> str: ...
 
+NCCL_RESERVED_SMS: int
+"""SMs the NCCL backend leaves free of GEMM CTAs when FLASHOVERLAP_RESERVED_SMS is unset."""
+
 def version() -> str: ...
 def plan_gemm_all_reduce(
     m: int,

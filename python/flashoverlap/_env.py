@@ -26,12 +26,11 @@ def force_sequential() -> bool:
 BACKENDS = ("auto", "nccl", "copy_engine")
 
 
-def reserved_sms(backend: str = "nccl") -> int | None:
-    """FLASHOVERLAP_RESERVED_SMS: SMs left free of GEMM CTAs for the collectives. Default: 24
-    with NCCL (its CTAs need them beside the GEMM; 8/16/24/32/48 measured on 2x H200); with the
-    copy-engine backend None, which lets the planner pick 4, 8 or 16 per shape for the
-    reduction kernel (the copies take no SM)."""
-    v = _int("FLASHOVERLAP_RESERVED_SMS", 24 if backend == "nccl" else None)
+def reserved_sms() -> int | None:
+    """FLASHOVERLAP_RESERVED_SMS: SMs left free of GEMM CTAs for the collectives. Unset: None,
+    the planner's default per backend (NCCL: ``_core.NCCL_RESERVED_SMS``, 24, as its CTAs need
+    them beside the GEMM; copy engines: 4, 8 or 16 per shape for the reduction kernel)."""
+    v = _int("FLASHOVERLAP_RESERVED_SMS", None)
     if v is not None and v < 0:
         raise ValueError(f"FLASHOVERLAP_RESERVED_SMS: expected >= 0, got {v}")
     return v

@@ -66,7 +66,8 @@ class Communicator:
             raise ValueError(f"device: expected a CUDA device with an index, got {device}")
         self.device = device
         if max_ctas is None:
-            max_ctas = _env.nccl_max_ctas() or _env.reserved_sms() or None
+            reserved = _env.reserved_sms()
+            max_ctas = _env.nccl_max_ctas() or (_core.NCCL_RESERVED_SMS if reserved is None else reserved) or None
         self.max_ctas = max_ctas
         self._peer = False
         # The sequential schedule runs the group's own NCCL AllReduce where it

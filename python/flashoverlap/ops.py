@@ -83,7 +83,7 @@ def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str
     if backend == "copy_engine" and mode != "sequential":
         comm.ensure_peer_buffers(out.numel() * out.element_size())
     schedule = _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype,
-                                     stream, mode, bands_per_group, _env.reserved_sms(backend), _env.max_groups(),
+                                     stream, mode, bands_per_group, _env.reserved_sms(), _env.max_groups(),
                                      kernel, None, backend)
     if schedule == "sequential":
         # Overlap does not pay here (or was not asked for): exactly the unfused
@@ -203,7 +203,7 @@ def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, c
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
     return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), mode,
-                                   bands_per_group, _env.reserved_sms(backend), _env.max_groups(), kernel, None,
+                                   bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, None,
                                    backend)
 
 

@@ -25,7 +25,7 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
         raise ValueError(f"backend: expected one of {_env.BACKENDS}, got {backend!r}")
     if backend == "auto":
         backend = "copy_engine" if isinstance(world_size, int) and world_size <= 8 else "nccl"
-    reserved_sms = _env.reserved_sms(backend) if reserved_sms is None else reserved_sms
+    reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
     max_groups = _env.max_groups() if max_groups is None else max_groups
     for name, value, least in (("m", m, 1), ("n", n, 1), ("k", k, 1), ("world_size", world_size, 1), ("sms", sms, 1),
                                ("bands_per_group", bands_per_group, 1), ("reserved_sms", reserved_sms, 0),

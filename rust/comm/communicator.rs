@@ -116,11 +116,8 @@ impl Drop for Communicator {
     fn drop(&mut self) {
         // Teardown: let pending work finish, then free NCCL's resources.
         if driver::bind(self.device.ordinal).is_ok() {
-            // SAFETY: the stream is live until self.stream drops after this.
-            unsafe {
-                cudarc::driver::sys::cuStreamSynchronize(self.stream.0);
-                cudarc::driver::sys::cuStreamSynchronize(self.reduce_stream.0);
-            }
+            let _ = stream::synchronize(self.stream.0);
+            let _ = stream::synchronize(self.reduce_stream.0);
             if let Ok(n) = nccl::get() {
                 let _ = n.destroy(self.comm);
             }

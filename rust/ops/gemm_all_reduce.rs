@@ -252,6 +252,20 @@ fn prepare(
                 "bands_per_group: the copy-engine backend signals at most {MAX_PEER_GROUPS} groups, the plan has {groups}"
             )));
         }
+        // The reduction moves 16-byte vectors: N % 8 == 0 makes every
+        // group's rows start and end on one.
+        let elem = args.dtype.bytes() as u64;
+        if let Some(group) = plan
+            .partition
+            .groups
+            .iter()
+            .find(|g| (g.slice.offset * elem) % 16 != 0 || (g.slice.count * elem) % 16 != 0)
+        {
+            return Err(Error::Invalid(format!(
+                "internal: group slice {:?} is not 16-byte aligned",
+                group.slice
+            )));
+        }
         comm.ensure_group_events(groups)?;
     }
     let prepared = Arc::new(Prepared {
@@ -418,14 +432,6 @@ fn enqueue_copy_engine(
     let events = comm.group_events.lock().unwrap_or_else(|p| p.into_inner());
     if events.len() < plan.partition.len() {
         return Err(Error::Invalid("internal: group events not made".into()));
-    }
-    for group in &plan.partition.groups {
-        if (group.slice.offset * elem) % 16 != 0 || (group.slice.count * elem) % 16 != 0 {
-            return Err(Error::Invalid(format!(
-                "internal: group slice {:?} is not 16-byte aligned",
-                group.slice
-            )));
-        }
     }
     comm.fork.order_all(caller, &[copies, reduces])?;
     gemm::launch(kernel, args, signals, plan.ctas, caller)?;
