@@ -63,7 +63,7 @@ __device__ __forceinline__ void load_slice(unsigned stage, const elem_t* base, l
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fo_gemm_signal(const elem_t* __restrict__ A, const elem_t* __restrict__ B, elem_t* __restrict__ C, int M,
                    int N, int K, const int* __restrict__ tile_order, const int* __restrict__ tile_group,
-                   unsigned* __restrict__ counters, int num_tiles) {
+                   unsigned* __restrict__ counters, int num_tiles, int staged) {
   extern __shared__ __align__(128) unsigned char smem[];
   const unsigned smem_base = fo::smem_addr(smem);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -129,19 +129,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fo::cp_async_wait<0>();
 
     // mma.m16n8 accumulator layout: c0,c1 at (g, 2t..2t+1), c2,c3 at (g+8, ...).
+    // Staged: the whole tile, tails included, to rows pos*BM.. of a
+    // [num_tiles * BM, BN] buffer (see the sm90 kernel).
     const int g = lane / 4, t = lane % 4;
+    const int row0 = staged ? pos * BM : m0, col0 = staged ? 0 : n0;
+    const int rows = staged ? 0x7fffffff : M, cols = staged ? BN : N;
+    const long long ld = staged ? BN : N;
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = m0 + wm * WM + i * 16 + g + h * 8;
-        if (row >= M) continue;
-        elem_t* crow = C + (long long)row * N;
+        const int row = row0 + wm * WM + i * 16 + g + h * 8;
+        if (row >= rows) continue;
+        elem_t* crow = C + (long long)row * ld;
 #pragma unroll
         for (int j = 0; j < NI; ++j) {
-          const int col = n0 + wn * WN + j * 8 + 2 * t;
+          const int col = col0 + wn * WN + j * 8 + 2 * t;
           // N is a multiple of 8 and col is even, so col < N covers col + 1.
-          if (col < N) *reinterpret_cast<unsigned*>(crow + col) = fo::pack2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+          if (col < cols) *reinterpret_cast<unsigned*>(crow + col) = fo::pack2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
         }
       }
     }

@@ -18,6 +18,11 @@
 // counter of the tile's wave group. Writing registers directly to global
 // memory stalled the consumers ~20% of a K = 1024 tile; this costs them ~2%.
 //
+// Staged stores (`staged` != 0): tma_c then maps a [num_tiles * 128, BN]
+// staging buffer, and the tile at position p goes to its rows p*128..+128, so
+// that any run of positions is one contiguous block that a collective can
+// take whatever the tile order; fo_unreorder later moves it into C.
+//
 // Compile-time constants: FO_BF16 (1: bf16, 0: fp16), FO_BN (128 or 256: the
 // tile's N; BM is 128, 64 rows per consumer warpgroup), FO_STAGES.
 #include "ptx.cuh"
@@ -61,7 +66,8 @@ __device__ __forceinline__ void mma_k16(float (&acc)[ACC], unsigned long long da
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fo_gemm_signal_sm90(const __grid_constant__ fo::TensorMap tma_a, const __grid_constant__ fo::TensorMap tma_b,
                         const __grid_constant__ fo::TensorMap tma_c, int M, int N, int K, const int* __restrict__ tile_order,
-                        const int* __restrict__ tile_group, unsigned* __restrict__ counters, int num_tiles) {
+                        const int* __restrict__ tile_group, unsigned* __restrict__ counters, int num_tiles,
+                        int staged) {
   // Stages first (1024-byte aligned, as 128-byte swizzling requires), the
   // epilogue buffer, then the full/empty barrier pair of every stage.
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -117,7 +123,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       const int lane = threadIdx.x % 32;
       for (int pos = blockIdx.x; pos < num_tiles; pos += gridDim.x) {
         const int tile = tile_order ? tile_order[pos] : pos;
-        const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+        const int m0 = staged ? pos * BM : (tile / tiles_n) * BM, n0 = staged ? 0 : (tile % tiles_n) * BN;
         for (int ch = 0; ch < CHUNKS; ++ch) {
           fo::named_barrier(BAR_EPI_FULL, EPI_THREADS);
           if (lane == 0) {

@@ -9,7 +9,7 @@ use crate::dtype::Dtype;
 use crate::error::Error;
 use crate::ops::gemm::GemmArgs;
 use crate::ops::{all_reduce as ar_op, gemm as gemm_op, gemm_all_reduce as gar};
-use crate::plan::{GemmAllReducePlan, ModeRequest, Schedule};
+use crate::plan::{GemmAllReducePlan, ModeRequest, OrderRequest, Partition, Schedule};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -86,6 +86,7 @@ fn options(
     kernel: Option<&str>,
     raster_bands: Option<u32>,
     backend: &str,
+    order: &str,
 ) -> PyResult<gar::Options> {
     if raster_bands == Some(0) {
         return Err(PyValueError::new_err(
@@ -100,7 +101,19 @@ fn options(
         max_groups,
         raster_bands,
         backend: self::backend(backend)?,
+        order: self::order(order)?,
     })
+}
+
+fn order(name: &str) -> PyResult<OrderRequest> {
+    match name {
+        "auto" => Ok(OrderRequest::Auto),
+        "banded" => Ok(OrderRequest::Banded),
+        "swizzled" => Ok(OrderRequest::Swizzled),
+        _ => Err(PyValueError::new_err(format!(
+            "order: expected 'auto', 'banded' or 'swizzled', got {name:?}"
+        ))),
+    }
 }
 
 /// A GEMM + collective plan: tiles, waves, wave groups and predicted timeline.
@@ -157,15 +170,26 @@ impl PyPlan {
     #[getter]
     fn groups<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let timings = &self.0.timeline.groups;
+        // Row bands and output rows exist for in-place groups only.
+        type Span = (u32, u32);
+        let extents: Vec<Option<(Span, Span)>> = match &self.0.partition {
+            Partition::InPlace(p) => p
+                .groups
+                .iter()
+                .map(|g| Some(((g.bands.start, g.bands.end), (g.rows.start, g.rows.end))))
+                .collect(),
+            Partition::Staged(p) => vec![None; p.len()],
+        };
         self.0
             .partition
-            .groups
+            .collectives()
             .iter()
+            .zip(extents)
             .enumerate()
-            .map(|(i, g)| {
+            .map(|(i, (g, extent))| {
                 let d = PyDict::new(py);
-                d.set_item("bands", (g.bands.start, g.bands.end))?;
-                d.set_item("rows", (g.rows.start, g.rows.end))?;
+                d.set_item("bands", extent.map(|e| e.0))?;
+                d.set_item("rows", extent.map(|e| e.1))?;
                 d.set_item("positions", (g.positions.start, g.positions.end))?;
                 d.set_item("tiles", g.tiles)?;
                 d.set_item("offset", g.slice.offset)?;
@@ -194,6 +218,22 @@ impl PyPlan {
     fn raster_bands(&self) -> u32 {
         self.0.raster_bands()
     }
+    /// "banded" (groups of whole row bands reduced in place in the output)
+    /// or "swizzled" (groups of whole waves reduced in a staging buffer,
+    /// then un-reordered into the output).
+    #[getter]
+    fn order(&self) -> &'static str {
+        if self.0.partition.is_staged() {
+            "swizzled"
+        } else {
+            "banded"
+        }
+    }
+    /// Elements of the staging buffer (0 for the banded order).
+    #[getter]
+    fn staging_elems(&self) -> u64 {
+        self.0.staging_elems()
+    }
     fn describe(&self) -> String {
         self.0.describe()
     }
@@ -218,7 +258,7 @@ fn version() -> &'static str {
 /// Plans GEMM + AllReduce for a device described by `sms` and compute
 /// capability `major`; needs no GPU.
 #[pyfunction]
-#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl"))]
+#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl", order="auto"))]
 #[allow(clippy::too_many_arguments)]
 fn plan_gemm_all_reduce(
     m: u32,
@@ -235,6 +275,7 @@ fn plan_gemm_all_reduce(
     kernel: Option<&str>,
     raster_bands: Option<u32>,
     backend: &str,
+    order: &str,
 ) -> PyResult<PyPlan> {
     // Planning needs the shape only; no pointer is ever read.
     let args = operands(0, 0, 0, m, n, k, dtype)?;
@@ -246,6 +287,7 @@ fn plan_gemm_all_reduce(
         kernel,
         raster_bands,
         backend,
+        order,
     )?;
     gar::plan_for(&args, world_size, &opts, sms, major)
         .map(|(_, p)| PyPlan(p))
@@ -351,7 +393,7 @@ fn communicator_names() -> Vec<String> {
 }
 
 #[pyfunction]
-#[pyo3(signature = (x, weight, out, m, n, k, dtype, device, stream, kernel=None, raster_bands=None, sms=None, signal_bands=None))]
+#[pyo3(signature = (x, weight, out, m, n, k, dtype, device, stream, kernel=None, raster_bands=None, sms=None, signal_bands=None, staging=0))]
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     py: Python<'_>,
@@ -368,6 +410,7 @@ fn gemm(
     raster_bands: Option<u32>,
     sms: Option<u32>,
     signal_bands: Option<u32>,
+    staging: u64,
 ) -> PyResult<()> {
     let args = operands(x, weight, out, m, n, k, dtype)?;
     let how = gemm_op::Launch {
@@ -375,13 +418,47 @@ fn gemm(
         raster_bands,
         sms,
         signal_bands,
+        staging,
     };
     py.detach(|| gemm_op::gemm(&args, device, &how, stream::from_handle(stream)))
         .map_err(to_py)
 }
 
+/// Moves what a `gemm(..., staging=...)` with the same launch options
+/// stored in `staging` into `out`, on `ctas` CTAs (for measuring the swizzled
+/// schedule's extra copy; `x` and `weight` are not read).
 #[pyfunction]
-#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl"))]
+#[pyo3(signature = (out, staging, m, n, dtype, device, stream, ctas, kernel=None, raster_bands=None, sms=None))]
+#[allow(clippy::too_many_arguments)]
+fn unreorder(
+    py: Python<'_>,
+    out: u64,
+    staging: u64,
+    m: u32,
+    n: u32,
+    dtype: &str,
+    device: i32,
+    stream: usize,
+    ctas: u32,
+    kernel: Option<&str>,
+    raster_bands: Option<u32>,
+    sms: Option<u32>,
+) -> PyResult<()> {
+    // The copy never reads the operands; K only has to be valid.
+    let args = operands(out, out, out, m, n, 8, dtype)?;
+    let how = gemm_op::Launch {
+        kernel: gemm_kernel(kernel)?,
+        raster_bands,
+        sms,
+        signal_bands: None,
+        staging,
+    };
+    py.detach(|| gemm_op::unreorder(&args, device, &how, ctas, stream::from_handle(stream)))
+        .map_err(to_py)
+}
+
+#[pyfunction]
+#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl", order="auto", staging=0))]
 #[allow(clippy::too_many_arguments)]
 fn gemm_all_reduce(
     py: Python<'_>,
@@ -401,6 +478,8 @@ fn gemm_all_reduce(
     kernel: Option<&str>,
     raster_bands: Option<u32>,
     backend: &str,
+    order: &str,
+    staging: u64,
 ) -> PyResult<&'static str> {
     let args = operands(x, weight, out, m, n, k, dtype)?;
     let opts = options(
@@ -411,9 +490,10 @@ fn gemm_all_reduce(
         kernel,
         raster_bands,
         backend,
+        order,
     )?;
     let comm = communicator::get(group_name).map_err(to_py)?;
-    py.detach(|| gar::gemm_all_reduce(&comm, &args, &opts, stream::from_handle(stream)))
+    py.detach(|| gar::gemm_all_reduce(&comm, &args, &opts, staging, stream::from_handle(stream)))
         .map(schedule_name)
         .map_err(to_py)
 }
@@ -479,7 +559,7 @@ fn all_reduce(
 
 /// The plan `gemm_all_reduce` runs for these arguments on this communicator.
 #[pyfunction]
-#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl"))]
+#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl", order="auto"))]
 #[allow(clippy::too_many_arguments)]
 fn communicator_plan(
     group_name: &str,
@@ -495,6 +575,7 @@ fn communicator_plan(
     kernel: Option<&str>,
     raster_bands: Option<u32>,
     backend: &str,
+    order: &str,
 ) -> PyResult<PyPlan> {
     // Planning needs the shape only; no pointer is ever read.
     let args = operands(0, 0, 0, m, n, k, dtype)?;
@@ -506,6 +587,7 @@ fn communicator_plan(
         kernel,
         raster_bands,
         backend,
+        order,
     )?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     gar::plan_of(&comm, &args, &opts, stream::from_handle(stream))
@@ -513,11 +595,49 @@ fn communicator_plan(
         .map_err(to_py)
 }
 
+/// Bytes of the staging buffer `gemm_all_reduce` needs for these arguments
+/// (0 where its plan reduces in place or runs sequentially).
+#[pyfunction]
+#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl", order="auto"))]
+#[allow(clippy::too_many_arguments)]
+fn communicator_staging_bytes(
+    group_name: &str,
+    m: u32,
+    n: u32,
+    k: u32,
+    dtype: &str,
+    stream: usize,
+    mode: &str,
+    bands_per_group: Option<u32>,
+    reserved_sms: Option<u32>,
+    max_groups: u32,
+    kernel: Option<&str>,
+    raster_bands: Option<u32>,
+    backend: &str,
+    order: &str,
+) -> PyResult<u64> {
+    let args = operands(0, 0, 0, m, n, k, dtype)?;
+    let opts = options(
+        mode,
+        bands_per_group,
+        reserved_sms,
+        max_groups,
+        kernel,
+        raster_bands,
+        backend,
+        order,
+    )?;
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    gar::staging_bytes(&comm, &args, &opts, stream::from_handle(stream)).map_err(to_py)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlan>()?;
     m.add("NCCL_RESERVED_SMS", gar::NCCL_RESERVED_SMS)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(communicator_staging_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(unreorder, m)?)?;
     m.add_function(wrap_pyfunction!(plan_gemm_all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(load_nvrtc, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_version, m)?)?;

@@ -29,11 +29,11 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def check_plan(plan, m: int, n: int, k: int, world: int, *, sms: int = H200_SMS,
                reserved: int = DEFAULT_RESERVED) -> None:
-    """Every invariant a plan must satisfy, whatever its schedule."""
+    """Every invariant a plan must satisfy, whatever its schedule and order."""
     assert plan.shape == (m, n, k)
     assert plan.world_size == world
     bm, bn, bk = plan.tile
-    assert bm == 128, "groups are unions of 128-row bands"
+    assert bm == 128, "tiles are 128-row"
     assert bn >= 1 and bk >= 1
     tiles_m, tiles_n = plan.tiles
     assert (tiles_m, tiles_n) == (math.ceil(m / bm), math.ceil(n / bn))
@@ -49,6 +49,43 @@ def check_plan(plan, m: int, n: int, k: int, world: int, *, sms: int = H200_SMS,
 
     groups = plan.groups
     assert len(groups) >= 1
+    if plan.order == "swizzled":
+        check_swizzled(plan, groups, total_tiles)
+    else:
+        check_banded(plan, groups, m, n, tiles_m, tiles_n, total_tiles)
+    check_timeline(plan, groups, world)
+    text = plan.describe()
+    assert isinstance(text, str)
+    assert f"{m} x {n}" in text
+    assert f"schedule: {plan.schedule}" in text
+    assert f"{len(groups)} group(s)" in text
+    assert str(m) in repr(plan) and plan.schedule in repr(plan)
+
+
+def check_swizzled(plan, groups, total_tiles: int) -> None:
+    """Staged groups: runs of whole waves of one raster over the output, each a contiguous
+    block of the staging buffer (whole tiles, tails included)."""
+    bm, bn, _ = plan.tile
+    assert plan.schedule == "overlap"
+    assert plan.staging_elems == total_tiles * bm * bn
+    position = 0
+    for gi, g in enumerate(groups):
+        p0, p1 = g["positions"]
+        assert g["bands"] is None and g["rows"] is None
+        assert p0 == position and p1 > p0 and p0 % plan.ctas == 0
+        assert p1 % plan.ctas == 0 or p1 == total_tiles
+        assert g["tiles"] == p1 - p0
+        assert (g["offset"], g["count"]) == (p0 * bm * bn, (p1 - p0) * bm * bn)
+        assert set(plan.tile_group[p0:p1]) == {gi}
+        position = p1
+    assert position == total_tiles
+    assert sorted(plan.tile_order) == list(range(total_tiles))
+    assert plan.raster_bands >= 1
+
+
+def check_banded(plan, groups, m: int, n: int, tiles_m: int, tiles_n: int, total_tiles: int) -> None:
+    bm = plan.tile[0]
+    assert plan.staging_elems == 0
     band, row, position, offset = 0, 0, 0, 0
     for g in groups:
         b0, b1 = g["bands"]
@@ -82,6 +119,8 @@ def check_plan(plan, m: int, n: int, k: int, world: int, *, sms: int = H200_SMS,
         assert set(table[p0:p1]) == {gi}
         assert {t // tiles_n for t in order[p0:p1]} == set(range(b0, b1))
 
+
+def check_timeline(plan, groups, world: int) -> None:
     # Timeline: collectives run one after another, each once its group is stored.
     previous_end = 0.0
     previous_done = 0.0
@@ -99,13 +138,6 @@ def check_plan(plan, m: int, n: int, k: int, world: int, *, sms: int = H200_SMS,
     else:
         assert plan.predicted_us == plan.predicted_sequential_us
     assert plan.predicted_sequential_us > 0
-
-    text = plan.describe()
-    assert isinstance(text, str)
-    assert f"{m} x {n}" in text
-    assert f"schedule: {plan.schedule}" in text
-    assert f"{len(groups)} group(s)" in text
-    assert str(m) in repr(plan) and plan.schedule in repr(plan)
 
 
 SHAPES = [(m, n, k) for m in M_VALUES for (n, k) in NK_VALUES]
@@ -437,3 +469,34 @@ def test_copy_engine_groups_cost_less_than_nccl_ones() -> None:
 def test_unknown_backend_in_the_planner() -> None:
     with pytest.raises(ValueError, match="backend"):
         plan_gemm_all_reduce(8192, 8192, 4096, 2, backend="nvlink")
+
+
+ORDER_SHAPES = [(3000, 8192, 8192, 8), (16384, 8192, 8192, 4), (8192, 8192, 4096, 2), (1000, 4096, 1024, 2)]
+
+
+@pytest.mark.parametrize("m,n,k,world", ORDER_SHAPES)
+@pytest.mark.parametrize("backend", ["nccl", "copy_engine"])
+def test_auto_order_is_the_faster_prediction(m: int, n: int, k: int, world: int, backend: str) -> None:
+    plans = {order: plan_gemm_all_reduce(m, n, k, world, mode="overlap", order=order, backend=backend)
+             for order in ("auto", "banded", "swizzled")}
+    for order, plan in plans.items():
+        # The copy engines' SM reservation is chosen per plan.
+        check_plan(plan, m, n, k, world, reserved=H200_SMS - plan.ctas)
+        if order != "auto":
+            assert plan.order == order
+    best = min(plans["banded"].predicted_us, plans["swizzled"].predicted_us)
+    assert plans["auto"].predicted_us == best
+    assert plans["auto"].order == ("swizzled" if plans["swizzled"].predicted_us < plans["banded"].predicted_us
+                                   else "banded")
+    text = plans["swizzled"].describe()
+    assert "Swizzled" in text and "staged" in text
+
+
+def test_swizzled_order_refuses_forced_bands() -> None:
+    with pytest.raises(ValueError, match="bands_per_group"):
+        plan_gemm_all_reduce(4096, 8192, 4096, 2, bands_per_group=2, order="swizzled")
+    with pytest.raises(ValueError, match="order"):
+        plan_gemm_all_reduce(4096, 8192, 4096, 2, order="diagonal")
+    # Sequential plans are in place whatever the order asked for.
+    plan = plan_gemm_all_reduce(4096, 8192, 4096, 2, mode="sequential", order="swizzled")
+    assert plan.order == "banded" and plan.staging_elems == 0

@@ -393,7 +393,7 @@ def test_ops_are_registered() -> None:
     assert isinstance(gar, torch._ops.OpOverload)
     assert isinstance(gemm_op, torch._ops.OpOverload)
     names = [a.name for a in gar._schema.arguments]
-    assert names == ["x", "weight", "group_name", "mode", "bands_per_group", "kernel", "backend"]
+    assert names == ["x", "weight", "group_name", "mode", "bands_per_group", "kernel", "backend", "order"]
     assert [a.name for a in gemm_op._schema.arguments] == ["x", "weight", "kernel", "raster_bands", "sms"]
     # Functional ops: nothing is mutated, one tensor comes back.
     assert not gar._schema.is_mutable and not gemm_op._schema.is_mutable
@@ -406,6 +406,14 @@ def test_unknown_kernel_is_named(call) -> None:
     w = torch.randn(32, 64, dtype=torch.bfloat16)
     with raises_naming(ValueError, "kernel", "sm90_n128"):
         call(x, w, kernel="sm70")
+
+
+@pytest.mark.parametrize("call", [gemm_all_reduce, plan_of], ids=lambda f: f.__name__)
+def test_unknown_order_is_named(call) -> None:
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    with raises_naming(ValueError, "order", "swizzled"):
+        call(x, w, order="zigzag")
 
 
 @pytest.mark.parametrize("call", [gemm, gemm_all_reduce, plan_of], ids=lambda f: f.__name__)

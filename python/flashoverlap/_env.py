@@ -46,6 +46,17 @@ def backend() -> str:
     return v
 
 
+ORDERS = ("auto", "banded", "swizzled")
+
+
+def order() -> str:
+    """FLASHOVERLAP_ORDER: the overlapped plans' tile order and group layout (default "auto")."""
+    v = os.environ.get("FLASHOVERLAP_ORDER", "auto")
+    if v not in ORDERS:
+        raise ValueError(f"FLASHOVERLAP_ORDER: expected one of {ORDERS}, got {v!r}")
+    return v
+
+
 def nccl_max_ctas() -> int | None:
     """FLASHOVERLAP_NCCL_MAX_CTAS: CTA cap of flashoverlap's NCCL communicators (default: the reserved SMs)."""
     v = _int("FLASHOVERLAP_NCCL_MAX_CTAS", None)

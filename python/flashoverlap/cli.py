@@ -33,7 +33,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     m, n, k = args.shape
     plan = flashoverlap.plan_gemm_all_reduce(m, n, k, args.world_size, dtype=getattr(torch, args.dtype), sms=args.sms,
-                                             mode=args.mode, bands_per_group=args.bands_per_group)
+                                             mode=args.mode, bands_per_group=args.bands_per_group,
+                                             backend=args.backend, order=args.order)
     print(plan.describe())
     return 0
 
@@ -85,6 +86,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU (default: H200's 132)")
     p.add_argument("--mode", default="auto", choices=["auto", "overlap", "sequential"])
     p.add_argument("--bands-per-group", type=int, default=None)
+    p.add_argument("--backend", default="nccl", choices=["nccl", "copy_engine", "auto"])
+    p.add_argument("--order", default="auto", choices=["auto", "banded", "swizzled"])
     p.set_defaults(func=cmd_plan)
 
     b = sub.add_parser("bench", help="GEMM + AllReduce vs sequential cuBLAS + NCCL on all local GPUs")

@@ -26,7 +26,7 @@ def _stream_handle(device: torch.device) -> int:
 _LIB = torch.library.Library("flashoverlap", "DEF")
 _LIB.define("gemm(Tensor x, Tensor weight, str? kernel=None, int? raster_bands=None, int? sms=None) -> Tensor")
 _LIB.define("gemm_all_reduce(Tensor x, Tensor weight, str group_name, str mode='auto', int? bands_per_group=None, "
-            "str? kernel=None, str? backend=None) -> Tensor")
+            "str? kernel=None, str? backend=None, str? order=None) -> Tensor")
 
 
 def _register(name: str, impl, fake) -> None:
@@ -65,13 +65,21 @@ def _resolve_backend(comm: Communicator, backend: Optional[str]) -> str:
     return backend
 
 
+def _resolve_order(order: Optional[str]) -> str:
+    """The caller's order, else FLASHOVERLAP_ORDER (default "auto")."""
+    order = _env.order() if order is None else order
+    _check_order(order)
+    return order
+
+
 def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
                           bands_per_group: Optional[int] = None, kernel: Optional[str] = None,
-                          backend: Optional[str] = None) -> torch.Tensor:
+                          backend: Optional[str] = None, order: Optional[str] = None) -> torch.Tensor:
     m, n, k = check_gemm_operands(x, weight)
     comm = communicator_by_name(group_name)
     _check_mode(mode, bands_per_group)
     backend = _resolve_backend(comm, backend)
+    order = _resolve_order(order)
     check_device("x", x, comm.device)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -80,11 +88,20 @@ def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
-    if backend == "copy_engine" and mode != "sequential":
-        comm.ensure_peer_buffers(out.numel() * out.element_size())
+    plan_args = (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, None, backend, order)
+    staging, staging_ptr = None, 0
+    if mode != "sequential":
+        # A swizzled plan reduces in a staging buffer, taken from torch's
+        # allocator on this stream: the op's last use of it is ordered before
+        # whatever this stream runs after the op.
+        staged = _core.communicator_staging_bytes(comm.name, m, n, k, dtype, stream, *plan_args)
+        if staged:
+            staging = torch.empty(staged // x.element_size(), dtype=x.dtype, device=x.device)
+            staging_ptr = staging.data_ptr()
+        if backend == "copy_engine":
+            comm.ensure_peer_buffers(max(staged, out.numel() * out.element_size()))
     schedule = _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype,
-                                     stream, mode, bands_per_group, _env.reserved_sms(), _env.max_groups(),
-                                     kernel, None, backend)
+                                     stream, *plan_args, staging_ptr)
     if schedule == "sequential":
         # Overlap does not pay here (or was not asked for): exactly the unfused
         # composition, torch's library GEMM (cuBLAS) then one AllReduce.
@@ -98,7 +115,7 @@ def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str
 
 def _gemm_all_reduce_fake(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
                           bands_per_group: Optional[int] = None, kernel: Optional[str] = None,
-                          backend: Optional[str] = None) -> torch.Tensor:
+                          backend: Optional[str] = None, order: Optional[str] = None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -117,6 +134,11 @@ def _check_kernel(kernel: Optional[str]) -> None:
 def _check_backend(backend: Optional[str]) -> None:
     if backend is not None and backend not in _env.BACKENDS:
         raise ValueError(f"backend: expected one of {_env.BACKENDS} or None, got {backend!r}")
+
+
+def _check_order(order: Optional[str]) -> None:
+    if order is not None and order not in _env.ORDERS:
+        raise ValueError(f"order: expected one of {_env.ORDERS} or None, got {order!r}")
 
 
 def _check_positive_int(name: str, value: Optional[int]) -> None:
@@ -153,7 +175,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, *, kernel: Optional[str] = None,
     return torch.ops.flashoverlap.gemm(x, weight, kernel, raster_bands, sms)
 
 
-def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend):
+def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order=None):
     """The argument checks of the collective ops, in the documented order (shapes and dtypes,
     options, an initialised process group, devices), then the communicator (created
     collectively on first use). Returns (M, N, K, communicator)."""
@@ -161,6 +183,7 @@ def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel,
     _check_mode(mode, bands_per_group)
     _check_kernel(kernel)
     _check_backend(backend)
+    _check_order(order)
     if not isinstance(group, (str, Communicator)) and communicator is None:
         resolve_group(group)
     check_device("x", x)
@@ -172,7 +195,8 @@ def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel,
 
 def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,
                     communicator=None, mode: str = "auto", bands_per_group: Optional[int] = None,
-                    kernel: Optional[str] = None, backend: Optional[str] = None) -> torch.Tensor:
+                    kernel: Optional[str] = None, backend: Optional[str] = None,
+                    order: Optional[str] = None) -> torch.Tensor:
     """``torch.distributed.all_reduce(x @ weight.T)`` (sum), with the AllReduce of each finished
     wave group of the GEMM overlapping the rest of the GEMM.
 
@@ -189,22 +213,29 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
       FLASHOVERLAP_BACKEND, else "auto". The first call of a larger output with the copy engines
       grows the peer buffers, collectively. Where the plan falls back to running the GEMM then
       the AllReduce, the AllReduce is the group's own (NCCL) whatever the backend.
+    order: how the overlapped GEMM walks its tiles and groups them: "banded" (groups of whole row
+      bands, each raster-ordered inside and reduced in place in the output), "swizzled" (one L2
+      raster over the whole output, groups of whole waves reduced in a staging buffer the size of
+      the output, then copied into place) or "auto" (whichever the predictor says is faster);
+      default: FLASHOVERLAP_ORDER, else "auto". bands_per_group implies "banded".
     """
-    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
-    return torch.ops.flashoverlap.gemm_all_reduce(x, weight, comm.name, mode, bands_per_group, kernel, backend)
+    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order)
+    return torch.ops.flashoverlap.gemm_all_reduce(x, weight, comm.name, mode, bands_per_group, kernel, backend,
+                                                  order)
 
 
 def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
             mode: str = "auto", bands_per_group: Optional[int] = None, kernel: Optional[str] = None,
-            backend: Optional[str] = None) -> "_core.Plan":
+            backend: Optional[str] = None, order: Optional[str] = None) -> "_core.Plan":
     """The plan ``gemm_all_reduce`` runs for these arguments (tiles, waves, groups, predicted timeline)."""
-    m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
+    m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order)
     backend = _resolve_backend(comm, backend)
+    order = _resolve_order(order)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
     return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), mode,
                                    bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, None,
-                                   backend)
+                                   backend, order)
 
 
 def compile_kernels(arch: str) -> "list[tuple[str, str, int]]":

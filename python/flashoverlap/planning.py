@@ -14,15 +14,21 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
                          sms: int = 132, compute_capability: tuple[int, int] = (9, 0), mode: str = "auto",
                          bands_per_group: Optional[int] = None, reserved_sms: Optional[int] = None,
                          max_groups: Optional[int] = None, kernel: Optional[str] = None,
-                         raster_bands: Optional[int] = None, backend: str = "nccl") -> "_core.Plan":
+                         raster_bands: Optional[int] = None, backend: str = "nccl",
+                         order: str = "auto") -> "_core.Plan":
     """The GEMM + AllReduce plan for out[m, n] = x[m, k] @ w[n, k]^T over ``world_size`` GPUs with
     ``sms`` multiprocessors (default: an H200). raster_bands: row bands per L2 raster block of the
     tile order inside each group (default: the planner's choice). backend: "nccl", "copy_engine"
-    or "auto" (the copy engines up to 8 GPUs, taken to be one node; NCCL beyond). Needs no GPU."""
+    or "auto" (the copy engines up to 8 GPUs, taken to be one node; NCCL beyond). order: "banded"
+    (groups of whole row bands, reduced in place), "swizzled" (groups of whole waves in one raster
+    over the output, reduced in a staging buffer and un-reordered) or "auto" (the faster
+    prediction). Needs no GPU."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
     if backend not in _env.BACKENDS:
         raise ValueError(f"backend: expected one of {_env.BACKENDS}, got {backend!r}")
+    if order not in _env.ORDERS:
+        raise ValueError(f"order: expected one of {_env.ORDERS}, got {order!r}")
     if backend == "auto":
         backend = "copy_engine" if isinstance(world_size, int) and world_size <= 8 else "nccl"
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
@@ -37,4 +43,5 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
         if not least <= value < 2**31:
             raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
     return _core.plan_gemm_all_reduce(m, n, k, world_size, dtype_name(dtype), sms, compute_capability[0], mode,
-                                      bands_per_group, reserved_sms, max_groups, kernel, raster_bands, backend)
+                                      bands_per_group, reserved_sms, max_groups, kernel, raster_bands, backend,
+                                      order)

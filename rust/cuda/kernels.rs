@@ -35,6 +35,10 @@ const SOURCES: &[Source] = &[
         name: "peer_reduce.cu",
         text: include_str!("../../csrc/peer_reduce.cu"),
     },
+    Source {
+        name: "unreorder.cu",
+        text: include_str!("../../csrc/unreorder.cu"),
+    },
 ];
 
 /// One compiled variant of one kernel.
@@ -200,8 +204,23 @@ pub fn peer_reduce_spec(dtype: Dtype, ranks: u32, major: i32) -> KernelSpec {
     }
 }
 
+/// Threads per block of the un-reorder copy.
+pub const UNREORDER_THREADS: u32 = 256;
+
+/// The copy of staged `bm` x `bn` tiles into the row-major output (any
+/// 16-bit dtype: it moves bytes).
+pub fn unreorder_spec(bm: u32, bn: u32) -> KernelSpec {
+    KernelSpec {
+        source: "unreorder.cu",
+        entry: "fo_unreorder",
+        defines: vec![("FO_BM", bm.to_string()), ("FO_BN", bn.to_string())],
+        dynamic_smem: 0,
+    }
+}
+
 /// Every variant the library can launch on `arch`, for the compile check CI
-/// runs (the peer reduction for 2, 4 and 8 ranks).
+/// runs (the peer reduction for 2, 4 and 8 ranks, the un-reorder copy
+/// for each GEMM tile).
 pub fn all_for(arch: &str) -> Vec<KernelSpec> {
     let gemms = GemmKernel::ALL
         .into_iter()
@@ -215,7 +234,17 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
         ]
     });
     let runs = GemmKernel::Sm80.runs_on(arch);
-    gemms.chain(reduces.filter(|_| runs)).collect()
+    let mut widths: Vec<(u32, u32)> = GemmKernel::ALL
+        .into_iter()
+        .filter(|k| k.runs_on(arch))
+        .map(|k| (k.tile().0, k.tile().1))
+        .collect();
+    widths.dedup();
+    let unreorders = widths.into_iter().map(|(bm, bn)| unreorder_spec(bm, bn));
+    gemms
+        .chain(reduces.filter(|_| runs))
+        .chain(unreorders)
+        .collect()
 }
 
 /// The cubin of `spec` for `arch` (e.g. "sm_90a"), from the cache or NVRTC.

@@ -64,6 +64,9 @@ pub struct Signals {
     pub tile_order: u64,
     pub tile_group: u64,
     pub counters: u64,
+    /// A staging buffer of [tiles * BM, BN] that takes the tile of position
+    /// p at rows p*BM.. instead of `out` (0: store into `out`).
+    pub staging: u64,
 }
 
 /// A GEMM kernel loaded for one device and dtype.
@@ -100,8 +103,12 @@ pub fn launch(
         (signals.tile_order, signals.tile_group, signals.counters);
     let tiles = args.tiles(gemm.which);
     let mut count = tiles as i32;
+    let mut staged = i32::from(signals.staging != 0);
+    if signals.staging != 0 {
+        c = signals.staging;
+    }
     let grid = ctas.min(tiles).max(1);
-    let tail: [*mut c_void; 8] = [
+    let tail: [*mut c_void; 9] = [
         (&mut c as *mut u64).cast(),
         (&mut m as *mut i32).cast(),
         (&mut n as *mut i32).cast(),
@@ -110,6 +117,7 @@ pub fn launch(
         (&mut group as *mut u64).cast(),
         (&mut counters as *mut u64).cast(),
         (&mut count as *mut i32).cast(),
+        (&mut staged as *mut i32).cast(),
     ];
     match gemm.which {
         GemmKernel::Sm80 => {
@@ -125,7 +133,11 @@ pub fn launch(
             let mut a = tensor_map::row_major_2d(args.x, args.m, args.k, bm, bk, args.dtype)?;
             let mut b = tensor_map::row_major_2d(args.weight, args.n, args.k, bn, bk, args.dtype)?;
             // The epilogue stores 128 x 64 boxes (one 128-byte swizzle row each).
-            let mut out = tensor_map::row_major_2d(args.out, args.m, args.n, bm, 64, args.dtype)?;
+            let mut out = if signals.staging != 0 {
+                tensor_map::row_major_2d(signals.staging, tiles * bm, bn, bm, 64, args.dtype)?
+            } else {
+                tensor_map::row_major_2d(args.out, args.m, args.n, bm, 64, args.dtype)?
+            };
             let mut params: Vec<*mut c_void> = vec![
                 (&mut a as *mut _ as *mut c_void),
                 (&mut b as *mut _ as *mut c_void),
@@ -149,6 +161,9 @@ pub struct Launch {
     /// Signal a counter per group of this many row bands, as the overlapped
     /// ops do (nobody waits): measures what the signaling epilogue costs.
     pub signal_bands: Option<u32>,
+    /// Store staged (see [`Signals::staging`]) into this buffer instead of
+    /// `out`; [`unreorder`] then moves the tiles into `out`. 0: into `out`.
+    pub staging: u64,
 }
 
 /// The device copy of a tile order the kernel reads; None for the identity,
@@ -214,8 +229,15 @@ fn tables(
     Ok(t)
 }
 
-/// The GEMM alone on `ordinal`, on the caller's stream.
-pub fn gemm(args: &GemmArgs, ordinal: i32, how: &Launch, stream: RawStream) -> Result<()> {
+/// What a launch of the GEMM alone resolves to.
+struct Resolved {
+    kernel: LoadedGemm,
+    tiles: OutputTiles,
+    sms: u32,
+    signals: Signals,
+}
+
+fn resolve(args: &GemmArgs, ordinal: i32, how: &Launch, stream: RawStream) -> Result<Resolved> {
     args.validate()?;
     let device = driver::bind(ordinal)?;
     let sms = how.sms.unwrap_or(device.sms);
@@ -223,6 +245,12 @@ pub fn gemm(args: &GemmArgs, ordinal: i32, how: &Launch, stream: RawStream) -> R
         return Err(Error::Invalid(format!(
             "sms: must be in 1..={} (the device's SMs), got {sms}",
             device.sms
+        )));
+    }
+    if how.staging % 16 != 0 {
+        return Err(Error::Invalid(format!(
+            "staging: must be 16-byte aligned, got {:#x}",
+            how.staging
         )));
     }
     let which = how
@@ -244,6 +272,80 @@ pub fn gemm(args: &GemmArgs, ordinal: i32, how: &Launch, stream: RawStream) -> R
         tile_order: ptr(&t.order),
         tile_group: ptr(&t.group),
         counters: ptr(&t.counters),
+        staging: how.staging,
     };
-    launch(&kernel, args, &signals, sms, stream)
+    Ok(Resolved {
+        kernel,
+        tiles,
+        sms,
+        signals,
+    })
+}
+
+/// The GEMM alone on `ordinal`, on the caller's stream.
+pub fn gemm(args: &GemmArgs, ordinal: i32, how: &Launch, stream: RawStream) -> Result<()> {
+    let r = resolve(args, ordinal, how, stream)?;
+    launch(&r.kernel, args, &r.signals, r.sms, stream)
+}
+
+/// Moves every tile a staged launch of `how` stored in `how.staging` into
+/// `args.out`, with `ctas` CTAs (what the staged schedule adds per call).
+pub fn unreorder(
+    args: &GemmArgs,
+    ordinal: i32,
+    how: &Launch,
+    ctas: u32,
+    stream: RawStream,
+) -> Result<()> {
+    let r = resolve(args, ordinal, how, stream)?;
+    if how.staging == 0 || ctas == 0 {
+        return Err(Error::Invalid(
+            "unreorder: needs a staging buffer and ctas >= 1".into(),
+        ));
+    }
+    let device = driver::bind(ordinal)?;
+    let t = r.tiles.tile;
+    let kernel = kernels::load(&device, &kernels::unreorder_spec(t.bm, t.bn))?;
+    launch_unreorder(
+        &kernel,
+        args,
+        &r.signals,
+        &r.tiles,
+        0..r.tiles.count(),
+        ctas,
+        stream,
+    )
+}
+
+/// Enqueues the copy of the staged tiles at `positions` into `args.out`
+/// on at most `ctas` CTAs.
+pub fn launch_unreorder(
+    kernel: &Kernel,
+    args: &GemmArgs,
+    signals: &Signals,
+    tiles: &OutputTiles,
+    positions: std::ops::Range<u32>,
+    ctas: u32,
+    stream: RawStream,
+) -> Result<()> {
+    let t = tiles.tile;
+    let count = u64::from(positions.end - positions.start);
+    let vectors = count * u64::from(t.bm) * u64::from(t.bn) / 8;
+    let blocks = vectors
+        .div_ceil(u64::from(kernels::UNREORDER_THREADS))
+        .max(1);
+    let grid = u64::from(ctas.max(1)).min(blocks) as u32;
+    let (mut out, mut staging, mut order) = (args.out, signals.staging, signals.tile_order);
+    let (mut m, mut n) = (args.m as i32, args.n as i32);
+    let (mut first, mut last) = (positions.start as i32, positions.end as i32);
+    let mut params: [*mut c_void; 7] = [
+        (&mut out as *mut u64).cast(),
+        (&mut staging as *mut u64).cast(),
+        (&mut order as *mut u64).cast(),
+        (&mut m as *mut i32).cast(),
+        (&mut n as *mut i32).cast(),
+        (&mut first as *mut i32).cast(),
+        (&mut last as *mut i32).cast(),
+    ];
+    kernel.launch(grid, kernels::UNREORDER_THREADS, stream, &mut params)
 }

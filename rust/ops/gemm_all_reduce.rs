@@ -31,7 +31,8 @@ use crate::cuda::memory::DeviceBuffer;
 use crate::cuda::stream::{self, RawStream};
 use crate::error::{Error, Result};
 use crate::plan::{
-    self, CollectiveModel, GemmAllReducePlan, HardwareModel, ModeRequest, PlanRequest, Schedule,
+    self, Collective, CollectiveModel, GemmAllReducePlan, HardwareModel, ModeRequest, OrderRequest,
+    PlanRequest, Schedule,
 };
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -75,6 +76,8 @@ pub struct Options {
     /// Row bands per raster block inside each group; None: the plan's default.
     pub raster_bands: Option<u32>,
     pub backend: Backend,
+    /// Banded (in place), swizzled (staged) or whichever the predictor prefers.
+    pub order: OrderRequest,
 }
 
 /// What a shape needs on the device, made on its first call.
@@ -84,6 +87,8 @@ pub struct Prepared {
     kernel: GemmKernel,
     /// The tile order, when it is not the identity.
     tile_order: Option<DeviceBuffer>,
+    /// The plan's groups: what each waits for and where its collective runs.
+    collectives: Vec<Collective>,
     tile_group: DeviceBuffer,
     counters: DeviceBuffer,
     next_slot: AtomicUsize,
@@ -157,6 +162,7 @@ fn request(
         max_groups: opts.max_groups,
         mode: opts.mode,
         raster_bands: opts.raster_bands,
+        order: opts.order,
     }
 }
 
@@ -257,8 +263,8 @@ fn prepare(
         let elem = args.dtype.bytes() as u64;
         if let Some(group) = plan
             .partition
-            .groups
-            .iter()
+            .collectives()
+            .into_iter()
             .find(|g| (g.slice.offset * elem) % 16 != 0 || (g.slice.count * elem) % 16 != 0)
         {
             return Err(Error::Invalid(format!(
@@ -271,6 +277,7 @@ fn prepare(
     let prepared = Arc::new(Prepared {
         kernel,
         tile_order: gemm::order_table(&plan.order)?,
+        collectives: plan.partition.collectives(),
         tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
         counters: DeviceBuffer::zeroed_u32(groups * COUNTER_SLOTS)?,
         next_slot: AtomicUsize::new(0),
@@ -294,12 +301,32 @@ pub fn plan_of(
     Ok(prepare(comm, args, opts, caller)?.plan.clone())
 }
 
+/// Bytes of the staging buffer a call with these arguments needs (0: the
+/// plan reduces in place in `out`, or falls back to running sequentially).
+pub fn staging_bytes(
+    comm: &Communicator,
+    args: &GemmArgs,
+    opts: &Options,
+    caller: RawStream,
+) -> Result<u64> {
+    driver::bind(comm.device.ordinal)?;
+    let plan = &prepare(comm, args, opts, caller)?.plan;
+    Ok(match plan.schedule {
+        Schedule::Sequential => 0,
+        Schedule::Overlap => plan.staging_elems() * args.dtype.bytes() as u64,
+    })
+}
+
 /// Enqueues the overlapped op and returns `Schedule::Overlap`, or enqueues
 /// nothing and returns `Schedule::Sequential` when the plan falls back.
+/// `staging`: a device buffer of `staging_bytes` bytes where the plan is
+/// staged (the caller allocates it in stream order on `caller`; the op is
+/// done with it when `caller` reaches the end of the op).
 pub fn gemm_all_reduce(
     comm: &Communicator,
     args: &GemmArgs,
     opts: &Options,
+    staging: u64,
     caller: RawStream,
 ) -> Result<Schedule> {
     args.validate()?;
@@ -309,20 +336,80 @@ pub fn gemm_all_reduce(
     if plan.schedule == Schedule::Sequential {
         return Ok(Schedule::Sequential);
     }
+    let staged = plan.partition.is_staged();
+    if staged && (staging == 0 || staging % 16 != 0) {
+        return Err(Error::Invalid(format!(
+            "staging: the swizzled plan needs a 16-byte aligned buffer of {} bytes, got {staging:#x}",
+            plan.staging_elems() * args.dtype.bytes() as u64
+        )));
+    }
     let kernel = gemm::load(&comm.device, args.dtype, prepared.kernel)?;
-    let groups = plan.partition.groups.len();
+    // Loaded before anything is enqueued: no wait may sit in front of a lazy load.
+    let unreorder = staged
+        .then(|| {
+            let t = plan.tiles.tile;
+            kernels::load(&comm.device, &kernels::unreorder_spec(t.bm, t.bn))
+        })
+        .transpose()?;
+    let groups = prepared.collectives.len();
     let slot = prepared.next_slot.fetch_add(1, Ordering::Relaxed) % COUNTER_SLOTS;
     let counters = prepared.counters.ptr + (slot * groups * 4) as u64;
     let signals = Signals {
         tile_order: prepared.tile_order.as_ref().map_or(0, |b| b.ptr),
         tile_group: prepared.tile_group.ptr,
         counters,
+        staging: if staged { staging } else { 0 },
+    };
+    let run = Run {
+        args,
+        plan,
+        collectives: &prepared.collectives,
+        signals,
+        unreorder,
     };
     match opts.backend {
-        Backend::Nccl => enqueue_nccl(comm, args, plan, &kernel, &signals, caller)?,
-        Backend::CopyEngine => enqueue_copy_engine(comm, args, plan, &kernel, &signals, caller)?,
+        Backend::Nccl => enqueue_nccl(comm, &run, &kernel, caller)?,
+        Backend::CopyEngine => enqueue_copy_engine(comm, &run, &kernel, caller)?,
     }
     Ok(Schedule::Overlap)
+}
+
+/// What one overlapped call enqueues.
+struct Run<'a> {
+    args: &'a GemmArgs,
+    plan: &'a GemmAllReducePlan,
+    collectives: &'a [Collective],
+    signals: Signals,
+    /// The un-reorder copy, loaded, where the plan is staged.
+    unreorder: Option<Kernel>,
+}
+
+impl Run<'_> {
+    /// Where the collectives run: the staging buffer, or `out` itself.
+    fn base(&self) -> u64 {
+        if self.signals.staging != 0 {
+            self.signals.staging
+        } else {
+            self.args.out
+        }
+    }
+
+    /// After group `c`'s collective, on the same stream: its staged tiles
+    /// into `out` (nothing when the plan reduces in place).
+    fn unreorder(&self, c: &Collective, stream: RawStream) -> Result<()> {
+        match &self.unreorder {
+            Some(kernel) => gemm::launch_unreorder(
+                kernel,
+                self.args,
+                &self.signals,
+                &self.plan.tiles,
+                c.positions.clone(),
+                self.plan.request.reserved_sms,
+                stream,
+            ),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The counter of group `g` (4-byte words from `signals.counters`).
@@ -332,39 +419,43 @@ fn counter(signals: &Signals, g: usize) -> u64 {
 
 fn enqueue_nccl(
     comm: &Communicator,
-    args: &GemmArgs,
-    plan: &GemmAllReducePlan,
+    run: &Run,
     kernel: &gemm::LoadedGemm,
-    signals: &Signals,
     caller: RawStream,
 ) -> Result<()> {
     let nccl = comm.nccl()?;
     let comm_stream = comm.stream.0;
-    let elem = args.dtype.bytes() as u64;
+    let elem = run.args.dtype.bytes() as u64;
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     // The comm stream starts after everything the caller enqueued before this
     // op (and, under graph capture, joins the capture here).
     comm.fork.order(caller, comm_stream)?;
-    gemm::launch(kernel, args, signals, plan.ctas, caller)?;
-    for (g, group) in plan.partition.groups.iter().enumerate() {
-        let counter = counter(signals, g);
+    gemm::launch(kernel, run.args, &run.signals, run.plan.ctas, caller)?;
+    for (g, group) in run.collectives.iter().enumerate() {
+        let counter = counter(&run.signals, g);
         stream::wait_geq(comm_stream, counter, group.tiles)?;
         // Every tile of the group has counted, so the reset races with nothing.
         stream::write(comm_stream, counter, 0)?;
         nccl.all_reduce_in_place(
-            args.out + group.slice.offset * elem,
+            run.base() + group.slice.offset * elem,
             group.slice.count as usize,
-            args.dtype,
+            run.args.dtype,
             comm.comm(),
             comm_stream.cast(),
         )?;
+        run.unreorder(group, comm_stream)?;
     }
     comm.join.order(comm_stream, caller)
 }
 
-/// The peer buffers, checked to hold this output in every slot.
-fn peer_buffers(comm: &Communicator, args: &GemmArgs) -> Result<Arc<PeerBuffers>> {
-    let bytes = u64::from(args.m) * u64::from(args.n) * args.dtype.bytes() as u64;
+/// The peer buffers, checked to hold what the collectives reduce (the
+/// output, or the staging buffer) in every slot.
+fn peer_buffers(comm: &Communicator, run: &Run) -> Result<Arc<PeerBuffers>> {
+    let args = run.args;
+    let bytes = match run.plan.staging_elems() {
+        0 => u64::from(args.m) * u64::from(args.n),
+        staged => staged,
+    } * args.dtype.bytes() as u64;
     match comm.peer() {
         Some(p) if p.layout.slot_bytes >= bytes => Ok(p),
         _ => Err(Error::Invalid(format!(
@@ -409,16 +500,16 @@ fn reduce(
 
 fn enqueue_copy_engine(
     comm: &Communicator,
-    args: &GemmArgs,
-    plan: &GemmAllReducePlan,
+    run: &Run,
     kernel: &gemm::LoadedGemm,
-    signals: &Signals,
     caller: RawStream,
 ) -> Result<()> {
-    let peer = peer_buffers(comm, args)?;
+    let args = run.args;
+    let peer = peer_buffers(comm, run)?;
     let layout = peer.layout;
     let me = peer.rank;
     let elem = args.dtype.bytes() as u64;
+    let base = run.base();
     let reducer = (layout.world > 1)
         .then(|| {
             kernels::load(
@@ -430,11 +521,11 @@ fn enqueue_copy_engine(
     let (copies, reduces) = (comm.stream.0, comm.reduce_stream.0);
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     let events = comm.group_events.lock().unwrap_or_else(|p| p.into_inner());
-    if events.len() < plan.partition.len() {
+    if events.len() < run.collectives.len() {
         return Err(Error::Invalid("internal: group events not made".into()));
     }
     comm.fork.order_all(caller, &[copies, reduces])?;
-    gemm::launch(kernel, args, signals, plan.ctas, caller)?;
+    gemm::launch(kernel, args, &run.signals, run.plan.ctas, caller)?;
     // This rank's slot in each peer may be written once that peer reduced
     // the previous call (the flag starts set).
     for p in peer.peers() {
@@ -442,20 +533,20 @@ fn enqueue_copy_engine(
         stream::wait_geq(copies, free, 1)?;
         stream::write(copies, free, 0)?;
     }
-    for (g, group) in plan.partition.groups.iter().enumerate() {
-        let counter = counter(signals, g);
+    for (g, group) in run.collectives.iter().enumerate() {
+        let counter = counter(&run.signals, g);
         stream::wait_geq(copies, counter, group.tiles)?;
         stream::write(copies, counter, 0)?;
         let (offset, bytes) = (group.slice.offset * elem, group.slice.count * elem);
         for p in peer.peers() {
             let dst = layout.slot(peer.bases[p], p, me) + offset;
-            stream::copy(copies, dst, args.out + offset, bytes as usize)?;
+            stream::copy(copies, dst, base + offset, bytes as usize)?;
             // A stream write is fenced after the copy before it: the peer
             // sees the flag only once the bytes are there.
             stream::write(copies, layout.ready_flag(peer.bases[p], g, me), 1)?;
         }
-        // The reduction rewrites this group's rows in place, so it also
-        // waits for this rank's own copies of them.
+        // The reduction rewrites this group's block in place, so it also
+        // waits for this rank's own copies of it.
         events[g].order(copies, reduces)?;
         for p in peer.peers() {
             let ready = layout.ready_flag(peer.bases[me], g, p);
@@ -463,16 +554,10 @@ fn enqueue_copy_engine(
             stream::write(reduces, ready, 0)?;
         }
         if let Some(reducer) = &reducer {
-            reduce(
-                reducer,
-                &peer,
-                args.out,
-                offset,
-                bytes,
-                plan.request.reserved_sms,
-                reduces,
-            )?;
+            let ctas = run.plan.request.reserved_sms;
+            reduce(reducer, &peer, base, offset, bytes, ctas, reduces)?;
         }
+        run.unreorder(group, reduces)?;
     }
     // Every staged partial of this call is summed: the peers may write again.
     for p in peer.peers() {

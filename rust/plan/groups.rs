@@ -6,6 +6,7 @@
 use std::ops::Range;
 
 use super::error::{require_positive, PlanError};
+use super::staged::StagedPartition;
 use super::tiles::OutputTiles;
 
 /// A contiguous range of `out`, in elements.
@@ -137,6 +138,63 @@ impl GroupPartition {
                 "groups must be the ranges that band counts {band_counts:?} give for {} x {} tiles of {} x {} outputs, got others",
                 tiles.tiles_m, tiles.tiles_n, tiles.m, tiles.n
             )))
+        }
+    }
+}
+
+/// What the enqueueing code needs of one group, whatever the layout:
+/// the positions it waits for and the block its collective runs on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Collective {
+    pub positions: Range<u32>,
+    pub tiles: u32,
+    pub slice: CollectiveSlice,
+}
+
+/// The wave groups of a plan: whole row bands reduced in place in `out`,
+/// or runs of waves reduced in a staging buffer and un-reordered after.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Partition {
+    InPlace(GroupPartition),
+    Staged(StagedPartition),
+}
+
+impl Partition {
+    pub fn len(&self) -> usize {
+        match self {
+            Partition::InPlace(p) => p.len(),
+            Partition::Staged(p) => p.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn is_staged(&self) -> bool {
+        matches!(self, Partition::Staged(_))
+    }
+
+    pub fn collectives(&self) -> Vec<Collective> {
+        match self {
+            Partition::InPlace(p) => p
+                .groups
+                .iter()
+                .map(|g| Collective {
+                    positions: g.positions.clone(),
+                    tiles: g.tiles,
+                    slice: g.slice,
+                })
+                .collect(),
+            Partition::Staged(p) => p
+                .groups
+                .iter()
+                .map(|g| Collective {
+                    positions: g.positions.clone(),
+                    tiles: g.tiles,
+                    slice: g.slice,
+                })
+                .collect(),
         }
     }
 }

@@ -8,6 +8,7 @@ pub mod gemm_all_reduce;
 pub mod groups;
 pub mod order;
 pub mod predictor;
+pub mod staged;
 pub mod tiles;
 pub mod waves;
 
@@ -16,13 +17,14 @@ mod testing;
 
 pub use error::PlanError;
 pub use gemm_all_reduce::{
-    plan_gemm_all_reduce, GemmAllReducePlan, ModeRequest, PlanRequest, Schedule,
+    plan_gemm_all_reduce, GemmAllReducePlan, ModeRequest, OrderRequest, PlanRequest, Schedule,
 };
-pub use groups::{CollectiveSlice, GroupPartition, WaveGroup};
+pub use groups::{Collective, CollectiveSlice, GroupPartition, Partition, WaveGroup};
 pub use order::{default_raster_bands, OrderKind, TileOrder};
 pub use predictor::{
-    best_partition, predict, predict_sequential, CollectiveModel, GroupTiming, HardwareModel,
-    Timeline,
+    best_partition, best_staged_partition, predict, predict_sequential, predict_staged,
+    CollectiveModel, GroupTiming, HardwareModel, Timeline,
 };
+pub use staged::{staging_elems, StagedGroup, StagedPartition};
 pub use tiles::{hopper_tile_n, OutputTiles, TileShape};
 pub use waves::Waves;

@@ -20,6 +20,9 @@ pub enum OrderKind {
     /// Blocks of up to `bands` row bands inside each group, column-major
     /// inside a block.
     Rastered { bands: u32 },
+    /// Blocks of `bands` row bands over the whole output, whatever the
+    /// groups: the staged (swizzled) schedule's order.
+    Swizzled { bands: u32 },
 }
 
 /// `positions[p]` is the tile id the kernel computes at position p.
@@ -77,6 +80,22 @@ impl TileOrder {
             kind: OrderKind::Rastered { bands },
             positions,
         })
+    }
+
+    /// The raster over the whole output in blocks of `bands` bands, for
+    /// groups that are runs of positions (the staged schedule).
+    pub fn swizzled(tiles: &OutputTiles, bands: u32) -> Result<Self, PlanError> {
+        let mut order = Self::rastered(tiles, &[tiles.tiles_m], bands)?;
+        order.kind = OrderKind::Swizzled { bands };
+        Ok(order)
+    }
+
+    /// Row bands per raster block (1: row by row).
+    pub fn raster_bands(&self) -> u32 {
+        match self.kind {
+            OrderKind::RowBand => 1,
+            OrderKind::Rastered { bands } | OrderKind::Swizzled { bands } => bands,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -204,6 +223,17 @@ mod tests {
         assert_eq!(default_raster_bands(&t(128), 132), 1);
         let narrow = OutputTiles::new(8192, 256, tile).unwrap();
         assert_eq!(default_raster_bands(&narrow, 132), 1);
+    }
+
+    #[test]
+    fn swizzled_rasters_across_group_boundaries() {
+        let t = crate::plan::testing::tiles(3 * 128, 2 * 128);
+        let order = TileOrder::swizzled(&t, 2).unwrap();
+        assert_eq!(order.kind, OrderKind::Swizzled { bands: 2 });
+        assert_eq!(order.positions, vec![0, 2, 1, 3, 4, 5]);
+        assert_eq!(order.raster_bands(), 2);
+        assert_eq!(TileOrder::swizzled(&t, 1).unwrap().raster_bands(), 1);
+        assert!(TileOrder::swizzled(&t, 0).is_err());
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 
-use super::gemm_all_reduce::{ModeRequest, PlanRequest};
+use super::gemm_all_reduce::{ModeRequest, OrderRequest, PlanRequest};
 use super::tiles::{OutputTiles, TileShape};
 
 /// The tile of the shipped kernel.
@@ -30,6 +30,7 @@ pub(crate) fn request(m: u32, n: u32, k: u32, world: u32) -> PlanRequest {
         max_groups: 32,
         mode: ModeRequest::Auto,
         raster_bands: Some(4),
+        order: OrderRequest::Banded,
     }
 }
 

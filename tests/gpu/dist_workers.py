@@ -146,8 +146,9 @@ def run_case(rank: int, world: int, case: dict, **call) -> dict:
 
 # Targets.
 
-def cases(rank: int, world: int, cases: list, backend=None) -> dict:
-    """Every case of the list, each with fresh inputs; plans are checked too."""
+def cases(rank: int, world: int, cases: list, backend=None, order=None) -> dict:
+    """Every case of the list, each with fresh inputs; plans are checked too. With
+    order="swizzled", cases that force bands_per_group (whole-band groups) force overlap instead."""
     import torch
     import torch.distributed as dist
 
@@ -169,6 +170,10 @@ def cases(rank: int, world: int, cases: list, backend=None) -> dict:
     failures, records = [], []
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     call = {} if backend is None else {"backend": backend}
+    if order is not None:
+        call["order"] = order
+    if order == "swizzled":
+        cases = [dict(c, mode="overlap", bands=None) if c["bands"] is not None else c for c in cases]
     for case in cases:
         result = run_case(rank, world, case, **call)
         if result["error"]:
@@ -184,8 +189,16 @@ def cases(rank: int, world: int, cases: list, backend=None) -> dict:
         problems = []
         if plan.shape != (m, n, k) or plan.world_size != world:
             problems.append(f"plan of {plan.shape} over {plan.world_size}")
-        if sum(g["count"] for g in groups) != m * n:
+        covered = plan.staging_elems if plan.order == "swizzled" else m * n
+        if sum(g["count"] for g in groups) != covered:
             problems.append("groups do not cover the output")
+        if [g["positions"] for g in groups] != [(a, b) for a, b in zip([0] + [g["positions"][1] for g in groups],
+                                                                     [g["positions"][1] for g in groups])]:
+            problems.append("groups' positions are not consecutive")
+        if groups[-1]["positions"][1] != plan.tiles[0] * plan.tiles[1]:
+            problems.append("groups do not cover every position")
+        if order in ("banded", "swizzled") and plan.schedule == "overlap" and plan.order != order:
+            problems.append(f"order={order} planned {plan.order}")
         if case["mode"] == "sequential":
             if plan.schedule != "sequential" or len(groups) != 1 or plan.ctas != sms:
                 problems.append(f"sequential mode planned {plan!r}")
@@ -197,13 +210,14 @@ def cases(rank: int, world: int, cases: list, backend=None) -> dict:
             problems.append(f"overlap mode planned {plan!r}")
         if problems:
             failures.append(f"{result['what']}: " + "; ".join(problems))
-        records.append({"case": case, "schedule": plan.schedule, "groups": len(groups)})
+        records.append({"case": case, "schedule": plan.schedule, "groups": len(groups), "order": plan.order})
     if failures:
         raise AssertionError(f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures))
     return {"records": records}
 
 
-def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed: int, backend=None) -> dict:
+def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed: int, backend=None,
+               order="banded") -> dict:
     """Captures gemm_all_reduce once and replays it on fresh inputs."""
     import torch
 
@@ -212,7 +226,9 @@ def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed
     device = torch.device("cuda", rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     dtype = torch.bfloat16
-    call = dict(mode="overlap", bands_per_group=1, backend=backend)
+    # Banded: one group per row band (the most signals); swizzled: the planned waves.
+    bands = 1 if order == "banded" else None
+    call = dict(mode="overlap", bands_per_group=bands, backend=backend, order=order)
     static_x, static_w = make_inputs(seed, rank, (m,), n, k, dtype, device)
 
     # Warm up outside the capture, on a side stream.
@@ -228,7 +244,9 @@ def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed
         failures.append(error)
 
     plan = flashoverlap.plan_of(static_x, static_w, **call)
-    assert plan.schedule == "overlap" and len(plan.groups) == plan.tiles[0] > 1, repr(plan)
+    assert plan.schedule == "overlap" and plan.order == order, repr(plan)
+    if order == "banded":
+        assert len(plan.groups) == plan.tiles[0] > 1, repr(plan)
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

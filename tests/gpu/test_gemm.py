@@ -207,3 +207,36 @@ def test_bad_launch_options_raise_then_a_good_call(name: str, value, error) -> N
     with pytest.raises(error, match=name):
         flashoverlap.gemm(x, w, **{name: value})
     check_gemm(x, w)
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+@pytest.mark.parametrize("raster", [1, 3, 16])
+@pytest.mark.parametrize("ctas", [1, 8, 132])
+@pytest.mark.parametrize("m,n,k", [(2100, 8192, 1000), (77, 1032, 4104), (1000, 136, 24)])
+def test_staged_stores_then_unreorder(kernel: str, raster: int, ctas: int, m: int, n: int, k: int) -> None:
+    """The swizzled schedule's path without communication: the GEMM stores each tile at its
+    position in a staging buffer (tails included), the un-reorder copy puts it in place."""
+    from flashoverlap import _core
+
+    dtype = random.Random(f"staged{kernel}{raster}{ctas}{m}").choice([torch.bfloat16, torch.float16])
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    bn = 256 if kernel == "sm90_n256" else 128
+    tiles = -(-m // 128) * -(-n // bn)
+    staging = torch.full((tiles * 128, bn), float("nan"), device="cuda", dtype=dtype)
+    # A canary row past the end of the output: the copy must drop rows and columns past M and N.
+    fence = torch.full((m + 1, n), float("nan"), device="cuda", dtype=dtype)
+    fence[m] = 7.0
+    out = fence[:m]
+    stream = torch.cuda.current_stream().cuda_stream
+    sms = 100
+    _core.gemm(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, name, 0, stream, kernel, raster, sms, None,
+               staging.data_ptr())
+    assert out.isnan().all(), "a staged launch wrote into out"
+    assert not staging.isnan().any(), "a staged tile was not stored"
+    _core.unreorder(out.data_ptr(), staging.data_ptr(), m, n, name, 0, stream, ctas, kernel, raster, sms)
+    assert (fence[m] == 7.0).all(), "the copy wrote past the output"
+    assert not out.isnan().any(), "unwritten outputs"
+    err = relative_error(out, reference(x, w))
+    assert err <= TOLERANCE, f"relative error {err:.3e}"

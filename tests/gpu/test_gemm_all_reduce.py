@@ -122,15 +122,20 @@ def test_main_cases_cover_what_is_asked() -> None:
 BACKENDS = {"nccl": 0, "copy_engine": 31}
 
 
+ORDERS = {"banded": 0, "swizzled": 53}
+
+
 @pytest.mark.gpus(2)
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gemm_all_reduce_matches_reference(tmp_path: Path, backend: str) -> None:
-    results = run_workers(tmp_path, "cases", world_size(), cases=main_cases(SEED + BACKENDS[backend]),
-                          backend=backend)
+def test_gemm_all_reduce_matches_reference(tmp_path: Path, backend: str, order: str) -> None:
+    results = run_workers(tmp_path, "cases", world_size(),
+                          cases=main_cases(SEED + BACKENDS[backend] + ORDERS[order]), backend=backend, order=order)
     records = results[0]["records"]
     # The overlapped path with several groups, and the sequential one, both ran.
     overlapped = [r for r in records if r["schedule"] == "overlap" and r["groups"] > 1]
     assert len(overlapped) >= 10, records
+    assert all(r["order"] == order for r in records if r["schedule"] == "overlap")
     assert any(r["schedule"] == "sequential" for r in records)
     # Every rank planned alike.
     for other in results[1:]:
@@ -138,10 +143,11 @@ def test_gemm_all_reduce_matches_reference(tmp_path: Path, backend: str) -> None
 
 
 @pytest.mark.gpus(2)
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_cuda_graph_replays(tmp_path: Path, backend: str) -> None:
+def test_cuda_graph_replays(tmp_path: Path, backend: str, order: str) -> None:
     (result, *_) = run_workers(tmp_path, "cuda_graph", world_size(), m=1000, n=4096, k=1024, replays=100,
-                               seed=SEED + 77 + BACKENDS[backend], backend=backend)
+                               seed=SEED + 77 + BACKENDS[backend] + ORDERS[order], backend=backend, order=order)
     assert result["replays"] == 100
 
 
@@ -165,8 +171,19 @@ def test_communicators_and_environment(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpus(1)
-def test_single_rank_world(tmp_path: Path) -> None:
-    """A one-rank group: the AllReduce is the identity; the overlapped path must still be right."""
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_rank_world(tmp_path: Path, backend: str, order: str) -> None:
+    """A one-rank group: the AllReduce is the identity; the overlapped path must still be right
+    (for the swizzled order: the staged stores and the un-reorder copy)."""
     cases = [c for c in main_cases() if c["lead"][0] in (77, 1000, 3000)][:12]
-    (result,) = run_workers(tmp_path, "cases", 1, cases=cases)
+    (result,) = run_workers(tmp_path, "cases", 1, cases=cases, backend=backend, order=order)
     assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in result["records"])
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("order", ORDERS)
+def test_single_rank_graph(tmp_path: Path, order: str) -> None:
+    (result,) = run_workers(tmp_path, "cuda_graph", 1, m=1000, n=4096, k=1024, replays=30,
+                            seed=SEED + 300 + ORDERS[order], backend="nccl", order=order)
+    assert result["replays"] == 30

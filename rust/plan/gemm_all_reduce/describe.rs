@@ -4,6 +4,7 @@
 use std::fmt;
 
 use super::{GemmAllReducePlan, Schedule};
+use crate::plan::groups::Partition;
 
 const TIMELINE_COLUMNS: usize = 60;
 
@@ -69,7 +70,24 @@ impl fmt::Display for GemmAllReducePlan {
             "comm end"
         )?;
         let span = |r: &std::ops::Range<u32>| format!("{}..{}", r.start, r.end);
-        for (g, (group, timing)) in self.partition.groups.iter().zip(&t.groups).enumerate() {
+        // In place: the group's row bands and output rows; staged: its
+        // positions, scattered over `out` and contiguous in the staging buffer.
+        let extents: Vec<(String, String)> = match &self.partition {
+            Partition::InPlace(p) => p
+                .groups
+                .iter()
+                .map(|g| (span(&g.bands), span(&g.rows)))
+                .collect(),
+            Partition::Staged(p) => p
+                .groups
+                .iter()
+                .map(|g| ("staged".into(), format!("pos {}", span(&g.positions))))
+                .collect(),
+        };
+        let collectives = self.partition.collectives();
+        for (g, ((group, timing), (bands, rows))) in
+            collectives.iter().zip(&t.groups).zip(extents).enumerate()
+        {
             let waves = format!(
                 "{}-{}",
                 self.waves.wave_of(group.positions.start),
@@ -78,8 +96,8 @@ impl fmt::Display for GemmAllReducePlan {
             writeln!(
                 f,
                 "{g:>5}  {:<11} {:<13} {:>7} {:<9} {:>11} {:>11} {:>10.1} {:>10.1} {:>10.1}",
-                span(&group.bands),
-                span(&group.rows),
+                bands,
+                rows,
                 group.tiles,
                 waves,
                 group.slice.offset,

@@ -6,11 +6,12 @@
 mod describe;
 
 use crate::plan::error::{require_positive, PlanError};
-use crate::plan::groups::GroupPartition;
-use crate::plan::order::{default_raster_bands, OrderKind, TileOrder};
+use crate::plan::groups::{GroupPartition, Partition};
+use crate::plan::order::{default_raster_bands, TileOrder};
 use crate::plan::predictor::{
-    best_partition, predict, predict_sequential, HardwareModel, Timeline,
+    best_partition, best_staged_partition, predict, predict_sequential, HardwareModel, Timeline,
 };
+use crate::plan::staged::staging_elems;
 use crate::plan::tiles::{OutputTiles, TileShape};
 use crate::plan::waves::Waves;
 
@@ -25,6 +26,18 @@ pub enum ModeRequest {
     Auto,
     Overlap,
     Sequential,
+}
+
+/// Which tile order and group layout an overlapped plan may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OrderRequest {
+    /// Whichever of the two the predictor says is faster (banded on ties).
+    Auto,
+    /// Groups of whole row bands, rastered inside each group, reduced in place.
+    Banded,
+    /// One raster over the whole output, groups of whole waves reduced in a
+    /// staging buffer and un-reordered into `out` (FlashOverlap's reordering).
+    Swizzled,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +66,7 @@ pub struct PlanRequest {
     /// Row bands per raster block inside each group (1: row-band order);
     /// None: `default_raster_bands` for the overlap's CTAs.
     pub raster_bands: Option<u32>,
+    pub order: OrderRequest,
 }
 
 impl PlanRequest {
@@ -79,6 +93,13 @@ impl PlanRequest {
         }
         if let Some(bands) = self.bands_per_group {
             require_positive("bands_per_group", bands, PlanError::InvalidPartition)?;
+            if self.order == OrderRequest::Swizzled {
+                return Err(PlanError::InvalidPartition(
+                    "bands_per_group sets whole-band groups, which the swizzled order does not have; \
+                     leave it unset or use the banded order"
+                        .into(),
+                ));
+            }
         }
         Ok(())
     }
@@ -92,20 +113,23 @@ pub struct GemmAllReducePlan {
     pub ctas: u32,
     pub waves: Waves,
     pub order: TileOrder,
-    pub partition: GroupPartition,
+    pub partition: Partition,
     /// Group id per position of `order`, uploaded for the kernel.
     pub tile_group: Vec<u32>,
     pub timeline: Timeline,
 }
 
 /// Validates (m,n,k >= 1, world >= 1, reserved_sms < hw.sms, max_groups >= 1,
-/// bands_per_group >= 1 if set). ctas = hw.sms - reserved_sms for Overlap,
-/// hw.sms for Sequential. Overlap partition = uniform(bands_per_group) if
-/// given, else best_partition. Sequential plan: a single group covering every
-/// band and ctas = hw.sms. Auto picks Overlap only when its predicted
-/// overlap_us < AUTO_OVERLAP_MARGIN * sequential_us, and a forced bands_per_group implies
-/// Overlap unless mode is Sequential. timeline is always filled (for
-/// Sequential: the single group's timing under the sequential model).
+/// bands_per_group >= 1 if set, and not with the swizzled order). ctas =
+/// hw.sms - reserved_sms for Overlap, hw.sms for Sequential. Overlap
+/// partition = uniform(bands_per_group) if given, else the best of
+/// best_partition (banded) and best_staged_partition (swizzled) that the
+/// order request allows. Sequential plan: a single in-place group covering
+/// every band and ctas = hw.sms. Auto picks Overlap only when its predicted
+/// overlap_us + overlap_fixed_us < AUTO_OVERLAP_MARGIN * sequential_us, and a
+/// forced bands_per_group implies Overlap unless mode is Sequential.
+/// timeline is always filled (for Sequential: the single group's timing
+/// under the sequential model).
 pub fn plan_gemm_all_reduce(
     req: &PlanRequest,
     hw: &HardwareModel,
@@ -113,31 +137,39 @@ pub fn plan_gemm_all_reduce(
     req.validate(hw)?;
     let tiles = OutputTiles::new(req.m, req.n, req.tile)?;
     let overlap_ctas = hw.sms - req.reserved_sms;
+    let (k, world, elem) = (req.k, req.world, req.elem_bytes);
     let overlap = match (req.mode, req.bands_per_group) {
         (ModeRequest::Sequential, _) => None,
         (_, Some(bands)) => {
             let partition = GroupPartition::uniform(&tiles, bands)?;
-            let timeline = predict(
-                &tiles,
-                req.k,
-                overlap_ctas,
-                &partition,
-                hw,
-                req.world,
-                req.elem_bytes,
-            )?;
-            Some((partition, timeline))
+            let timeline = predict(&tiles, k, overlap_ctas, &partition, hw, world, elem)?;
+            Some((Partition::InPlace(partition), timeline))
         }
         (mode, None) => {
-            let best = best_partition(
-                &tiles,
-                req.k,
-                overlap_ctas,
-                hw,
-                req.world,
-                req.elem_bytes,
-                req.max_groups,
-            )?;
+            let mut best: Option<(Partition, Timeline)> = None;
+            if req.order != OrderRequest::Swizzled {
+                let (p, t) =
+                    best_partition(&tiles, k, overlap_ctas, hw, world, elem, req.max_groups)?;
+                best = Some((Partition::InPlace(p), t));
+            }
+            if req.order != OrderRequest::Banded {
+                let (p, t) = best_staged_partition(
+                    &tiles,
+                    k,
+                    overlap_ctas,
+                    hw,
+                    world,
+                    elem,
+                    req.max_groups,
+                )?;
+                if best
+                    .as_ref()
+                    .map_or(true, |(_, b)| t.overlap_us < b.overlap_us)
+                {
+                    best = Some((Partition::Staged(p), t));
+                }
+            }
+            let best = best.expect("some order is always allowed");
             let pays = best.1.overlap_us + hw.overlap_fixed_us
                 < AUTO_OVERLAP_MARGIN * best.1.sequential_us;
             (mode == ModeRequest::Overlap || pays).then_some(best)
@@ -148,20 +180,27 @@ pub fn plan_gemm_all_reduce(
         None => (
             Schedule::Sequential,
             hw.sms,
-            GroupPartition::whole(&tiles),
-            predict_sequential(&tiles, req.k, hw, req.world, req.elem_bytes)?,
+            Partition::InPlace(GroupPartition::whole(&tiles)),
+            predict_sequential(&tiles, k, hw, world, elem)?,
         ),
     };
     let raster = req
         .raster_bands
         .unwrap_or_else(|| default_raster_bands(&tiles, overlap_ctas));
-    let order = TileOrder::rastered(&tiles, &partition.band_counts(), raster)?;
+    let (order, tile_group) = match &partition {
+        Partition::InPlace(p) => {
+            let order = TileOrder::rastered(&tiles, &p.band_counts(), raster)?;
+            let groups = order.by_position(&p.tile_group_table(&tiles));
+            (order, groups)
+        }
+        Partition::Staged(p) => (TileOrder::swizzled(&tiles, raster)?, p.group_by_position()),
+    };
     Ok(GemmAllReducePlan {
         request: req.clone(),
         schedule,
         ctas,
         waves: Waves::new(ctas, tiles.count())?,
-        tile_group: order.by_position(&partition.tile_group_table(&tiles)),
+        tile_group,
         order,
         partition,
         timeline,
@@ -172,9 +211,15 @@ pub fn plan_gemm_all_reduce(
 impl GemmAllReducePlan {
     /// Row bands per raster block of the tile order (1: row by row).
     pub fn raster_bands(&self) -> u32 {
-        match self.order.kind {
-            OrderKind::RowBand => 1,
-            OrderKind::Rastered { bands } => bands,
+        self.order.raster_bands()
+    }
+
+    /// Elements of the staging buffer the plan needs (0: in place).
+    pub fn staging_elems(&self) -> u64 {
+        if self.partition.is_staged() {
+            staging_elems(&self.tiles)
+        } else {
+            0
         }
     }
 }
@@ -189,11 +234,25 @@ mod tests {
     fn assert_consistent(plan: &GemmAllReducePlan) {
         let tiles = &plan.tiles;
         assert_eq!(plan.waves, Waves::new(plan.ctas, tiles.count()).unwrap());
-        let order = TileOrder::rastered(tiles, &plan.partition.band_counts(), plan.raster_bands());
-        assert_eq!(plan.order, order.unwrap());
-        assert!(plan.partition.check_against(tiles).is_ok());
-        let by_tile = plan.partition.tile_group_table(tiles);
-        assert_eq!(plan.tile_group, plan.order.by_position(&by_tile));
+        match &plan.partition {
+            Partition::InPlace(p) => {
+                let order = TileOrder::rastered(tiles, &p.band_counts(), plan.raster_bands());
+                assert_eq!(plan.order, order.unwrap());
+                assert!(p.check_against(tiles).is_ok());
+                let by_tile = p.tile_group_table(tiles);
+                assert_eq!(plan.tile_group, plan.order.by_position(&by_tile));
+                assert_eq!(plan.staging_elems(), 0);
+            }
+            Partition::Staged(p) => {
+                assert_eq!(plan.schedule, Schedule::Overlap);
+                let order = TileOrder::swizzled(tiles, plan.raster_bands()).unwrap();
+                assert_eq!(plan.order, order);
+                assert_eq!(plan.tile_group, p.group_by_position());
+                assert_eq!(plan.staging_elems(), staging_elems(tiles));
+                // Every group starts on a wave boundary.
+                assert!(p.groups.iter().all(|g| g.positions.start % plan.ctas == 0));
+            }
+        }
         // Groups are signalled in order: the group id never decreases along positions.
         assert!(plan.tile_group.windows(2).all(|w| w[0] <= w[1]));
         assert_eq!(plan.timeline.groups.len(), plan.partition.len());
@@ -258,8 +317,11 @@ mod tests {
         let plan = plan_gemm_all_reduce(&req, &hw).unwrap();
         assert_eq!(plan.schedule, Schedule::Sequential);
         assert_eq!(plan.ctas, hw.sms);
-        assert_eq!(plan.partition, GroupPartition::whole(&plan.tiles));
-        assert_eq!(plan.partition.groups[0].slice.count, 16384 * 8192);
+        assert_eq!(
+            plan.partition,
+            Partition::InPlace(GroupPartition::whole(&plan.tiles))
+        );
+        assert_eq!(plan.partition.collectives()[0].slice.count, 16384 * 8192);
         assert!(plan.tile_group.iter().all(|&g| g == 0));
         assert_eq!(plan.timeline.overlap_us, plan.timeline.sequential_us);
         assert_consistent(&plan);
@@ -274,9 +336,93 @@ mod tests {
         };
         let plan = plan_gemm_all_reduce(&req, &HardwareModel::h200()).unwrap();
         assert_eq!(plan.schedule, Schedule::Overlap);
-        assert_eq!(plan.partition.band_counts(), [1, 1, 1, 1]);
+        assert_eq!(
+            plan.partition,
+            Partition::InPlace(GroupPartition::uniform(&plan.tiles, 1).unwrap())
+        );
         let auto = plan_gemm_all_reduce(&request(512, 512, 64, 2), &HardwareModel::h200()).unwrap();
         assert_eq!(auto.schedule, Schedule::Sequential);
+    }
+
+    #[test]
+    fn swizzled_plans_stage_whole_waves() {
+        let hw = HardwareModel::h200();
+        let req = PlanRequest {
+            mode: ModeRequest::Overlap,
+            order: OrderRequest::Swizzled,
+            raster_bands: None,
+            ..request(8192, 8192, 4096, 2)
+        };
+        let plan = plan_gemm_all_reduce(&req, &hw).unwrap();
+        assert!(plan.partition.is_staged());
+        assert_eq!(
+            plan.order.kind,
+            crate::plan::OrderKind::Swizzled {
+                bands: default_raster_bands(&plan.tiles, plan.ctas)
+            }
+        );
+        assert_consistent(&plan);
+        // The staged groups' timeline is what predict_staged says.
+        let Partition::Staged(p) = &plan.partition else {
+            unreachable!()
+        };
+        let again =
+            crate::plan::predict_staged(&plan.tiles, req.k, plan.ctas, p, &hw, 2, 2).unwrap();
+        assert_eq!(plan.timeline, again);
+        // Sequential stays in place whatever the order.
+        let seq = PlanRequest {
+            mode: ModeRequest::Sequential,
+            ..req.clone()
+        };
+        assert!(!plan_gemm_all_reduce(&seq, &hw)
+            .unwrap()
+            .partition
+            .is_staged());
+        // Forced bands cannot be swizzled.
+        let forced = PlanRequest {
+            bands_per_group: Some(2),
+            ..req
+        };
+        let err = plan_gemm_all_reduce(&forced, &hw).unwrap_err();
+        assert!(err.to_string().contains("bands_per_group"), "{err}");
+    }
+
+    #[test]
+    fn auto_order_picks_the_faster_prediction() {
+        let base = PlanRequest {
+            mode: ModeRequest::Overlap,
+            ..request(16384, 8192, 4096, 2)
+        };
+        for unreorder in [1.0, 1e9] {
+            let hw = HardwareModel {
+                unreorder_bytes_per_us_per_sm: unreorder,
+                ..HardwareModel::h200()
+            };
+            let plan = |order| {
+                plan_gemm_all_reduce(
+                    &PlanRequest {
+                        order,
+                        ..base.clone()
+                    },
+                    &hw,
+                )
+                .unwrap()
+            };
+            let (auto, banded, swizzled) = (
+                plan(OrderRequest::Auto),
+                plan(OrderRequest::Banded),
+                plan(OrderRequest::Swizzled),
+            );
+            let best = banded.timeline.overlap_us.min(swizzled.timeline.overlap_us);
+            assert_eq!(auto.timeline.overlap_us, best);
+            assert_consistent(&auto);
+            // A copy slower than anything never wins; a free one ties or wins.
+            if unreorder == 1.0 {
+                assert!(!auto.partition.is_staged());
+            } else {
+                assert!(swizzled.timeline.overlap_us <= banded.timeline.overlap_us * 1.001);
+            }
+        }
     }
 
     #[test]
@@ -375,8 +521,9 @@ mod tests {
             k in 1u32..16384,
             world in world(),
             reserved_sms in 0u32..64,
+            order in prop::sample::select(vec![OrderRequest::Auto, OrderRequest::Banded, OrderRequest::Swizzled]),
         ) {
-            let req = PlanRequest { reserved_sms, ..request(m, n8 * 8, k, world) };
+            let req = PlanRequest { reserved_sms, order, ..request(m, n8 * 8, k, world) };
             let plan = plan_gemm_all_reduce(&req, &HardwareModel::h200()).unwrap();
             assert_consistent(&plan);
             prop_assert!(plan.timeline.overlap_us <= plan.timeline.sequential_us);

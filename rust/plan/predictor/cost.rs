@@ -74,6 +74,34 @@ impl<'a> OverlapCost<'a> {
         self.hw.overlap_comm_slowdown * self.hw.overlap_comm.all_reduce_us(bytes, self.world)
     }
 
+    /// Staged schedule: when the GEMM has stored every position of waves `0..end_wave`.
+    pub(super) fn staged_done_us(&self, end_wave: u32) -> f64 {
+        f64::from(end_wave) * self.wave_us * self.hw.overlap_gemm_slowdown
+    }
+
+    pub(super) fn wave_count(&self) -> u32 {
+        self.waves.count()
+    }
+
+    /// Staged schedule: positions in waves `start..end` (the last wave may be partial).
+    pub(super) fn staged_tiles(&self, waves: std::ops::Range<u32>) -> u32 {
+        self.waves.positions(waves.end - 1).end - self.waves.positions(waves.start).start
+    }
+
+    /// Staged schedule: the collective of `tiles` whole staged tiles, then
+    /// their un-reorder copy into `out` on the SMs the GEMM leaves free
+    /// (both on the communication stream).
+    pub(super) fn staged_comm_us(&self, tiles: u32) -> f64 {
+        let staged = u64::from(tiles)
+            * u64::from(self.tiles.tile.bm)
+            * u64::from(self.tiles.tile.bn)
+            * u64::from(self.elem_bytes);
+        let collective =
+            self.hw.overlap_comm_slowdown * self.hw.overlap_comm.all_reduce_us(staged, self.world);
+        let free_sms = self.hw.sms.saturating_sub(self.waves.ctas).max(1);
+        collective + staged as f64 / (self.hw.unreorder_bytes_per_us_per_sm * f64::from(free_sms))
+    }
+
     /// The library GEMM on all SMs with nothing beside it, then one
     /// AllReduce of all of `out`.
     pub(super) fn sequential_us(&self) -> f64 {

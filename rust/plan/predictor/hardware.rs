@@ -32,6 +32,10 @@ const H200_NCCL: CollectiveModel = CollectiveModel {
     bus_gbps: 270.0,
 };
 
+/// The un-reorder copy on H200: output bytes per microsecond per SM
+/// (PLACEHOLDER until measured).
+const H200_UNREORDER_PER_SM: f64 = 40_000.0;
+
 const GENERIC_LINK: CollectiveModel = CollectiveModel {
     latency_us: 60.0,
     bus_gbps: 100.0,
@@ -58,6 +62,10 @@ pub struct HardwareModel {
     /// shows (stream forks and joins, flag waits, pipeline fill), charged
     /// when Auto decides whether overlapping pays.
     pub overlap_fixed_us: f64,
+    /// Output bytes per microsecond that one SM of the communication's
+    /// share un-reorders from the staging buffer into `out` (the staged
+    /// schedule's extra copy: a read and a write of each byte).
+    pub unreorder_bytes_per_us_per_sm: f64,
 }
 
 impl HardwareModel {
@@ -80,6 +88,7 @@ impl HardwareModel {
             overlap_gemm_slowdown: 1.0,
             overlap_comm_slowdown: 1.0,
             overlap_fixed_us: 0.0,
+            unreorder_bytes_per_us_per_sm: H200_UNREORDER_PER_SM,
         }
     }
 
@@ -95,6 +104,7 @@ impl HardwareModel {
             overlap_gemm_slowdown: 1.2,
             overlap_comm_slowdown: 1.1,
             overlap_fixed_us: 0.0,
+            unreorder_bytes_per_us_per_sm: H200_UNREORDER_PER_SM / 2.0,
         }
     }
 
@@ -142,6 +152,12 @@ impl HardwareModel {
                 self.overlap_fixed_us,
                 ">= 0",
                 self.overlap_fixed_us >= 0.0,
+            ),
+            (
+                "unreorder_bytes_per_us_per_sm",
+                self.unreorder_bytes_per_us_per_sm,
+                "> 0",
+                self.unreorder_bytes_per_us_per_sm > 0.0,
             ),
             (
                 "overlap_gemm_slowdown",

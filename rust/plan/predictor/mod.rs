@@ -9,5 +9,5 @@ mod search;
 mod timeline;
 
 pub use hardware::{CollectiveModel, HardwareModel};
-pub use search::best_partition;
-pub use timeline::{predict, predict_sequential, GroupTiming, Timeline};
+pub use search::{best_partition, best_staged_partition};
+pub use timeline::{predict, predict_sequential, predict_staged, GroupTiming, Timeline};

@@ -6,11 +6,13 @@
 
 use crate::plan::error::{require_positive, PlanError};
 use crate::plan::groups::GroupPartition;
+use crate::plan::staged::StagedPartition;
 use crate::plan::tiles::OutputTiles;
+use crate::plan::waves::Waves;
 
 use super::cost::OverlapCost;
 use super::hardware::HardwareModel;
-use super::timeline::{predict, Timeline};
+use super::timeline::{predict, predict_staged, Timeline};
 
 /// The partition with the smallest predicted overlap_us among those with at
 /// most `max_groups` groups; on ties, the one with fewer groups.
@@ -25,18 +27,19 @@ pub fn best_partition(
 ) -> Result<(GroupPartition, Timeline), PlanError> {
     require_positive("max_groups", max_groups, PlanError::InvalidPartition)?;
     let cost = OverlapCost::new(tiles, k, ctas, hw, world, elem_bytes)?;
-    let band_counts = BoundarySearch::new(&cost).band_counts(max_groups);
+    let band_counts = BoundarySearch::new(&cost).counts(max_groups);
     let partition = GroupPartition::from_band_counts(tiles, &band_counts)?;
     let timeline = predict(tiles, k, ctas, &partition, hw, world, elem_bytes)?;
     Ok((partition, timeline))
 }
 
-/// The model's inputs at each band boundary, tabulated once so the
+/// The model's inputs at each unit boundary (row bands, or waves for the
+/// staged schedule), tabulated once so the
 /// quadratic inner loop is lookups; the tables hold the very values
 /// `predict` computes, so the optimum matches its replay bit for bit.
 struct BoundarySearch {
-    bands: usize,
-    /// done[e]: GEMM finished bands 0..e.
+    units: usize,
+    /// done[e]: GEMM finished units 0..e.
     done: Vec<f64>,
     /// span_us[d]: collective over d full bands (groups not ending at the last band).
     span_us: Vec<f64>,
@@ -44,13 +47,53 @@ struct BoundarySearch {
     tail_us: Vec<f64>,
 }
 
+/// The staged (swizzled) schedule's counterpart of [`best_partition`]:
+/// groups are runs of whole waves, each with its un-reorder copy.
+pub fn best_staged_partition(
+    tiles: &OutputTiles,
+    k: u32,
+    ctas: u32,
+    hw: &HardwareModel,
+    world: u32,
+    elem_bytes: u32,
+    max_groups: u32,
+) -> Result<(StagedPartition, Timeline), PlanError> {
+    require_positive("max_groups", max_groups, PlanError::InvalidPartition)?;
+    let cost = OverlapCost::new(tiles, k, ctas, hw, world, elem_bytes)?;
+    let wave_counts = BoundarySearch::staged(&cost).counts(max_groups);
+    let waves = Waves::new(ctas, tiles.count())?;
+    let partition = StagedPartition::from_wave_counts(tiles, &waves, &wave_counts)?;
+    let timeline = predict_staged(tiles, k, ctas, &partition, hw, world, elem_bytes)?;
+    Ok((partition, timeline))
+}
+
 impl BoundarySearch {
+    /// Units are waves: a group of d full waves costs the same wherever it
+    /// starts, except the last group, whose last wave may be partial.
+    fn staged(cost: &OverlapCost) -> Self {
+        let n = cost.wave_count();
+        let unread = std::iter::once(0.0);
+        Self {
+            units: n as usize,
+            done: unread
+                .clone()
+                .chain((1..=n).map(|e| cost.staged_done_us(e)))
+                .collect(),
+            span_us: unread
+                .chain((1..n).map(|d| cost.staged_comm_us(cost.staged_tiles(0..d))))
+                .collect(),
+            tail_us: (0..n)
+                .map(|s| cost.staged_comm_us(cost.staged_tiles(s..n)))
+                .collect(),
+        }
+    }
+
     fn new(cost: &OverlapCost) -> Self {
         let bands = cost.band_count();
         // Entry 0 of `done` and `span_us` (nothing finished, an empty group) is never read.
         let unread = std::iter::once(0.0);
         Self {
-            bands: bands as usize,
+            units: bands as usize,
             done: unread
                 .clone()
                 .chain((1..=bands).map(|e| cost.gemm_done_us(e)))
@@ -65,7 +108,7 @@ impl BoundarySearch {
     }
 
     fn comm_us(&self, start: usize, end: usize) -> f64 {
-        if end == self.bands {
+        if end == self.units {
             self.tail_us[start]
         } else {
             self.span_us[end - start]
@@ -76,8 +119,8 @@ impl BoundarySearch {
     /// last-collective end over layouts of bands 0..e in at most j+1 groups,
     /// and where that layout's last group starts. A layer that improves
     /// nothing means no further group can help, so the search stops there.
-    fn band_counts(&self, max_groups: u32) -> Vec<u32> {
-        let n = self.bands;
+    fn counts(&self, max_groups: u32) -> Vec<u32> {
+        let n = self.units;
         let mut end: Vec<f64> = (0..=n)
             .map(|e| {
                 if e == 0 {
@@ -220,6 +263,32 @@ mod tests {
             let optimum = compositions(tiles.tiles_m, max_groups)
                 .iter()
                 .map(|counts| overlap_us(&tiles, k, ctas, world, counts))
+                .fold(f64::INFINITY, f64::min);
+            prop_assert!(partition.len() as u32 <= max_groups);
+            prop_assert_eq!(timeline.overlap_us, optimum);
+        }
+
+        #[test]
+        fn staged_matches_exhaustive_search_on_few_waves(
+            m in 1u32..=4096,
+            n8 in 1u32..=1024,
+            k in 1u32..16384,
+            ctas in 8u32..=132,
+            world in world(),
+            max_groups in 1u32..=10,
+        ) {
+            let tiles = OutputTiles::new(m, n8 * 8, TILE).unwrap();
+            let waves = Waves::new(ctas, tiles.count()).unwrap();
+            prop_assume!(waves.count() <= 10);
+            let hw = HardwareModel::h200();
+            let (partition, timeline) =
+                best_staged_partition(&tiles, k, ctas, &hw, world, 2, max_groups).unwrap();
+            let optimum = compositions(waves.count(), max_groups)
+                .iter()
+                .map(|counts| {
+                    let p = StagedPartition::from_wave_counts(&tiles, &waves, counts).unwrap();
+                    predict_staged(&tiles, k, ctas, &p, &hw, world, 2).unwrap().overlap_us
+                })
                 .fold(f64::INFINITY, f64::min);
             prop_assert!(partition.len() as u32 <= max_groups);
             prop_assert_eq!(timeline.overlap_us, optimum);

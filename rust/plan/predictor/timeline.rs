@@ -4,7 +4,9 @@
 
 use crate::plan::error::PlanError;
 use crate::plan::groups::GroupPartition;
+use crate::plan::staged::StagedPartition;
 use crate::plan::tiles::OutputTiles;
+use crate::plan::waves::Waves;
 
 use super::cost::OverlapCost;
 use super::hardware::HardwareModel;
@@ -43,28 +45,68 @@ pub fn predict(
 ) -> Result<Timeline, PlanError> {
     let cost = OverlapCost::new(tiles, k, ctas, hw, world, elem_bytes)?;
     partition.check_against(tiles)?;
+    let timings = partition.groups.iter().map(|group| {
+        (
+            cost.gemm_done_us(group.bands.end),
+            cost.comm_us(cost.rows(group.bands.clone())),
+        )
+    });
+    Ok(replay(timings, &cost))
+}
+
+/// The staged (swizzled) schedule's timeline: group g's GEMM is done at the
+/// end of its last wave; its collective covers its whole staged tiles and is
+/// followed on the same stream by their un-reorder copy.
+pub fn predict_staged(
+    tiles: &OutputTiles,
+    k: u32,
+    ctas: u32,
+    partition: &StagedPartition,
+    hw: &HardwareModel,
+    world: u32,
+    elem_bytes: u32,
+) -> Result<Timeline, PlanError> {
+    let cost = OverlapCost::new(tiles, k, ctas, hw, world, elem_bytes)?;
+    let waves = Waves::new(ctas, tiles.count())?;
+    StagedPartition::from_wave_counts(tiles, &waves, &partition.wave_counts())
+        .ok()
+        .filter(|p| p == partition)
+        .ok_or_else(|| {
+            PlanError::InvalidPartition(format!(
+                "staged groups must be the wave ranges of {ctas} CTAs over {} tiles",
+                tiles.count()
+            ))
+        })?;
+    let timings = partition.groups.iter().map(|g| {
+        (
+            cost.staged_done_us(g.waves.end),
+            cost.staged_comm_us(g.tiles),
+        )
+    });
+    Ok(replay(timings, &cost))
+}
+
+/// Runs the collectives one after another on the stream, each from when its
+/// group's GEMM is done: (gemm done, collective's own time) per group.
+fn replay(groups: impl Iterator<Item = (f64, f64)>, cost: &OverlapCost) -> Timeline {
     let mut previous_end = 0.0;
-    let groups = partition
-        .groups
-        .iter()
-        .map(|group| {
-            let gemm_done_us = cost.gemm_done_us(group.bands.end);
+    let groups = groups
+        .map(|(gemm_done_us, comm_us)| {
             let comm_start_us = gemm_done_us.max(previous_end);
-            let comm_end_us = comm_start_us + cost.comm_us(cost.rows(group.bands.clone()));
-            previous_end = comm_end_us;
+            previous_end = comm_start_us + comm_us;
             GroupTiming {
                 gemm_done_us,
                 comm_start_us,
-                comm_end_us,
+                comm_end_us: previous_end,
             }
         })
         .collect();
-    Ok(Timeline {
+    Timeline {
         groups,
         gemm_us: cost.gemm_us(),
         overlap_us: previous_end,
         sequential_us: cost.sequential_us(),
-    })
+    }
 }
 
 /// The baseline as a one-group timeline: the library GEMM, then one
