@@ -11,7 +11,12 @@ speed over the 17 shapes of issue 3 (M in 2048..16384 x (N, K) in
     at each SM count the overlapped ops use (132, 116, 100 SMs);
   - the signaling epilogue (one counter per group of 4 row bands, row-band
     order) vs the same launch without signals, in a loop of their own;
-  - each tile width (sm90_n128, sm90_n256) at the default raster.
+  - each tile width (sm90_n128, sm90_n256) at the default raster;
+  - the swizzled schedule's pieces, in a loop of their own: the GEMM storing
+    staged tiles (position-major, into a staging buffer) vs the same launch
+    storing into the output, at 132, 116 and 100 SMs, and the un-reorder copy
+    of the whole output on 4, 8, 16 and 24 CTAs (its rate per SM is the
+    predictor's `unreorder_bytes_per_us_per_sm`).
 
 Every configuration of a shape is timed in the same interleaved loop as
 cuBLAS: random data, every launch on the next of four operand sets (so none
@@ -43,13 +48,72 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BUFFERS = 4
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
-    """One GEMM launch through the core API (signal_bands is a measurement hook there)."""
+def dtype_name(dt: torch.dtype) -> str:
+    return "bfloat16" if dt == torch.bfloat16 else "float16"
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: dict, staging=None) -> None:
+    """One GEMM launch through the core API (signal_bands and staging are measurement hooks there)."""
     m, k = x.shape
-    _core.gemm(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, w.shape[0], k,
-               "bfloat16" if x.dtype == torch.bfloat16 else "float16", x.device.index,
+    _core.gemm(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, w.shape[0], k, dtype_name(x.dtype), x.device.index,
                torch.cuda.current_stream().cuda_stream, cfg.get("kernel"), cfg.get("raster"), cfg.get("sms"),
-               cfg.get("signal"))
+               cfg.get("signal"), 0 if staging is None else staging.data_ptr())
+
+
+def unreorder(out: torch.Tensor, staging: torch.Tensor, cfg: dict, ctas: int) -> None:
+    m, n = out.shape
+    _core.unreorder(out.data_ptr(), staging.data_ptr(), m, n, dtype_name(out.dtype), out.device.index,
+                    torch.cuda.current_stream().cuda_stream, ctas, cfg.get("kernel"), cfg.get("raster"),
+                    cfg.get("sms"))
+
+
+def staging_for(m: int, n: int, dt: torch.dtype) -> torch.Tensor:
+    """A staging buffer for the widest tile (whole 128 x 256 tiles hold any narrower tiling)."""
+    return torch.empty(-(-m // 128) * -(-n // 128) * 128 * 128 + 128 * 256, device="cuda", dtype=dt)
+
+
+UNREORDER_CTAS = (4, 8, 16, 24)
+
+
+def check_staged(sms: int) -> bool:
+    """Staged stores then the un-reorder copy give the product, for every SM count measured."""
+    ok = True
+    for (m, n, k) in CHECK_SHAPES:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ w.float().T
+        for s in (sms, sms - 16, sms - 32):
+            staging = staging_for(m, n, x.dtype).fill_(float("nan"))
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
+            launch(x, w, out, {"sms": s}, staging)
+            unreorder(out, staging, {"sms": s}, 8)
+            torch.cuda.synchronize()
+            e, nan = rel(out, ref), bool(out.isnan().any())
+            if not (e < 1e-2 and not nan):
+                ok = False
+                print(f"FAIL staged {m}x{n}x{k} sms {s}: err {e:.1e} nan {nan}", flush=True)
+    return ok
+
+
+def time_staged(m: int, n: int, k: int, sms: int, iters: int) -> dict:
+    """Median microseconds of cuBLAS, of the GEMM storing in place and staged at each SM count,
+    and of the un-reorder copy at each CTA count, interleaved run by run."""
+    dt = torch.bfloat16
+    xs = [torch.randn(m, k, device="cuda", dtype=dt) for _ in range(BUFFERS)]
+    ws = [torch.randn(n, k, device="cuda", dtype=dt) for _ in range(BUFFERS)]
+    outs = [torch.empty(m, n, device="cuda", dtype=dt) for _ in range(BUFFERS)]
+    stagings = [staging_for(m, n, dt) for _ in range(BUFFERS)]
+    runs = {"cublas": lambda t: torch.matmul(xs[t % BUFFERS], ws[t % BUFFERS].t(), out=outs[t % BUFFERS])}
+    for s in (sms, sms - 16, sms - 32):
+        cfg = {"sms": s}
+        runs[f"inplace{s}"] = (lambda c: lambda t: launch(xs[t % BUFFERS], ws[t % BUFFERS], outs[t % BUFFERS], c))(cfg)
+        runs[f"staged{s}"] = (lambda c: lambda t: launch(xs[t % BUFFERS], ws[t % BUFFERS], outs[t % BUFFERS], c,
+                                                         stagings[t % BUFFERS]))(cfg)
+    for ctas in UNREORDER_CTAS:
+        runs[f"unreorder{ctas}"] = (lambda c: lambda t: unreorder(outs[t % BUFFERS], stagings[t % BUFFERS],
+                                                                  {"sms": sms - 32}, c))(ctas)
+    times = interleaved_times_us(runs, iters, warmup=BUFFERS)
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -127,6 +191,8 @@ def main() -> int:
             configs["n128"] = {"kernel": "sm90_n128"}
             configs["n256"] = {"kernel": "sm90_n256"}
     ok = check({**configs, "signal_r1": {"raster": 1, "signal": 4}, "signal_default": {"signal": 4}})
+    ok &= check_staged(sms)
+    print(f"staged stores + un-reorder correctness: {'ok' if ok else 'FAILED'}", flush=True)
 
     results = []
     for dname, dt in DTYPES.items():
@@ -172,12 +238,33 @@ def main() -> int:
                 cells = " ".join(f"{x['us']['cublas'] / x['us'][name]:.3f}" for x in bf)
                 say(f"sm90_{name} vs cuBLAS: geomean {geomean(x['us']['cublas'] / x['us'][name] for x in bf):.3f}; "
                     f"per shape {cells}")
+    staged = []
+    if not args.quick:
+        say("")
+        say("swizzled schedule pieces, bf16, own interleaved loop: staged-store GEMM time / in-place GEMM time "
+            "per SM count; un-reorder copy of the whole output (us, and output bytes per us per CTA)")
+        for (m, n, k) in SHAPES:
+            t = time_staged(m, n, k, sms, args.iters)
+            row = {"m": m, "n": n, "k": k, "us": t}
+            staged.append(row)
+            cells = "  ".join(f"{s}: {t[f'staged{s}'] / t[f'inplace{s}']:.3f}" for s in (sms, sms - 16, sms - 32))
+            copies = "  ".join(f"{c}: {t[f'unreorder{c}']:6.1f} us {2 * m * n / t[f'unreorder{c}'] / c:6.0f}"
+                               for c in UNREORDER_CTAS)
+            say(f"  {m:>5}x{n}x{k:<5} staged/in place {cells}   un-reorder {copies}")
+        for s in (sms, sms - 16, sms - 32):
+            say(f"staged-store GEMM / in-place GEMM at {s} SMs: geomean "
+                f"{geomean(r['us'][f'staged{s}'] / r['us'][f'inplace{s}'] for r in staged):.3f}")
+        for c in UNREORDER_CTAS:
+            rates = [2 * r["m"] * r["n"] / r["us"][f"unreorder{c}"] / c for r in staged]
+            say(f"un-reorder on {c} CTAs: median {statistics.median(rates):.0f} output bytes per us per CTA "
+                f"(min {min(rates):.0f}, max {max(rates):.0f})")
     say(f"correct={ok}")
     if args.out:
         with open(args.out + ".txt", "w") as f:
             f.write("\n".join(lines) + "\n")
         with open(args.out + ".json", "w") as f:
-            json.dump({"device": props.name, "sms": sms, "configs": configs, "results": results}, f, indent=1)
+            json.dump({"device": props.name, "sms": sms, "configs": configs, "results": results, "staged": staged},
+                      f, indent=1)
     return 0 if ok else 1
 
 
