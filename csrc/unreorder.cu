@@ -7,7 +7,8 @@
 // an order that is not row-band by row-band, so a group's outputs are not
 // one contiguous block of C, but are one in the staging buffer, where the
 // collective runs. It is a pure copy, 16 bytes per access, on the few SMs the
-// GEMM leaves to the communication.
+// GEMM leaves to the communication, so each block keeps 128 KiB of loads in
+// flight (1024 threads x 8 vectors): with 16 KiB a block moved ~16 GB/s.
 #ifndef FO_BM
 #define FO_BM 128
 #endif
@@ -19,10 +20,10 @@ namespace {
 constexpr int VEC = 8;                            // 16-bit elements per 16-byte access
 constexpr int ROW_VECS = FO_BN / VEC;             // accesses per staged tile row
 constexpr int TILE_VECS = FO_BM * ROW_VECS;       // accesses per staged tile
-constexpr int UNROLL = 4;                         // loads in flight per thread
+constexpr int UNROLL = 8;                         // loads in flight per thread
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(1024)
     fo_unreorder(uint4* __restrict__ C, const uint4* __restrict__ staging, const int* __restrict__ tile_order, int M, int N,
                  int first, int last) {
   const int tiles_n = (N + FO_BN - 1) / FO_BN;

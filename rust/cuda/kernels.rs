@@ -205,7 +205,7 @@ pub fn peer_reduce_spec(dtype: Dtype, ranks: u32, major: i32) -> KernelSpec {
 }
 
 /// Threads per block of the un-reorder copy.
-pub const UNREORDER_THREADS: u32 = 256;
+pub const UNREORDER_THREADS: u32 = 1024;
 
 /// The copy of staged `bm` x `bn` tiles into the row-major output (any
 /// 16-bit dtype: it moves bytes).
