@@ -484,10 +484,10 @@ def test_auto_order_is_the_faster_prediction(m: int, n: int, k: int, world: int,
         check_plan(plan, m, n, k, world, reserved=H200_SMS - plan.ctas)
         if order != "auto":
             assert plan.order == order
-    best = min(plans["banded"].predicted_us, plans["swizzled"].predicted_us)
-    assert plans["auto"].predicted_us == best
-    assert plans["auto"].order == ("swizzled" if plans["swizzled"].predicted_us < plans["banded"].predicted_us
-                                   else "banded")
+    # Swizzled only where it is predicted 3% faster (AUTO_SWIZZLED_MARGIN in rust/plan/gemm_all_reduce).
+    swizzled = plans["swizzled"].predicted_us < 0.97 * plans["banded"].predicted_us
+    assert plans["auto"].order == ("swizzled" if swizzled else "banded")
+    assert plans["auto"].predicted_us == plans[plans["auto"].order].predicted_us
     text = plans["swizzled"].describe()
     assert "Swizzled" in text and "staged" in text
 

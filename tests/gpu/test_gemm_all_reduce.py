@@ -178,8 +178,12 @@ def test_single_rank_world(tmp_path: Path, backend: str, order: str) -> None:
     (for the swizzled order: the staged stores and the un-reorder copy)."""
     cases = [c for c in main_cases() if c["lead"][0] in (77, 1000, 3000)][:12]
     if order == "swizzled":
-        # One rank has no collective to hide, so auto would not overlap: force it.
-        cases = [c if c["mode"] == "sequential" else dict(c, mode="overlap", bands=None) for c in cases]
+        # One rank has no collective to hide, so auto would not overlap: force it, on outputs of
+        # several waves (staged groups are whole waves), with M and N tails.
+        shapes = [(3000, 8192, 1024, "bf16"), (1000, 8192, 4096, "fp16"), (2900, 4104, 4096, "bf16"),
+                  (77, 8192, 1024, "fp16"), (4095, 2056, 512, "fp16")]
+        cases = [dict(seed=SEED * 7 + i, lead=[m], n=n, k=k, dtype=dtype, mode="overlap", bands=None)
+                 for i, (m, n, k, dtype) in enumerate(shapes)]
     (result,) = run_workers(tmp_path, "cases", 1, cases=cases, backend=backend, order=order)
     assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in result["records"])
 

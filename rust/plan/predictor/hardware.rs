@@ -32,9 +32,10 @@ const H200_NCCL: CollectiveModel = CollectiveModel {
     bus_gbps: 270.0,
 };
 
-/// The un-reorder copy on H200: output bytes per microsecond per SM
-/// (PLACEHOLDER until measured).
-const H200_UNREORDER_PER_SM: f64 = 40_000.0;
+/// The un-reorder copy on H200: output bytes per microsecond per CTA (one
+/// per SM), measured over the 17 kernel shapes alone on the GPU: 42 K on 4
+/// CTAs, 38 K on 8, 29 K on 16, 28 K on 24 (evaluation/results/gemm_kernel_h200.txt).
+const H200_UNREORDER_PER_SM: f64 = 30_000.0;
 
 const GENERIC_LINK: CollectiveModel = CollectiveModel {
     latency_us: 60.0,
