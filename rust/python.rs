@@ -458,7 +458,7 @@ fn unreorder(
 }
 
 #[pyfunction]
-#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl", order="auto", staging=0))]
+#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, options, staging=0))]
 #[allow(clippy::too_many_arguments)]
 fn gemm_all_reduce(
     py: Python<'_>,
@@ -471,31 +471,47 @@ fn gemm_all_reduce(
     k: u32,
     dtype: &str,
     stream: usize,
-    mode: &str,
-    bands_per_group: Option<u32>,
-    reserved_sms: Option<u32>,
-    max_groups: u32,
-    kernel: Option<&str>,
-    raster_bands: Option<u32>,
-    backend: &str,
-    order: &str,
+    options: OpOptions,
     staging: u64,
 ) -> PyResult<&'static str> {
+    let (comm, _, opts) = call_of(group_name, m, n, k, dtype, &options)?;
     let args = operands(x, weight, out, m, n, k, dtype)?;
-    let opts = options(
-        mode,
-        bands_per_group,
-        reserved_sms,
-        max_groups,
-        kernel,
-        raster_bands,
-        backend,
-        order,
-    )?;
-    let comm = communicator::get(group_name).map_err(to_py)?;
     py.detach(|| gar::gemm_all_reduce(&comm, &args, &opts, staging, stream::from_handle(stream)))
         .map(schedule_name)
         .map_err(to_py)
+}
+
+/// A collective op's options as Python passes them: (mode, bands_per_group,
+/// reserved_sms, max_groups, kernel, raster_bands, backend, order).
+type OpOptions = (
+    String,
+    Option<u32>,
+    Option<u32>,
+    u32,
+    Option<String>,
+    Option<u32>,
+    String,
+    String,
+);
+
+/// The communicator, the shape (no pointers: planning reads none) and the
+/// options of a call.
+fn call_of(
+    group_name: &str,
+    m: u32,
+    n: u32,
+    k: u32,
+    dtype: &str,
+    o: &OpOptions,
+) -> PyResult<(
+    std::sync::Arc<communicator::Communicator>,
+    GemmArgs,
+    gar::Options,
+)> {
+    let args = operands(0, 0, 0, m, n, k, dtype)?;
+    let opts = options(&o.0, o.1, o.2, o.3, o.4.as_deref(), o.5, &o.6, &o.7)?;
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    Ok((comm, args, opts))
 }
 
 fn schedule_name(s: Schedule) -> &'static str {
@@ -559,8 +575,6 @@ fn all_reduce(
 
 /// The plan `gemm_all_reduce` runs for these arguments on this communicator.
 #[pyfunction]
-#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl", order="auto"))]
-#[allow(clippy::too_many_arguments)]
 fn communicator_plan(
     group_name: &str,
     m: u32,
@@ -568,28 +582,9 @@ fn communicator_plan(
     k: u32,
     dtype: &str,
     stream: usize,
-    mode: &str,
-    bands_per_group: Option<u32>,
-    reserved_sms: Option<u32>,
-    max_groups: u32,
-    kernel: Option<&str>,
-    raster_bands: Option<u32>,
-    backend: &str,
-    order: &str,
+    options: OpOptions,
 ) -> PyResult<PyPlan> {
-    // Planning needs the shape only; no pointer is ever read.
-    let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let opts = options(
-        mode,
-        bands_per_group,
-        reserved_sms,
-        max_groups,
-        kernel,
-        raster_bands,
-        backend,
-        order,
-    )?;
-    let comm = communicator::get(group_name).map_err(to_py)?;
+    let (comm, args, opts) = call_of(group_name, m, n, k, dtype, &options)?;
     gar::plan_of(&comm, &args, &opts, stream::from_handle(stream))
         .map(PyPlan)
         .map_err(to_py)
@@ -598,8 +593,6 @@ fn communicator_plan(
 /// Bytes of the staging buffer `gemm_all_reduce` needs for these arguments
 /// (0 where its plan reduces in place or runs sequentially).
 #[pyfunction]
-#[pyo3(signature = (group_name, m, n, k, dtype, stream, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl", order="auto"))]
-#[allow(clippy::too_many_arguments)]
 fn communicator_staging_bytes(
     group_name: &str,
     m: u32,
@@ -607,27 +600,9 @@ fn communicator_staging_bytes(
     k: u32,
     dtype: &str,
     stream: usize,
-    mode: &str,
-    bands_per_group: Option<u32>,
-    reserved_sms: Option<u32>,
-    max_groups: u32,
-    kernel: Option<&str>,
-    raster_bands: Option<u32>,
-    backend: &str,
-    order: &str,
+    options: OpOptions,
 ) -> PyResult<u64> {
-    let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let opts = options(
-        mode,
-        bands_per_group,
-        reserved_sms,
-        max_groups,
-        kernel,
-        raster_bands,
-        backend,
-        order,
-    )?;
-    let comm = communicator::get(group_name).map_err(to_py)?;
+    let (comm, args, opts) = call_of(group_name, m, n, k, dtype, &options)?;
     gar::staging_bytes(&comm, &args, &opts, stream::from_handle(stream)).map_err(to_py)
 }
 

@@ -34,6 +34,10 @@ class Plan:
     def tile_order(self) -> list[int]: ...
     @property
     def raster_bands(self) -> int: ...
+    @property
+    def order(self) -> str: ...  # "banded" | "swizzled"
+    @property
+    def staging_elems(self) -> int: ...  # 0 for the banded order
     def describe(self) -> str: ...
 
 NCCL_RESERVED_SMS: int
@@ -55,6 +59,7 @@ def plan_gemm_all_reduce(
     kernel: Optional[str] = None,
     raster_bands: Optional[int] = None,
     backend: str = "nccl",
+    order: str = "auto",
 ) -> Plan: ...
 def load_nvrtc(path: str) -> None: ...
 def nvrtc_version() -> tuple[int, int]: ...
@@ -83,9 +88,15 @@ def gemm(
     raster_bands: Optional[int] = None,
     sms: Optional[int] = None,
     signal_bands: Optional[int] = None,
+    staging: int = 0,
 ) -> None:
     """The GEMM alone. signal_bands (a measurement hook): signal one counter per group of this
-    many row bands, as the overlapped ops do, with nobody waiting."""
+    many row bands, as the overlapped ops do, with nobody waiting. staging (another): store the
+    tile of position p at rows p*128.. of this [tiles * 128, BN] buffer instead of out."""
+OpOptions = tuple[str, Optional[int], Optional[int], int, Optional[str], Optional[int], str, str]
+"""A collective op's options: (mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands,
+backend, order); reserved_sms None is the backend's default."""
+
 def gemm_all_reduce(
     group_name: str,
     x: int,
@@ -96,16 +107,30 @@ def gemm_all_reduce(
     k: int,
     dtype: str,
     stream: int,
-    mode: str = "auto",
-    bands_per_group: Optional[int] = None,
-    reserved_sms: int = 24,
-    max_groups: int = 16,
-    kernel: Optional[str] = None,
-    raster_bands: Optional[int] = None,
-    backend: str = "nccl",
+    options: OpOptions,
+    staging: int = 0,
 ) -> str:
     """Enqueues the overlapped op and returns "overlap", or enqueues nothing and
-    returns "sequential" (the caller then runs its GEMM and all_reduce)."""
+    returns "sequential" (the caller then runs its GEMM and all_reduce). staging: a buffer of
+    communicator_staging_bytes bytes where the plan is swizzled (0 otherwise)."""
+def communicator_staging_bytes(
+    group_name: str, m: int, n: int, k: int, dtype: str, stream: int, options: OpOptions
+) -> int: ...
+def unreorder(
+    out: int,
+    staging: int,
+    m: int,
+    n: int,
+    dtype: str,
+    device: int,
+    stream: int,
+    ctas: int,
+    kernel: Optional[str] = None,
+    raster_bands: Optional[int] = None,
+    sms: Optional[int] = None,
+) -> None:
+    """Moves what gemm(..., staging=...) with the same launch options stored into out (a
+    measurement hook for the swizzled schedule's copy)."""
 def all_reduce(group_name: str, ptr: int, count: int, dtype: str, stream: int) -> None: ...
 def peer_prepare(group_name: str, slot_bytes: int) -> bytes:
     """Collective, first half: waits for the communicator's streams, allocates this rank's
@@ -115,17 +140,5 @@ def peer_attach(group_name: str, handles: list[bytes]) -> None:
 def peer_slot_bytes(group_name: str) -> int: ...
 def synchronize_communicator(group_name: str) -> None: ...
 def communicator_plan(
-    group_name: str,
-    m: int,
-    n: int,
-    k: int,
-    dtype: str,
-    stream: int,
-    mode: str = "auto",
-    bands_per_group: Optional[int] = None,
-    reserved_sms: int = 24,
-    max_groups: int = 16,
-    kernel: Optional[str] = None,
-    raster_bands: Optional[int] = None,
-    backend: str = "nccl",
+    group_name: str, m: int, n: int, k: int, dtype: str, stream: int, options: OpOptions
 ) -> Plan: ...

@@ -94,14 +94,14 @@ def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str
         # A swizzled plan reduces in a staging buffer, taken from torch's
         # allocator on this stream: the op's last use of it is ordered before
         # whatever this stream runs after the op.
-        staged = _core.communicator_staging_bytes(comm.name, m, n, k, dtype, stream, *plan_args)
+        staged = _core.communicator_staging_bytes(comm.name, m, n, k, dtype, stream, plan_args)
         if staged:
             staging = torch.empty(staged // x.element_size(), dtype=x.dtype, device=x.device)
             staging_ptr = staging.data_ptr()
         if backend == "copy_engine":
             comm.ensure_peer_buffers(max(staged, out.numel() * out.element_size()))
     schedule = _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype,
-                                     stream, *plan_args, staging_ptr)
+                                     stream, plan_args, staging_ptr)
     if schedule == "sequential":
         # Overlap does not pay here (or was not asked for): exactly the unfused
         # composition, torch's library GEMM (cuBLAS) then one AllReduce.
@@ -233,9 +233,9 @@ def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, c
     order = _resolve_order(order)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
-    return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), mode,
-                                   bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, None,
-                                   backend, order)
+    return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device),
+                                   (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, None,
+                                    backend, order))
 
 
 def compile_kernels(arch: str) -> "list[tuple[str, str, int]]":

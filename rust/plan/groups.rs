@@ -176,24 +176,21 @@ impl Partition {
     }
 
     pub fn collectives(&self) -> Vec<Collective> {
+        let of = |positions: &Range<u32>, tiles, slice| Collective {
+            positions: positions.clone(),
+            tiles,
+            slice,
+        };
         match self {
             Partition::InPlace(p) => p
                 .groups
                 .iter()
-                .map(|g| Collective {
-                    positions: g.positions.clone(),
-                    tiles: g.tiles,
-                    slice: g.slice,
-                })
+                .map(|g| of(&g.positions, g.tiles, g.slice))
                 .collect(),
             Partition::Staged(p) => p
                 .groups
                 .iter()
-                .map(|g| Collective {
-                    positions: g.positions.clone(),
-                    tiles: g.tiles,
-                    slice: g.slice,
-                })
+                .map(|g| of(&g.positions, g.tiles, g.slice))
                 .collect(),
         }
     }

@@ -68,43 +68,37 @@ pub fn best_staged_partition(
 }
 
 impl BoundarySearch {
-    /// Units are waves: a group of d full waves costs the same wherever it
-    /// starts, except the last group, whose last wave may be partial.
-    fn staged(cost: &OverlapCost) -> Self {
-        let n = cost.wave_count();
-        let unread = std::iter::once(0.0);
-        Self {
-            units: n as usize,
-            done: unread
-                .clone()
-                .chain((1..=n).map(|e| cost.staged_done_us(e)))
-                .collect(),
-            span_us: unread
-                .chain((1..n).map(|d| cost.staged_comm_us(cost.staged_tiles(0..d))))
-                .collect(),
-            tail_us: (0..n)
-                .map(|s| cost.staged_comm_us(cost.staged_tiles(s..n)))
-                .collect(),
-        }
-    }
-
-    fn new(cost: &OverlapCost) -> Self {
-        let bands = cost.band_count();
+    /// Tabulates `units` boundaries: done(e) when units 0..e are stored,
+    /// comm(s, e) the collective of units s..e. A group of d whole units
+    /// costs the same wherever it starts, so only groups ending at the last
+    /// unit (which may be partial) need their own entry.
+    fn tabulate(units: u32, done: impl Fn(u32) -> f64, comm: impl Fn(u32, u32) -> f64) -> Self {
         // Entry 0 of `done` and `span_us` (nothing finished, an empty group) is never read.
         let unread = std::iter::once(0.0);
         Self {
-            units: bands as usize,
-            done: unread
-                .clone()
-                .chain((1..=bands).map(|e| cost.gemm_done_us(e)))
-                .collect(),
-            span_us: unread
-                .chain((1..bands).map(|d| cost.comm_us(cost.rows(0..d))))
-                .collect(),
-            tail_us: (0..bands)
-                .map(|s| cost.comm_us(cost.rows(s..bands)))
-                .collect(),
+            units: units as usize,
+            done: unread.clone().chain((1..=units).map(done)).collect(),
+            span_us: unread.chain((1..units).map(|d| comm(0, d))).collect(),
+            tail_us: (0..units).map(|s| comm(s, units)).collect(),
         }
+    }
+
+    /// Units are waves of the staged schedule.
+    fn staged(cost: &OverlapCost) -> Self {
+        Self::tabulate(
+            cost.wave_count(),
+            |e| cost.staged_done_us(e),
+            |s, e| cost.staged_comm_us(cost.staged_tiles(s..e)),
+        )
+    }
+
+    /// Units are row bands.
+    fn new(cost: &OverlapCost) -> Self {
+        Self::tabulate(
+            cost.band_count(),
+            |e| cost.gemm_done_us(e),
+            |s, e| cost.comm_us(cost.rows(s..e)),
+        )
     }
 
     fn comm_us(&self, start: usize, end: usize) -> f64 {
