@@ -63,7 +63,7 @@ __device__ __forceinline__ void load_slice(unsigned stage, const elem_t* base, l
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fo_gemm_signal(const elem_t* __restrict__ A, const elem_t* __restrict__ B, elem_t* __restrict__ C, int M,
                    int N, int K, const int* __restrict__ tile_order, const int* __restrict__ tile_group,
-                   unsigned* __restrict__ counters, int num_tiles, int staged) {
+                   unsigned* __restrict__ counters, int num_tiles, int staged, const int* __restrict__ row_table) {
   extern __shared__ __align__(128) unsigned char smem[];
   const unsigned smem_base = fo::smem_addr(smem);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -73,7 +73,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
   for (int pos = blockIdx.x; pos < num_tiles; pos += gridDim.x) {
     const int tile = tile_order ? tile_order[pos] : pos;
-    const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+    // Row table (see the sm90 kernel): the rows read and the rows written.
+    const int m0 = row_table ? row_table[2 * pos] : (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
 
     float acc[MI][NI][4];
 #pragma unroll
@@ -132,8 +133,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // Staged: the whole tile, tails included, to rows pos*BM.. of a
     // [num_tiles * BM, BN] buffer (see the sm90 kernel).
     const int g = lane / 4, t = lane % 4;
-    const int row0 = staged ? pos * BM : m0, col0 = staged ? 0 : n0;
-    const int rows = staged ? 0x7fffffff : M, cols = staged ? BN : N;
+    const int row0 = staged ? pos * BM : row_table ? row_table[2 * pos + 1] : m0, col0 = staged ? 0 : n0;
+    const int rows = (staged || row_table) ? 0x7fffffff : M, cols = staged ? BN : N;
     const long long ld = staged ? BN : N;
 #pragma unroll
     for (int i = 0; i < MI; ++i) {

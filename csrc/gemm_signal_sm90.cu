@@ -23,6 +23,11 @@
 // that any run of positions is one contiguous block that a collective can
 // take whatever the tile order; fo_unreorder later moves it into C.
 //
+// Row table (`row_table` non-null, the ReduceScatter layout): position p
+// reads x from row row_table[2p] and stores at row row_table[2p+1] of the
+// buffer tma_c maps (columns as usual), so the tile grid and the output
+// layout can differ from the row-major output's.
+//
 // Compile-time constants: FO_BF16 (1: bf16, 0: fp16), FO_BN (128 or 256: the
 // tile's N; BM is 128, 64 rows per consumer warpgroup), FO_STAGES.
 #include "ptx.cuh"
@@ -67,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fo_gemm_signal_sm90(const __grid_constant__ fo::TensorMap tma_a, const __grid_constant__ fo::TensorMap tma_b,
                         const __grid_constant__ fo::TensorMap tma_c, int M, int N, int K, const int* __restrict__ tile_order,
                         const int* __restrict__ tile_group, unsigned* __restrict__ counters, int num_tiles,
-                        int staged) {
+                        int staged, const int* __restrict__ row_table) {
   // Stages first (1024-byte aligned, as 128-byte swizzling requires), the
   // epilogue buffer, then the full/empty barrier pair of every stage.
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -104,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       unsigned phase = 0;
       for (int pos = blockIdx.x; pos < num_tiles; pos += gridDim.x) {
         const int tile = tile_order ? tile_order[pos] : pos;
-        const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+        const int m0 = row_table ? row_table[2 * pos] : (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
         for (int kt = 0; kt < ktiles; ++kt) {
           // A fresh barrier counts as having completed the phase before its
           // first, so the first pass over the ring does not wait.
@@ -123,7 +128,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       const int lane = threadIdx.x % 32;
       for (int pos = blockIdx.x; pos < num_tiles; pos += gridDim.x) {
         const int tile = tile_order ? tile_order[pos] : pos;
-        const int m0 = staged ? pos * BM : (tile / tiles_n) * BM, n0 = staged ? 0 : (tile % tiles_n) * BN;
+        const int m0 = staged ? pos * BM : row_table ? row_table[2 * pos + 1] : (tile / tiles_n) * BM;
+        const int n0 = staged ? 0 : (tile % tiles_n) * BN;
         for (int ch = 0; ch < CHUNKS; ++ch) {
           fo::named_barrier(BAR_EPI_FULL, EPI_THREADS);
           if (lane == 0) {

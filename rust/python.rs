@@ -8,7 +8,9 @@ use crate::cuda::{cache, driver, kernels, nvrtc, stream};
 use crate::dtype::Dtype;
 use crate::error::Error;
 use crate::ops::gemm::GemmArgs;
-use crate::ops::{all_reduce as ar_op, gemm as gemm_op, gemm_all_reduce as gar};
+use crate::ops::{
+    all_reduce as ar_op, gemm as gemm_op, gemm_all_reduce as gar, gemm_reduce_scatter as grs,
+};
 use crate::plan::{GemmAllReducePlan, ModeRequest, OrderRequest, Partition, Schedule};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -606,6 +608,129 @@ fn communicator_staging_bytes(
     gar::staging_bytes(&comm, &args, &opts, stream::from_handle(stream)).map_err(to_py)
 }
 
+/// GEMM + ReduceScatter options as Python passes them: (mode,
+/// bands_per_group, reserved_sms, max_groups, kernel).
+type RsOptions = (String, Option<u32>, Option<u32>, u32, Option<String>);
+
+fn rs_call(
+    group_name: &str,
+    m: u32,
+    n: u32,
+    k: u32,
+    dtype: &str,
+    o: &RsOptions,
+) -> PyResult<(
+    std::sync::Arc<communicator::Communicator>,
+    GemmArgs,
+    grs::Options,
+)> {
+    let args = operands(0, 0, 0, m, n, k, dtype)?;
+    let opts = grs::Options {
+        mode: mode(&o.0)?,
+        bands_per_group: o.1,
+        reserved_sms: o.2,
+        max_groups: o.3,
+        kernel: gemm_kernel(o.4.as_deref())?,
+    };
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    Ok((comm, args, opts))
+}
+
+/// The GEMM + ReduceScatter plan of a call, as a dict: schedule, ctas,
+/// waves, out_rows and send_rows (the buffers the op needs), tile, bands
+/// per shard, predicted times, and one dict per group.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn communicator_rs_plan<'py>(
+    py: Python<'py>,
+    group_name: &str,
+    m: u32,
+    n: u32,
+    k: u32,
+    dtype: &str,
+    stream: usize,
+    options: RsOptions,
+) -> PyResult<Bound<'py, PyDict>> {
+    let (comm, args, opts) = rs_call(group_name, m, n, k, dtype, &options)?;
+    let plan = grs::plan_of(&comm, &args, &opts, stream::from_handle(stream)).map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("schedule", schedule_name(plan.schedule))?;
+    d.set_item("ctas", plan.ctas)?;
+    d.set_item("waves", plan.waves.count())?;
+    d.set_item("out_rows", plan.out_rows())?;
+    d.set_item("send_rows", plan.send_rows())?;
+    let t = plan.request.tile;
+    d.set_item("tile", (t.bm, t.bn, t.bk))?;
+    d.set_item("bands", plan.bands)?;
+    d.set_item("predicted_overlap_us", plan.timeline.overlap_us)?;
+    d.set_item("predicted_sequential_us", plan.timeline.sequential_us)?;
+    let groups = plan
+        .groups
+        .iter()
+        .map(|g| {
+            let gd = PyDict::new(py);
+            gd.set_item("bands", (g.bands.start, g.bands.end))?;
+            gd.set_item("positions", (g.positions.start, g.positions.end))?;
+            gd.set_item("tiles", g.tiles)?;
+            gd.set_item("recv_row", g.recv_row)?;
+            gd.set_item("recv_count", g.recv_count)?;
+            Ok(gd)
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    d.set_item("groups", groups)?;
+    Ok(d)
+}
+
+/// Enqueues GEMM + ReduceScatter ("overlap") or nothing ("sequential").
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn gemm_reduce_scatter(
+    py: Python<'_>,
+    group_name: &str,
+    x: u64,
+    weight: u64,
+    out: u64,
+    send: u64,
+    m: u32,
+    n: u32,
+    k: u32,
+    dtype: &str,
+    stream: usize,
+    options: RsOptions,
+) -> PyResult<&'static str> {
+    let (comm, _, opts) = rs_call(group_name, m, n, k, dtype, &options)?;
+    let args = operands(x, weight, out, m, n, k, dtype)?;
+    py.detach(|| grs::gemm_reduce_scatter(&comm, &args, send, &opts, stream::from_handle(stream)))
+        .map(schedule_name)
+        .map_err(to_py)
+}
+
+/// A plain ReduceScatter on a communicator (the sequential schedule).
+#[pyfunction]
+fn reduce_scatter(
+    py: Python<'_>,
+    group_name: &str,
+    send: u64,
+    recv: u64,
+    recv_count: usize,
+    dtype: &str,
+    stream: usize,
+) -> PyResult<()> {
+    let dtype = self::dtype(dtype)?;
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    py.detach(|| {
+        grs::reduce_scatter(
+            &comm,
+            send,
+            recv,
+            recv_count,
+            dtype,
+            stream::from_handle(stream),
+        )
+    })
+    .map_err(to_py)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlan>()?;
@@ -613,6 +738,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(communicator_staging_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(unreorder, m)?)?;
+    m.add_function(wrap_pyfunction!(communicator_rs_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(gemm_reduce_scatter, m)?)?;
+    m.add_function(wrap_pyfunction!(reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(plan_gemm_all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(load_nvrtc, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_version, m)?)?;

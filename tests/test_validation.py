@@ -388,6 +388,7 @@ def test_ops_trace_into_graphs_without_running() -> None:
 def test_ops_are_registered() -> None:
     assert hasattr(torch.ops.flashoverlap, "gemm")
     assert hasattr(torch.ops.flashoverlap, "gemm_all_reduce")
+    assert hasattr(torch.ops.flashoverlap, "gemm_reduce_scatter")
     gar = torch.ops.flashoverlap.gemm_all_reduce.default
     gemm_op = torch.ops.flashoverlap.gemm.default
     assert isinstance(gar, torch._ops.OpOverload)

@@ -142,3 +142,24 @@ def synchronize_communicator(group_name: str) -> None: ...
 def communicator_plan(
     group_name: str, m: int, n: int, k: int, dtype: str, stream: int, options: OpOptions
 ) -> Plan: ...
+
+RsOptions = tuple[str, Optional[int], Optional[int], int, Optional[str]]
+"""GEMM + ReduceScatter options: (mode, bands_per_group, reserved_sms, max_groups, kernel)."""
+
+def communicator_rs_plan(
+    group_name: str, m: int, n: int, k: int, dtype: str, stream: int, options: RsOptions
+) -> dict[str, object]: ...
+def gemm_reduce_scatter(
+    group_name: str,
+    x: int,
+    weight: int,
+    out: int,
+    send: int,
+    m: int,
+    n: int,
+    k: int,
+    dtype: str,
+    stream: int,
+    options: RsOptions,
+) -> str: ...
+def reduce_scatter(group_name: str, send: int, recv: int, recv_count: int, dtype: str, stream: int) -> None: ...

@@ -28,6 +28,9 @@ _LIB.define("gemm(Tensor x, Tensor weight, str? kernel=None, int? raster_bands=N
 _LIB.define("gemm_all_reduce(Tensor x, Tensor weight, str group_name, str mode='auto', int? bands_per_group=None, "
             "str? kernel=None, str? backend=None, str? order=None) -> Tensor")
 
+_LIB.define("gemm_reduce_scatter(Tensor x, Tensor weight, str group_name, str mode='auto', "
+            "int? bands_per_group=None, str? kernel=None) -> Tensor")
+
 
 def _register(name: str, impl, fake) -> None:
     # CPU too, so that CPU tensors reach the argument checks and get their
@@ -119,7 +122,60 @@ def _gemm_all_reduce_fake(x: torch.Tensor, weight: torch.Tensor, group_name: str
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _rs_shape(x: torch.Tensor, weight: torch.Tensor, world: int) -> tuple[int, int, int]:
+    """(M, N, K) of a GEMM + ReduceScatter: x must be [M, K] with M divisible by the world size,
+    as torch.distributed.reduce_scatter_tensor requires of its input."""
+    m, n, k = check_gemm_operands(x, weight, devices=False)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [M, K] (the rows are scattered), got shape {tuple(x.shape)}")
+    if m % world:
+        raise ValueError(f"x: M={m} must be divisible by the world size {world}")
+    return m, n, k
+
+
+def _gemm_reduce_scatter_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
+                              bands_per_group: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
+    comm = communicator_by_name(group_name)
+    m, n, k = _rs_shape(x, weight, comm.world_size)
+    _check_mode(mode, bands_per_group)
+    check_device("x", x, comm.device)
+    shard = m // comm.world_size
+    if m == 0:
+        return x.new_empty((0, n))
+    _nvrtc.ensure_loaded()
+    if _env.force_sequential():
+        mode, bands_per_group = "sequential", None
+    dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
+    options = (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel)
+    plan = _core.communicator_rs_plan(comm.name, m, n, k, dtype, stream, options)
+    if plan["schedule"] == "overlap":
+        # Whole bands of output (the caller sees the first M / world rows) and the send buffer the
+        # GEMM stores into, both from torch's allocator on this stream: the op's last use of them
+        # is ordered before whatever this stream runs after it.
+        out = torch.empty((plan["out_rows"], n), dtype=x.dtype, device=x.device)
+        send = torch.empty((plan["send_rows"], n), dtype=x.dtype, device=x.device)
+        schedule = _core.gemm_reduce_scatter(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                             send.data_ptr(), m, n, k, dtype, stream, options)
+        if schedule == "overlap":
+            return out[:shard]
+    # Exactly the unfused composition: the library GEMM, then one ReduceScatter.
+    full = torch.matmul(x, weight.t())
+    out = torch.empty((shard, n), dtype=x.dtype, device=x.device)
+    if comm.torch_nccl:
+        torch.distributed.reduce_scatter_tensor(out, full, group=comm.group)
+    else:
+        _core.reduce_scatter(comm.name, full.data_ptr(), out.data_ptr(), out.numel(), dtype, stream)
+    return out
+
+
+def _gemm_reduce_scatter_fake(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
+                              bands_per_group: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
+    world = communicator_by_name(group_name).world_size
+    return x.new_empty((x.shape[0] // world, weight.shape[0]))
+
+
 _register("gemm", _gemm_impl, _gemm_fake)
+_register("gemm_reduce_scatter", _gemm_reduce_scatter_impl, _gemm_reduce_scatter_fake)
 _register("gemm_all_reduce", _gemm_all_reduce_impl, _gemm_all_reduce_fake)
 
 
@@ -243,3 +299,45 @@ def compile_kernels(arch: str) -> "list[tuple[str, str, int]]":
     returns (kernel, defines, cubin bytes) for each. Needs NVRTC, not a GPU."""
     _nvrtc.ensure_loaded()
     return _core.compile_kernels(arch)
+
+
+def gemm_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
+                        mode: str = "auto", bands_per_group: Optional[int] = None,
+                        kernel: Optional[str] = None) -> torch.Tensor:
+    """``torch.distributed.reduce_scatter_tensor`` of ``x @ weight.T`` (sum): rank r gets rows
+    r*M/world .. (r+1)*M/world - 1, as [M / world, N]. The ReduceScatter of each finished wave
+    group of the GEMM overlaps the rest of the GEMM and receives straight into the output rows
+    (the GEMM stores its tiles where the collective wants them).
+
+    x: [M, K] with M divisible by the world size; weight: [N, K]; both bfloat16 or both float16.
+    group, communicator, mode, bands_per_group (local row bands of every shard per group), kernel:
+    as for :func:`gemm_all_reduce`. The collectives are NCCL's (24 SMs left free for them)."""
+    comm = _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel)
+    return torch.ops.flashoverlap.gemm_reduce_scatter(x, weight, comm.name, mode, bands_per_group, kernel)
+
+
+def reduce_scatter_plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
+                           mode: str = "auto", bands_per_group: Optional[int] = None,
+                           kernel: Optional[str] = None) -> dict:
+    """The plan ``gemm_reduce_scatter`` runs for these arguments, as a dict (schedule, ctas, waves,
+    buffers, predicted times, and one dict per wave group)."""
+    comm = _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel)
+    m, n, k = _rs_shape(x, weight, comm.world_size)
+    if _env.force_sequential():
+        mode, bands_per_group = "sequential", None
+    options = (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel)
+    return _core.communicator_rs_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), options)
+
+
+def _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel):
+    check_gemm_operands(x, weight, devices=False)
+    _check_mode(mode, bands_per_group)
+    _check_kernel(kernel)
+    if not isinstance(group, (str, Communicator)) and communicator is None:
+        resolve_group(group)
+    check_device("x", x)
+    check_device("weight", weight, x.device)
+    comm = get_communicator(group, communicator=communicator)
+    check_device("x", x, comm.device)
+    _rs_shape(x, weight, comm.world_size)
+    return comm

@@ -53,6 +53,16 @@ type AllReduce = unsafe extern "C" fn(
     *mut c_void,
 ) -> c_int;
 
+type ReduceScatter = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    Comm,
+    *mut c_void,
+) -> c_int;
+
 pub struct Nccl {
     pub path: PathBuf,
     _lib: libloading::Library,
@@ -63,6 +73,7 @@ pub struct Nccl {
     comm_get_async_error: CommGetAsyncError,
     get_error_string: GetErrorString,
     all_reduce: AllReduce,
+    reduce_scatter: ReduceScatter,
 }
 
 /// The path of the libnccl mapped into this process, if any.
@@ -104,6 +115,7 @@ fn open() -> std::result::Result<Nccl, String> {
         comm_get_async_error: sym!(b"ncclCommGetAsyncError\0"),
         get_error_string: sym!(b"ncclGetErrorString\0"),
         all_reduce: sym!(b"ncclAllReduce\0"),
+        reduce_scatter: sym!(b"ncclReduceScatter\0"),
         path,
         _lib: lib,
     })
@@ -222,6 +234,34 @@ impl Nccl {
         self.check(
             unsafe { (self.all_reduce)(p, p, count, nccl_dtype(dtype), SUM, comm, stream) },
             "ncclAllReduce",
+        )
+    }
+
+    /// Sum over ranks of `recv_count * world` elements at `send`; rank r
+    /// receives chunk r (`recv_count` elements) at `recv`, on `stream`.
+    pub fn reduce_scatter(
+        &self,
+        send: u64,
+        recv: u64,
+        recv_count: usize,
+        dtype: Dtype,
+        comm: Comm,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        // SAFETY: send holds world * recv_count and recv recv_count elements on the device.
+        self.check(
+            unsafe {
+                (self.reduce_scatter)(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    recv_count,
+                    nccl_dtype(dtype),
+                    SUM,
+                    comm,
+                    stream,
+                )
+            },
+            "ncclReduceScatter",
         )
     }
 }

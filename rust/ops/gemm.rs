@@ -67,6 +67,13 @@ pub struct Signals {
     /// A staging buffer of [tiles * BM, BN] that takes the tile of position
     /// p at rows p*BM.. instead of `out` (0: store into `out`).
     pub staging: u64,
+    /// Per position, (row of x read, row of `store` written) as i32 pairs,
+    /// with `store` a [store_rows, N] buffer in place of `out` (0: none).
+    pub row_table: u64,
+    pub store: u64,
+    pub store_rows: u32,
+    /// Positions the row table lists.
+    pub tile_count: u32,
 }
 
 /// A GEMM kernel loaded for one device and dtype.
@@ -107,8 +114,15 @@ pub fn launch(
     if signals.staging != 0 {
         c = signals.staging;
     }
+    let mut row_table = signals.row_table;
+    if row_table != 0 {
+        c = signals.store;
+        // The row table's grid, not the output's, sets the tile count.
+        count = signals.tile_count as i32;
+    }
+    let tiles = count as u32;
     let grid = ctas.min(tiles).max(1);
-    let tail: [*mut c_void; 9] = [
+    let tail: [*mut c_void; 10] = [
         (&mut c as *mut u64).cast(),
         (&mut m as *mut i32).cast(),
         (&mut n as *mut i32).cast(),
@@ -118,6 +132,7 @@ pub fn launch(
         (&mut counters as *mut u64).cast(),
         (&mut count as *mut i32).cast(),
         (&mut staged as *mut i32).cast(),
+        (&mut row_table as *mut u64).cast(),
     ];
     match gemm.which {
         GemmKernel::Sm80 => {
@@ -135,6 +150,15 @@ pub fn launch(
             // The epilogue stores 128 x 64 boxes (one 128-byte swizzle row each).
             let mut out = if signals.staging != 0 {
                 tensor_map::row_major_2d(signals.staging, tiles * bm, bn, bm, 64, args.dtype)?
+            } else if signals.row_table != 0 {
+                tensor_map::row_major_2d(
+                    signals.store,
+                    signals.store_rows,
+                    args.n,
+                    bm,
+                    64,
+                    args.dtype,
+                )?
             } else {
                 tensor_map::row_major_2d(args.out, args.m, args.n, bm, 64, args.dtype)?
             };
@@ -273,6 +297,7 @@ fn resolve(args: &GemmArgs, ordinal: i32, how: &Launch, stream: RawStream) -> Re
         tile_group: ptr(&t.group),
         counters: ptr(&t.counters),
         staging: how.staging,
+        ..Signals::default()
     };
     Ok(Resolved {
         kernel,

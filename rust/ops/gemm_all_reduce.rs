@@ -41,7 +41,7 @@ use std::sync::Arc;
 /// Counter slots per shape: consecutive calls use different slots, so a call
 /// never sees counts left by the call before it, even if the caller
 /// enqueues on several streams.
-const COUNTER_SLOTS: usize = 4;
+pub(crate) const COUNTER_SLOTS: usize = 4;
 
 /// What moves the bytes of each group's AllReduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -97,7 +97,7 @@ pub struct Prepared {
 /// The predictor's machine: measured constants on H200 (with the rate of
 /// the kernel that will run and the backend's per-group cost), a
 /// pessimistic model elsewhere.
-fn hardware_for(
+pub(crate) fn hardware_for(
     sms: u32,
     major: i32,
     kernel: GemmKernel,
@@ -359,6 +359,7 @@ pub fn gemm_all_reduce(
         tile_group: prepared.tile_group.ptr,
         counters,
         staging: if staged { staging } else { 0 },
+        ..Signals::default()
     };
     let run = Run {
         args,
@@ -413,7 +414,7 @@ impl Run<'_> {
 }
 
 /// The counter of group `g` (4-byte words from `signals.counters`).
-fn counter(signals: &Signals, g: usize) -> u64 {
+pub(crate) fn counter(signals: &Signals, g: usize) -> u64 {
     signals.counters + (g * 4) as u64
 }
 

@@ -4,3 +4,4 @@
 pub mod all_reduce;
 pub mod gemm;
 pub mod gemm_all_reduce;
+pub mod gemm_reduce_scatter;

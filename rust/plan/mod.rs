@@ -8,6 +8,7 @@ pub mod gemm_all_reduce;
 pub mod groups;
 pub mod order;
 pub mod predictor;
+pub mod reduce_scatter;
 pub mod staged;
 pub mod tiles;
 pub mod waves;
@@ -24,6 +25,9 @@ pub use order::{default_raster_bands, OrderKind, TileOrder};
 pub use predictor::{
     best_partition, best_staged_partition, predict, predict_sequential, predict_staged,
     CollectiveModel, GroupTiming, HardwareModel, Timeline,
+};
+pub use reduce_scatter::{
+    plan_gemm_reduce_scatter, ReduceScatterPlan, ReduceScatterRequest, ScatterGroup,
 };
 pub use staged::{staging_elems, StagedGroup, StagedPartition};
 pub use tiles::{hopper_tile_n, OutputTiles, TileShape};

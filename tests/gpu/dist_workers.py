@@ -534,7 +534,78 @@ def communicators(rank: int, world: int, seed: int) -> dict:
     return {"ok": True}
 
 
+def rs_cases(rank: int, world: int, cases: list, replays: int = 0) -> dict:
+    """gemm_reduce_scatter on each case (fresh inputs, poisoned memory) against rank `rank`'s rows
+    of the fp32 sum; then, if `replays`, a CUDA graph of the first case replayed on fresh inputs."""
+    import torch
+
+    import flashoverlap
+
+    device = torch.device("cuda", rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    failures, records = [], []
+
+    # Bad shapes are refused before anything runs; the op works afterwards.
+    x, w = make_inputs(1, rank, (2, 8 * world), 64, 64, torch.bfloat16, device)
+    expect_error(ValueError, "x", lambda: flashoverlap.gemm_reduce_scatter(x, w), "[M, K]")
+    if world > 1:
+        x, w = make_inputs(1, rank, (8 * world + 1,), 64, 64, torch.bfloat16, device)
+        expect_error(ValueError, "x", lambda: flashoverlap.gemm_reduce_scatter(x, w), "divisible")
+
+    def expected(seed, m, n, k, dtype):
+        shard = m // world
+        return reference(seed, world, (m,), n, k, dtype, device)[rank * shard:(rank + 1) * shard]
+
+    for case in cases:
+        m, n, k, seed = case["m"], case["n"], case["k"], case["seed"]
+        dtype = dtype_of(case["dtype"])
+        call = dict(mode=case["mode"], bands_per_group=case["bands"])
+        x, w = make_inputs(seed, rank, (m,), n, k, dtype, device)
+        poison((m // world + 256, n), dtype, device)
+        poison(((m // world + 256) * world, n), dtype, device)
+        out = flashoverlap.gemm_reduce_scatter(x, w, **call)
+        what = f"rank {rank} {m}x{n}x{k} {case['dtype']} {call}"
+        error = mismatch(out, expected(seed, m, n, k, dtype), what)
+        if error:
+            failures.append(error)
+        if m:
+            plan = flashoverlap.reduce_scatter_plan_of(x, w, **call)
+            bands = [g["bands"] for g in plan["groups"]]
+            if [b[0] for b in bands] != [0] + [b[1] for b in bands[:-1]] or bands[-1][1] != plan["bands"]:
+                failures.append(f"{what}: groups {bands} do not cover the {plan['bands']} bands")
+            if case["mode"] == "overlap" and plan["schedule"] != "overlap":
+                failures.append(f"{what}: overlap mode planned {plan['schedule']}")
+            records.append({"case": case, "schedule": plan["schedule"], "groups": len(bands)})
+    if replays and cases:
+        case = cases[0]
+        m, n, k, dtype = case["m"], case["n"], case["k"], dtype_of(case["dtype"])
+        call = dict(mode="overlap", bands_per_group=case["bands"])
+        static_x, static_w = make_inputs(case["seed"], rank, (m,), n, k, dtype, device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            flashoverlap.gemm_reduce_scatter(static_x, static_w, **call)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = flashoverlap.gemm_reduce_scatter(static_x, static_w, **call)
+        for i in range(replays):
+            seed = case["seed"] + 1 + i
+            x, w = make_inputs(seed, rank, (m,), n, k, dtype, device)
+            static_x.copy_(x)
+            static_w.copy_(w)
+            out.fill_(float("nan"))
+            graph.replay()
+            error = mismatch(out, expected(seed, m, n, k, dtype), f"replay {i}")
+            if error:
+                failures.append(error)
+    if failures:
+        raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures[:20]))
+    return {"records": records}
+
+
 TARGETS = {
+    "rs_cases": rs_cases,
     "cases": cases,
     "cuda_graph": cuda_graph,
     "backends_agree": backends_agree,

@@ -1,0 +1,245 @@
+//! GEMM + ReduceScatter with the ReduceScatter of each finished wave group
+//! running while the rest of the GEMM computes (NCCL backend).
+//!
+//! Caller's stream S: [fork] GEMM (stores into the send buffer, signals)  [wait join]
+//! Comm stream C:     [wait fork] wait(c0) c0=0 RS(g0 -> out rows of g0) wait(c1) ... [join]
+//!
+//! The plan (plan/reduce_scatter.rs) tiles each rank's shard separately and
+//! gives every position the row of x it reads and the row of the send
+//! buffer it writes, so that group g's send block is the `world` chunks
+//! ReduceScatter expects and rank r receives its rows straight into `out`.
+//! Where overlap does not pay nothing is enqueued here: the caller runs its
+//! library GEMM and then `reduce_scatter`.
+
+use super::gemm::{self, GemmArgs, Signals};
+use super::gemm_all_reduce::{counter, hardware_for, Backend, COUNTER_SLOTS};
+use crate::comm::communicator::Communicator;
+use crate::cuda::driver;
+use crate::cuda::kernels::GemmKernel;
+use crate::cuda::memory::DeviceBuffer;
+use crate::cuda::stream::{self, RawStream};
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+use crate::plan::{
+    plan_gemm_reduce_scatter, ModeRequest, ReduceScatterPlan, ReduceScatterRequest, Schedule,
+};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    pub kernel: Option<GemmKernel>,
+    pub mode: ModeRequest,
+    pub bands_per_group: Option<u32>,
+    /// SMs left free of GEMM CTAs for NCCL; None: NCCL_RESERVED_SMS.
+    pub reserved_sms: Option<u32>,
+    pub max_groups: u32,
+}
+
+/// The kernel and plan of a call on a device with `sms` SMs of compute
+/// capability `major` (no GPU needed).
+pub fn plan_for(
+    args: &GemmArgs,
+    world: u32,
+    opts: &Options,
+    sms: u32,
+    major: i32,
+) -> Result<(GemmKernel, ReduceScatterPlan)> {
+    let reserved = opts
+        .reserved_sms
+        .unwrap_or(super::gemm_all_reduce::NCCL_RESERVED_SMS);
+    let kernel = opts.kernel.unwrap_or_else(|| {
+        GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved).max(1))
+    });
+    let hw = hardware_for(sms, major, kernel, Backend::Nccl, reserved);
+    let req = ReduceScatterRequest {
+        m: args.m,
+        n: args.n,
+        k: args.k,
+        world,
+        elem_bytes: args.dtype.bytes(),
+        tile: gemm::tile_shape(kernel),
+        reserved_sms: reserved,
+        bands_per_group: opts.bands_per_group,
+        max_groups: opts.max_groups,
+        mode: opts.mode,
+    };
+    Ok((kernel, plan_gemm_reduce_scatter(&req, &hw)?))
+}
+
+struct Prepared {
+    plan: ReduceScatterPlan,
+    kernel: GemmKernel,
+    tile_order: DeviceBuffer,
+    tile_group: DeviceBuffer,
+    /// (row of x read, row of the send buffer written) per position.
+    row_table: DeviceBuffer,
+    counters: DeviceBuffer,
+    next_slot: AtomicUsize,
+}
+
+fn prepare(
+    comm: &Communicator,
+    args: &GemmArgs,
+    opts: &Options,
+    caller: RawStream,
+) -> Result<Arc<Prepared>> {
+    let key = format!(
+        "gemm_reduce_scatter/{}x{}x{}/{:?}/{:?}",
+        args.m, args.n, args.k, args.dtype, opts
+    );
+    if let Some(p) = comm
+        .prepared
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&key)
+    {
+        return p
+            .clone()
+            .downcast::<Prepared>()
+            .map_err(|_| Error::Invalid("internal: prepared state type".into()));
+    }
+    if stream::is_capturing(caller)? {
+        return Err(Error::Invalid(format!(
+            "gemm_reduce_scatter: shape {}x{}x{} ({}) is first called during CUDA graph capture; run it once \
+             before capturing so that its plan, tables and kernel are ready",
+            args.m,
+            args.n,
+            args.k,
+            args.dtype.name()
+        )));
+    }
+    let (kernel, plan) = plan_for(
+        args,
+        comm.world as u32,
+        opts,
+        comm.device.sms,
+        comm.device.major,
+    )?;
+    let rows: Vec<u32> = plan
+        .load_rows
+        .iter()
+        .zip(&plan.store_rows)
+        .flat_map(|(&l, &s)| [l, s])
+        .collect();
+    if plan.send_rows() > i32::MAX as u64 {
+        return Err(Error::Invalid(format!(
+            "shape: {} rows of send buffer exceed the kernel's 32-bit rows",
+            plan.send_rows()
+        )));
+    }
+    let prepared = Arc::new(Prepared {
+        kernel,
+        tile_order: DeviceBuffer::from_u32(&plan.tile_order)?,
+        tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
+        row_table: DeviceBuffer::from_u32(&rows)?,
+        counters: DeviceBuffer::zeroed_u32(plan.groups.len() * COUNTER_SLOTS)?,
+        next_slot: AtomicUsize::new(0),
+        plan,
+    });
+    comm.prepared
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(key, prepared.clone());
+    Ok(prepared)
+}
+
+/// The plan a call with these arguments runs (made on first use).
+pub fn plan_of(
+    comm: &Communicator,
+    args: &GemmArgs,
+    opts: &Options,
+    caller: RawStream,
+) -> Result<ReduceScatterPlan> {
+    driver::bind(comm.device.ordinal)?;
+    Ok(prepare(comm, args, opts, caller)?.plan.clone())
+}
+
+/// Enqueues the overlapped op and returns `Schedule::Overlap`, or enqueues
+/// nothing and returns `Schedule::Sequential` when the plan falls back.
+/// `args.out`: the output, `plan.out_rows()` x N (whole bands; the caller
+/// keeps the first M / world rows); `send`: a `plan.send_rows()` x N buffer
+/// the GEMM stores into (both from the caller, in stream order on `caller`).
+pub fn gemm_reduce_scatter(
+    comm: &Communicator,
+    args: &GemmArgs,
+    send: u64,
+    opts: &Options,
+    caller: RawStream,
+) -> Result<Schedule> {
+    args.validate()?;
+    driver::bind(comm.device.ordinal)?;
+    let prepared = prepare(comm, args, opts, caller)?;
+    let plan = &prepared.plan;
+    if plan.schedule == Schedule::Sequential {
+        return Ok(Schedule::Sequential);
+    }
+    if send == 0 || send % 16 != 0 {
+        return Err(Error::Invalid(format!(
+            "send: needs a 16-byte aligned buffer of {} rows, got {send:#x}",
+            plan.send_rows()
+        )));
+    }
+    let kernel = gemm::load(&comm.device, args.dtype, prepared.kernel)?;
+    let nccl = comm.nccl()?;
+    let groups = plan.groups.len();
+    let slot = prepared.next_slot.fetch_add(1, Ordering::Relaxed) % COUNTER_SLOTS;
+    let signals = Signals {
+        tile_order: prepared.tile_order.ptr,
+        tile_group: prepared.tile_group.ptr,
+        counters: prepared.counters.ptr + (slot * groups * 4) as u64,
+        row_table: prepared.row_table.ptr,
+        store: send,
+        store_rows: plan.send_rows() as u32,
+        tile_count: plan.tile_order.len() as u32,
+        ..Signals::default()
+    };
+    let row_bytes = u64::from(args.n) * args.dtype.bytes() as u64;
+    let comm_stream = comm.stream.0;
+    let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+    comm.fork.order(caller, comm_stream)?;
+    gemm::launch(&kernel, args, &signals, plan.ctas, caller)?;
+    for (g, group) in plan.groups.iter().enumerate() {
+        let counter = counter(&signals, g);
+        stream::wait_geq(comm_stream, counter, group.tiles)?;
+        stream::write(comm_stream, counter, 0)?;
+        nccl.reduce_scatter(
+            send + group.send_row * row_bytes,
+            args.out + group.recv_row * row_bytes,
+            group.recv_count as usize,
+            args.dtype,
+            comm.comm(),
+            comm_stream.cast(),
+        )?;
+    }
+    comm.join.order(comm_stream, caller)?;
+    Ok(Schedule::Overlap)
+}
+
+/// A plain ReduceScatter on the communicator's stream, ordered after the
+/// caller's prior work and before its later work (the sequential schedule).
+pub fn reduce_scatter(
+    comm: &Communicator,
+    send: u64,
+    recv: u64,
+    recv_count: usize,
+    dtype: Dtype,
+    caller: RawStream,
+) -> Result<()> {
+    if (send == 0 || recv == 0) && recv_count > 0 {
+        return Err(Error::Invalid("tensor: null device pointer".into()));
+    }
+    driver::bind(comm.device.ordinal)?;
+    let nccl = comm.nccl()?;
+    let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+    comm.fork.order(caller, comm.stream.0)?;
+    nccl.reduce_scatter(
+        send,
+        recv,
+        recv_count,
+        dtype,
+        comm.comm(),
+        comm.stream.0.cast(),
+    )?;
+    comm.join.order(comm.stream.0, caller)
+}

@@ -1,0 +1,330 @@
+//! GEMM + ReduceScatter: out_r = rows r*Ms..(r+1)*Ms of sum_ranks(x @ w^T),
+//! Ms = M / world, laid out so that one ncclReduceScatter per wave group
+//! receives straight into the final output rows.
+//!
+//! The output is tiled per shard: shard s has `bands` = ceil(Ms / bm) row
+//! bands starting at row s*Ms (its last band may be partial; the rows a
+//! tile computes past its shard are never kept). Group g is the same local
+//! bands a_g..b_g of every shard. The GEMM stores each tile into a send
+//! buffer where group g occupies rows world*a_g*bm.. as `world` chunks of
+//! (b_g - a_g)*bm rows, chunk s holding shard s's bands a_g..b_g row-major:
+//! exactly the layout ReduceScatter wants, so rank r receives the sum of
+//! chunk r into its output rows a_g*bm.. in place. The reordering happens in
+//! the GEMM's stores (through a per-position row table); nothing is moved
+//! after the collective. Chunks are whole bands, so the output is allocated
+//! with `bands * bm` rows and the caller sees its first Ms.
+//!
+//! Cost model: under the ring model a ReduceScatter of B bytes moves
+//! (W-1)/W * B, what an AllReduce of B/2 moves, so the search runs the
+//! AllReduce model over a virtual output of `bands` bands of world*tiles_n
+//! tiles with half-size elements.
+
+use super::error::{require_positive, PlanError};
+use super::gemm_all_reduce::{ModeRequest, Schedule, AUTO_OVERLAP_MARGIN};
+use super::groups::GroupPartition;
+use super::predictor::{best_partition, predict, predict_sequential, HardwareModel, Timeline};
+use super::tiles::{OutputTiles, TileShape};
+use super::waves::Waves;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReduceScatterRequest {
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    pub world: u32,
+    pub elem_bytes: u32,
+    pub tile: TileShape,
+    pub reserved_sms: u32,
+    /// Forces groups of this many local bands.
+    pub bands_per_group: Option<u32>,
+    pub max_groups: u32,
+    pub mode: ModeRequest,
+}
+
+/// One wave group: local bands of every shard, and where its collective runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScatterGroup {
+    pub bands: std::ops::Range<u32>,
+    /// Positions the group waits for (every shard's tiles of its bands).
+    pub positions: std::ops::Range<u32>,
+    pub tiles: u32,
+    /// First row of the group's `world` chunks in the send buffer.
+    pub send_row: u64,
+    /// First row of the group in the (padded) output.
+    pub recv_row: u64,
+    /// Elements each rank receives: (b - a) * bm * n.
+    pub recv_count: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReduceScatterPlan {
+    pub request: ReduceScatterRequest,
+    pub schedule: Schedule,
+    pub ctas: u32,
+    pub waves: Waves,
+    /// Rows of each shard (M / world) and its bands.
+    pub shard_rows: u32,
+    pub bands: u32,
+    pub tiles_n: u32,
+    pub groups: Vec<ScatterGroup>,
+    /// Per position: the tile id (band-major over world*bands bands of
+    /// tiles_n tiles), the first row of x it reads, the first row of the
+    /// send buffer it writes, and its group.
+    pub tile_order: Vec<u32>,
+    pub load_rows: Vec<u32>,
+    pub store_rows: Vec<u32>,
+    pub tile_group: Vec<u32>,
+    pub timeline: Timeline,
+}
+
+impl ReduceScatterRequest {
+    fn validate(&self, hw: &HardwareModel) -> Result<(), PlanError> {
+        for (field, value) in [
+            ("m", self.m),
+            ("n", self.n),
+            ("k", self.k),
+            ("world", self.world),
+            ("elem_bytes", self.elem_bytes),
+        ] {
+            require_positive(field, value, PlanError::InvalidShape)?;
+        }
+        if self.m % self.world != 0 {
+            return Err(PlanError::InvalidShape(format!(
+                "m must be divisible by the world size {}, got {}",
+                self.world, self.m
+            )));
+        }
+        hw.validate()?;
+        if self.reserved_sms >= hw.sms {
+            return Err(PlanError::InvalidHardware(format!(
+                "reserved_sms must be < sms = {}, got {}",
+                hw.sms, self.reserved_sms
+            )));
+        }
+        require_positive("max_groups", self.max_groups, PlanError::InvalidPartition)?;
+        if let Some(b) = self.bands_per_group {
+            require_positive("bands_per_group", b, PlanError::InvalidPartition)?;
+        }
+        Ok(())
+    }
+}
+
+/// Plans GEMM + ReduceScatter. Overlap partition = uniform(bands_per_group)
+/// if given, else the predicted best; Auto overlaps only where that beats
+/// the sequential prediction by AUTO_OVERLAP_MARGIN. The sequential plan is
+/// one group of every band on all SMs (the op then runs the library GEMM and
+/// one ReduceScatter instead).
+pub fn plan_gemm_reduce_scatter(
+    req: &ReduceScatterRequest,
+    hw: &HardwareModel,
+) -> Result<ReduceScatterPlan, PlanError> {
+    req.validate(hw)?;
+    let shard_rows = req.m / req.world;
+    let tile = req.tile;
+    let bands = shard_rows.div_ceil(tile.bm);
+    let tiles_n = req.n.div_ceil(tile.bn);
+    // The virtual output of the model: one band per local band, holding
+    // every shard's tiles of it.
+    let virtual_tiles = OutputTiles::new(bands * tile.bm, req.world * tiles_n * tile.bn, tile)?;
+    let half = (req.elem_bytes / 2).max(1);
+    let overlap_ctas = hw.sms - req.reserved_sms;
+    let (k, world) = (req.k, req.world);
+    let overlap = match (req.mode, req.bands_per_group) {
+        (ModeRequest::Sequential, _) => None,
+        (_, Some(b)) => {
+            let p = GroupPartition::uniform(&virtual_tiles, b)?;
+            let t = predict(&virtual_tiles, k, overlap_ctas, &p, hw, world, half)?;
+            Some((p, t))
+        }
+        (mode, None) => {
+            let best = best_partition(
+                &virtual_tiles,
+                k,
+                overlap_ctas,
+                hw,
+                world,
+                half,
+                req.max_groups,
+            )?;
+            let pays = best.1.overlap_us + hw.overlap_fixed_us
+                < AUTO_OVERLAP_MARGIN * best.1.sequential_us;
+            (mode == ModeRequest::Overlap || pays).then_some(best)
+        }
+    };
+    let (schedule, ctas, partition, timeline) = match overlap {
+        Some((p, t)) => (Schedule::Overlap, overlap_ctas, p, t),
+        None => (
+            Schedule::Sequential,
+            hw.sms,
+            GroupPartition::whole(&virtual_tiles),
+            predict_sequential(&virtual_tiles, k, hw, world, half)?,
+        ),
+    };
+    let total = req.world * bands * tiles_n;
+    let mut plan = ReduceScatterPlan {
+        request: req.clone(),
+        schedule,
+        ctas,
+        waves: Waves::new(ctas, total)?,
+        shard_rows,
+        bands,
+        tiles_n,
+        groups: Vec::with_capacity(partition.len()),
+        tile_order: Vec::with_capacity(total as usize),
+        load_rows: Vec::with_capacity(total as usize),
+        store_rows: Vec::with_capacity(total as usize),
+        tile_group: Vec::with_capacity(total as usize),
+        timeline,
+    };
+    let bm = tile.bm;
+    for (g, group) in (0u32..).zip(&partition.groups) {
+        let (a, b) = (group.bands.start, group.bands.end);
+        let first = plan.tile_order.len() as u32;
+        for s in 0..req.world {
+            // Column by column over the group's bands of this shard: the
+            // CTAs running at once share B panels.
+            for tn in 0..tiles_n {
+                for j in a..b {
+                    plan.tile_order.push((s * bands + j) * tiles_n + tn);
+                    plan.load_rows.push(s * shard_rows + j * bm);
+                    plan.store_rows
+                        .push(req.world * a * bm + s * (b - a) * bm + (j - a) * bm);
+                    plan.tile_group.push(g);
+                }
+            }
+        }
+        let end = plan.tile_order.len() as u32;
+        plan.groups.push(ScatterGroup {
+            bands: a..b,
+            positions: first..end,
+            tiles: end - first,
+            send_row: u64::from(req.world) * u64::from(a) * u64::from(bm),
+            recv_row: u64::from(a) * u64::from(bm),
+            recv_count: u64::from(b - a) * u64::from(bm) * u64::from(req.n),
+        });
+    }
+    Ok(plan)
+}
+
+impl ReduceScatterPlan {
+    /// Rows of the send buffer the GEMM stores into.
+    pub fn send_rows(&self) -> u64 {
+        u64::from(self.request.world) * self.out_rows()
+    }
+
+    /// Rows of the output as allocated (whole bands; the caller keeps shard_rows).
+    pub fn out_rows(&self) -> u64 {
+        u64::from(self.bands) * u64::from(self.request.tile.bm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::plan::testing::{world, TILE};
+
+    fn request(m: u32, n: u32, k: u32, world: u32) -> ReduceScatterRequest {
+        ReduceScatterRequest {
+            m,
+            n,
+            k,
+            world,
+            elem_bytes: 2,
+            tile: TILE,
+            reserved_sms: 24,
+            bands_per_group: None,
+            max_groups: 16,
+            mode: ModeRequest::Overlap,
+        }
+    }
+
+    /// Replays the plan's stores: every kept output row of every shard is
+    /// written exactly once, into the chunk rank s receives, at the row of
+    /// its final position.
+    fn assert_stores_land_in_place(plan: &ReduceScatterPlan) {
+        let req = &plan.request;
+        let bm = req.tile.bm;
+        let mut written = vec![false; (plan.send_rows()) as usize];
+        for p in 0..plan.tile_order.len() {
+            let tile = plan.tile_order[p];
+            let (band, tn) = (tile / plan.tiles_n, tile % plan.tiles_n);
+            let (s, j) = (band / plan.bands, band % plan.bands);
+            assert_eq!(plan.load_rows[p], s * plan.shard_rows + j * bm);
+            let g = &plan.groups[plan.tile_group[p] as usize];
+            assert!(g.positions.contains(&(p as u32)));
+            assert!(g.bands.contains(&j));
+            for r in 0..bm {
+                let local = j * bm + r;
+                let row = u64::from(plan.store_rows[p] + r);
+                // Chunk s of the group's send block, at the row rank s's output has.
+                let chunk = g.send_row + u64::from(s) * (g.recv_count / u64::from(req.n));
+                assert_eq!(row - chunk + g.recv_row, u64::from(local));
+                if tn == 0 && local < plan.shard_rows {
+                    assert!(!std::mem::replace(&mut written[row as usize], true));
+                }
+            }
+        }
+        let kept = written.iter().filter(|&&w| w).count() as u32;
+        assert_eq!(kept, req.m);
+    }
+
+    #[test]
+    fn groups_cover_every_band_and_receive_in_place() {
+        let plan =
+            plan_gemm_reduce_scatter(&request(3000, 1000, 512, 2), &HardwareModel::h200()).unwrap();
+        assert_eq!(plan.shard_rows, 1500);
+        assert_eq!(plan.bands, 12);
+        assert_eq!(plan.out_rows(), 1536);
+        let mut band = 0;
+        for g in &plan.groups {
+            assert_eq!(g.bands.start, band);
+            assert_eq!(g.recv_row, u64::from(band) * 128);
+            band = g.bands.end;
+        }
+        assert_eq!(band, 12);
+        assert_stores_land_in_place(&plan);
+    }
+
+    #[test]
+    fn m_not_divisible_by_the_world_is_an_error() {
+        let err = plan_gemm_reduce_scatter(&request(3001, 1024, 512, 2), &HardwareModel::h200())
+            .unwrap_err();
+        assert!(err.to_string().contains("divisible"), "{err}");
+    }
+
+    #[test]
+    fn sequential_is_one_group() {
+        let req = ReduceScatterRequest {
+            mode: ModeRequest::Sequential,
+            ..request(8192, 8192, 4096, 4)
+        };
+        let plan = plan_gemm_reduce_scatter(&req, &HardwareModel::h200()).unwrap();
+        assert_eq!(plan.schedule, Schedule::Sequential);
+        assert_eq!(plan.groups.len(), 1);
+        assert_eq!(plan.ctas, 132);
+        assert_stores_land_in_place(&plan);
+    }
+
+    proptest! {
+        #[test]
+        fn every_plan_stores_every_row_once(
+            shard in 1u32..3000,
+            n8 in 1u32..300,
+            k in 1u32..8192,
+            world in world(),
+            per in prop::option::of(1u32..8),
+            mode in prop::sample::select(vec![ModeRequest::Auto, ModeRequest::Overlap, ModeRequest::Sequential]),
+        ) {
+            let req = ReduceScatterRequest { bands_per_group: per, mode, ..request(shard * world, n8 * 8, k, world) };
+            let plan = plan_gemm_reduce_scatter(&req, &HardwareModel::h200()).unwrap();
+            prop_assert!(plan.groups.len() as u32 <= req.max_groups.max(plan.bands));
+            assert_stores_land_in_place(&plan);
+            // (A forced grouping overlaps whatever the prediction, as for AllReduce.)
+            if plan.schedule == Schedule::Overlap && mode == ModeRequest::Auto && per.is_none() {
+                prop_assert!(plan.timeline.overlap_us < plan.timeline.sequential_us);
+            }
+        }
+    }
+}
