@@ -1,0 +1,242 @@
+"""GEMM + ReduceScatter on all local GPUs against its baselines, measured in the same run.
+
+For each shape (x [M, K] per rank, w [N, K], out [M / world, N]):
+
+  cublas      torch.matmul alone
+  nccl        torch.distributed.reduce_scatter_tensor of an [M, N] buffer alone
+  seq         cuBLAS then NCCL ReduceScatter (the unfused composition)
+  fo          flashoverlap.gemm_reduce_scatter (mode auto: overlapped where the
+              predictor says it wins, else the unfused composition)
+  forced      the same with mode="overlap"
+  decomp      the GEMM split along M into 4 chunks (each the same sub-range of
+              every rank's shard, so each chunk's ReduceScatter lands in final
+              rows), each chunk's ReduceScatter on a second stream while the next
+              chunk computes (FlashOverlap's VanillaDecomposition)
+  async_tp    torch.ops.symm_mem.fused_matmul_reduce_scatter (torch Async-TP,
+              peer-to-peer, multicast off)
+  concurrent  cuBLAS and a ReduceScatter of an unrelated buffer launched together
+              on two streams, no dependency (the independent-concurrency reference)
+
+Every variant is checked against the fp32 composition before timing. Times are
+medians of CUDA-event-timed iterations after warm-up, the variants interleaved,
+pooled over 3 rounds across all shapes, maximum over ranks; inputs rotate over
+buffers larger than L2. Writes <out>.csv, <out>.json (environment) and <out>.txt.
+
+    python evaluation/bench_gemm_rs.py [--iters 30] [--shapes 4096x8192x4096 ...] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+from flashoverlap import bench
+from flashoverlap.cli import _shape
+
+SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 4096), (8192, 14336), (8192, 1024),
+                                                                    (8192, 3584))]
+CHUNKS = 4
+VARIANTS = ("cublas", "nccl", "seq", "fo", "forced", "decomp", "async_tp", "concurrent")
+
+
+def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup: int) -> tuple[dict, dict]:
+    import torch.distributed as dist
+
+    import flashoverlap
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shard = m // world
+    gen = torch.Generator(device="cuda").manual_seed(4321 + rank)
+    sets = max(2, min(8, (256 << 20) // ((m * k + n * k) * 2)))
+    xs = [torch.randn(m, k, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
+    ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5 for _ in range(sets)]
+    full = torch.randn(m, n, device="cuda", dtype=dtype, generator=gen)
+    unrelated = torch.randn(m, n, device="cuda", dtype=dtype, generator=gen)
+    out_buf = torch.empty(shard, n, device="cuda", dtype=dtype)
+    side = torch.cuda.Stream(priority=-1)
+    group = dist.group.WORLD
+
+    def cublas(i):
+        return torch.matmul(xs[i % sets], ws[i % sets].t())
+
+    def nccl(i):
+        dist.reduce_scatter_tensor(out_buf, full)
+
+    def seq(i):
+        y = torch.matmul(xs[i % sets], ws[i % sets].t())
+        out = torch.empty(shard, n, device="cuda", dtype=dtype)
+        dist.reduce_scatter_tensor(out, y)
+        return out
+
+    def fo(i):
+        return flashoverlap.gemm_reduce_scatter(xs[i % sets], ws[i % sets])
+
+    def forced(i):
+        return flashoverlap.gemm_reduce_scatter(xs[i % sets], ws[i % sets], mode="overlap")
+
+    bounds = [shard * c // CHUNKS for c in range(CHUNKS + 1)]
+
+    def decomp(i):
+        x3 = xs[i % sets].view(world, shard, k)
+        out = torch.empty(shard, n, device="cuda", dtype=dtype)
+        main = torch.cuda.current_stream()
+        parts = []
+        for a, b in zip(bounds, bounds[1:]):
+            if a == b:
+                continue
+            part = torch.matmul(x3[:, a:b], ws[i % sets].t())  # [world, b - a, N], contiguous
+            parts.append(part)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                dist.reduce_scatter_tensor(out[a:b], part.view(-1, n))
+        main.wait_stream(side)
+        for p in parts:
+            p.record_stream(side)
+        return out
+
+    async_tp_error = None
+    try:
+        from torch.distributed import _symmetric_memory as symm
+
+        symm.enable_symm_mem_for_group(group.group_name)
+
+        def async_tp(i):
+            return torch.ops.symm_mem.fused_matmul_reduce_scatter(xs[i % sets], ws[i % sets].t(), "sum", 0,
+                                                                  group.group_name)
+        async_tp(0)
+    except Exception as e:  # reported in the table, never silently dropped
+        async_tp_error = f"{type(e).__name__}: {e}"
+        async_tp = None
+
+    def concurrent(i):
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        y = torch.matmul(xs[i % sets], ws[i % sets].t())
+        with torch.cuda.stream(side):
+            dist.reduce_scatter_tensor(out_buf, unrelated)
+        main.wait_stream(side)
+        return y
+
+    ref = (xs[0].float() @ ws[0].float().t())
+    dist.all_reduce(ref)
+    ref = ref[rank * shard:(rank + 1) * shard]
+    errors = {}
+    for name, f in (("seq", seq), ("fo", fo), ("forced", forced), ("decomp", decomp), ("async_tp", async_tp)):
+        if f is not None:
+            errors[name] = float((f(0).float() - ref).norm() / ref.norm())
+    fns = {"cublas": cublas, "nccl": nccl, "seq": seq, "fo": fo, "forced": forced, "decomp": decomp,
+           "concurrent": concurrent}
+    if async_tp is not None:
+        fns["async_tp"] = async_tp
+    plan = flashoverlap.reduce_scatter_plan_of(xs[0], ws[0])
+    dist.barrier()
+    times = bench.interleaved_times_us(fns, iters, warmup)
+    return times, {"schedule": plan["schedule"], "groups": len(plan["groups"]), "errors": errors,
+                   "async_tp_error": async_tp_error}
+
+
+def _worker(rank, world, init_method, shapes, dtype_name, iters, warmup, result_path):
+    import torch.distributed as dist
+
+    import flashoverlap
+
+    os.environ.update(bench.SAFE_ENV)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    dtype = getattr(torch, dtype_name)
+    try:
+        measure_round(*shapes[0], dtype, 3, warmup)
+        pooled, facts = {s: {} for s in shapes}, {}
+        per_round = max(1, -(-iters // bench.ROUNDS))
+        for _ in range(bench.ROUNDS):
+            for s in shapes:
+                raw, facts[s] = measure_round(*s, dtype, per_round, warmup)
+                for name, v in raw.items():
+                    pooled[s].setdefault(name, []).extend(v)
+        rows = []
+        for s in shapes:
+            t = {name: bench._max_over_ranks(statistics.median(v)) for name, v in pooled[s].items()}
+            err = max(bench._max_over_ranks(e) for e in facts[s]["errors"].values())
+            row = {"m": s[0], "n": s[1], "k": s[2], "world_size": world, **{f"{v}_us": t.get(v, math.nan)
+                                                                           for v in VARIANTS},
+                   "schedule": facts[s]["schedule"], "groups": facts[s]["groups"], "max_rel_error": err,
+                   "async_tp_error": facts[s]["async_tp_error"] or ""}
+            for base in ("seq", "decomp", "async_tp"):
+                row[f"fo_vs_{base}"] = row[f"{base}_us"] / row["fo_us"]
+            row["concurrent_vs_seq"] = row["seq_us"] / row["concurrent_us"]
+            rows.append(row)
+        if rank == 0:
+            with open(result_path, "w") as f:
+                json.dump({"meta": bench.environment(world), "rows": rows}, f)
+    finally:
+        flashoverlap.destroy_communicators()
+        dist.destroy_process_group()
+
+
+def geo(rows, key):
+    vals = [r[key] for r in rows if not math.isnan(r[key])]
+    return (statistics.geometric_mean(vals), min(vals)) if vals else (math.nan, math.nan)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", type=_shape, nargs="*", default=SHAPES)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--world-size", type=int, default=None, help="default: every local GPU (>= 2; 1 for a smoke test)")
+    p.add_argument("--out", default=None, help="path without extension (default: evaluation/results/bench_gemm_rs_<gpu>x<world>_<dtype>)")
+    args = p.parse_args()
+    import torch.multiprocessing as mp
+
+    world = args.world_size or torch.cuda.device_count()
+    gpu = torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "-").lower()
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"bench_gemm_rs_{gpu}x{world}_{args.dtype}")
+    os.environ.update(bench.SAFE_ENV)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        mp.start_processes(_worker, args=(world, f"file://{tmp}/rendezvous", list(args.shapes), args.dtype, args.iters,
+                                          args.warmup, result), nprocs=world, join=True, start_method="spawn")
+        with open(result) as f:
+            data = json.load(f)
+    rows = data["rows"]
+    lines = [f"# GEMM + ReduceScatter, {world} x {data['meta']['gpu']}, {args.dtype}, {data['meta']['date']}; "
+             f"command: {data['meta']['command']}",
+             "# times in us (median, max over ranks); x = baseline time / flashoverlap time (fo, mode auto)",
+             f"{'M x N x K':>18} " + " ".join(f"{v:>10}" for v in VARIANTS) +
+             f" {'sched':>10} {'vs seq':>7} {'vs dec':>7} {'vs atp':>7} {'conc x':>7} {'err':>8}"]
+    for r in rows:
+        lines.append(f"{r['m']:>6}x{r['n']}x{r['k']:<5} " + " ".join(f"{r[v + '_us']:10.1f}" for v in VARIANTS) +
+                     f" {r['schedule']:>10} {r['fo_vs_seq']:6.3f}x {r['fo_vs_decomp']:6.3f}x "
+                     f"{r['fo_vs_async_tp']:6.3f}x {r['concurrent_vs_seq']:6.3f}x {r['max_rel_error']:8.1e}")
+    for key, what in (("fo_vs_seq", "over sequential cuBLAS + NCCL"), ("fo_vs_decomp", "over decomposition"),
+                      ("fo_vs_async_tp", "over torch Async-TP"),
+                      ("concurrent_vs_seq", "independent-concurrency reference over sequential")):
+        g, lo = geo(rows, key)
+        lines.append(f"{what}: geometric mean {g:.3f}x, min {lo:.3f}x")
+    if any(r["async_tp_error"] for r in rows):
+        lines.append(f"torch Async-TP failed: {rows[0]['async_tp_error']}")
+    print("\n".join(lines))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".txt", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(out + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(out + ".json", "w") as f:
+        json.dump(data["meta"], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
