@@ -104,9 +104,7 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
 
     async_tp_error = None
     try:
-        from torch.distributed import _symmetric_memory as symm
-
-        symm.enable_symm_mem_for_group(group.group_name)
+        import torch.distributed._symmetric_memory  # noqa: F401 (registers torch.ops.symm_mem)
 
         def async_tp(i):
             return torch.ops.symm_mem.fused_matmul_reduce_scatter(xs[i % sets], ws[i % sets].t(), "sum", 0,
