@@ -460,7 +460,7 @@ fn unreorder(
 }
 
 #[pyfunction]
-#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, options, staging=0))]
+#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, options, staging=0, norm=None))]
 #[allow(clippy::too_many_arguments)]
 fn gemm_all_reduce(
     py: Python<'_>,
@@ -475,12 +475,22 @@ fn gemm_all_reduce(
     stream: usize,
     options: OpOptions,
     staging: u64,
+    norm: Option<(u64, u64, u64, f32)>,
 ) -> PyResult<&'static str> {
     let (comm, _, opts) = call_of(group_name, m, n, k, dtype, &options)?;
     let args = operands(x, weight, out, m, n, k, dtype)?;
-    py.detach(|| gar::gemm_all_reduce(&comm, &args, &opts, staging, stream::from_handle(stream)))
-        .map(schedule_name)
-        .map_err(to_py)
+    let norm = norm.map(|(residual_in, residual_out, weight, eps)| gar::Norm {
+        residual_in,
+        residual_out,
+        weight,
+        eps,
+    });
+    py.detach(|| {
+        let caller = stream::from_handle(stream);
+        gar::gemm_all_reduce(&comm, &args, &opts, staging, norm.as_ref(), caller)
+    })
+    .map(schedule_name)
+    .map_err(to_py)
 }
 
 /// A collective op's options as Python passes them: (mode, bands_per_group,
@@ -705,6 +715,53 @@ fn gemm_reduce_scatter(
         .map_err(to_py)
 }
 
+/// The fused add + RMSNorm alone on rows 0..rows of x [rows, n] (the
+/// sequential schedule's norm), on `ctas` CTAs.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn add_rmsnorm(
+    py: Python<'_>,
+    x: u64,
+    residual_in: u64,
+    residual_out: u64,
+    weight: u64,
+    rows: u32,
+    n: u32,
+    eps: f32,
+    dtype: &str,
+    device: i32,
+    stream: usize,
+    ctas: u32,
+) -> PyResult<()> {
+    let dtype = self::dtype(dtype)?;
+    if n % 8 != 0 || n > kernels::ADD_RMSNORM_MAX_N {
+        return Err(PyValueError::new_err(format!(
+            "weight: the hidden size must be a multiple of 8 and <= {}, got {n}",
+            kernels::ADD_RMSNORM_MAX_N
+        )));
+    }
+    let norm = gar::Norm {
+        residual_in,
+        residual_out,
+        weight,
+        eps,
+    };
+    py.detach(|| {
+        let dev = driver::bind(device)?;
+        let kernel = kernels::load(&dev, &kernels::add_rmsnorm_spec(dtype))?;
+        gar::launch_add_rmsnorm(
+            &kernel,
+            x,
+            &norm,
+            0..rows,
+            n,
+            ctas,
+            stream::from_handle(stream),
+        )
+    })
+    .map_err(to_py)
+}
+
 /// A plain ReduceScatter on a communicator (the sequential schedule).
 #[pyfunction]
 fn reduce_scatter(
@@ -741,6 +798,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(communicator_rs_plan, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(reduce_scatter, m)?)?;
+    m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;
     m.add_function(wrap_pyfunction!(plan_gemm_all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(load_nvrtc, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_version, m)?)?;

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import _core, _env, _nvrtc
-from ._validation import check_device, check_gemm_operands, dtype_name
+from ._validation import check_device, check_gemm_operands, check_tensor, dtype_name
 from .communicator import Communicator, GroupLike, resolve_group, communicator_by_name, get_communicator
 
 _MODES = ("auto", "overlap", "sequential")
@@ -28,6 +28,9 @@ _LIB.define("gemm(Tensor x, Tensor weight, str? kernel=None, int? raster_bands=N
 _LIB.define("gemm_all_reduce(Tensor x, Tensor weight, str group_name, str mode='auto', int? bands_per_group=None, "
             "str? kernel=None, str? backend=None, str? order=None) -> Tensor")
 
+_LIB.define("gemm_all_reduce_rmsnorm(Tensor x, Tensor weight, Tensor residual, Tensor norm_weight, float eps, "
+            "str group_name, str mode='auto', int? bands_per_group=None, str? kernel=None, str? backend=None) "
+            "-> (Tensor, Tensor)")
 _LIB.define("gemm_reduce_scatter(Tensor x, Tensor weight, str group_name, str mode='auto', "
             "int? bands_per_group=None, str? kernel=None) -> Tensor")
 
@@ -78,6 +81,13 @@ def _resolve_order(order: Optional[str]) -> str:
 def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
                           bands_per_group: Optional[int] = None, kernel: Optional[str] = None,
                           backend: Optional[str] = None, order: Optional[str] = None) -> torch.Tensor:
+    return _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, backend, order)[0]
+
+
+def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, backend, order, norm=None):
+    """The op's body: (out, schedule). norm: (residual_in, residual_out, weight, eps) pointers and
+    eps of the fused add + RMSNorm run on each group's rows after its AllReduce (overlap only:
+    the caller norms the whole output itself where the schedule is "sequential")."""
     m, n, k = check_gemm_operands(x, weight)
     comm = communicator_by_name(group_name)
     _check_mode(mode, bands_per_group)
@@ -86,7 +96,7 @@ def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str
     check_device("x", x, comm.device)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return out
+        return out, "sequential"
     _nvrtc.ensure_loaded()
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
@@ -104,7 +114,7 @@ def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str
         if backend == "copy_engine":
             comm.ensure_peer_buffers(max(staged, out.numel() * out.element_size()))
     schedule = _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype,
-                                     stream, plan_args, staging_ptr)
+                                     stream, plan_args, staging_ptr, norm)
     if schedule == "sequential":
         # Overlap does not pay here (or was not asked for): exactly the unfused
         # composition, torch's library GEMM (cuBLAS) then one AllReduce.
@@ -113,7 +123,59 @@ def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str
             torch.distributed.all_reduce(out, group=comm.group)
         else:
             _core.all_reduce(comm.name, out.data_ptr(), out.numel(), dtype, stream)
-    return out
+    return out, schedule
+
+
+_MAX_NORM_N = 16384
+
+
+def _check_norm_operands(x: torch.Tensor, weight: torch.Tensor, residual, norm_weight, eps) -> None:
+    """What the fused add + RMSNorm needs beyond the GEMM's checks, before anything runs."""
+    n = weight.shape[0]
+    residual = check_tensor("residual", residual)
+    norm_weight = check_tensor("norm_weight", norm_weight, ndim=1)
+    if tuple(residual.shape) != (*x.shape[:-1], n):
+        raise ValueError(f"residual: expected shape {(*x.shape[:-1], n)} (that of x @ weight.T), "
+                         f"got {tuple(residual.shape)}")
+    if tuple(norm_weight.shape) != (n,):
+        raise ValueError(f"norm_weight: expected shape ({n},), got {tuple(norm_weight.shape)}")
+    for name, t in (("residual", residual), ("norm_weight", norm_weight)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name}: expected the dtype of x ({x.dtype}), got {t.dtype}")
+        if t.numel() and t.data_ptr() % 16:
+            raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
+    if n > _MAX_NORM_N:
+        raise ValueError(f"weight: the fused RMSNorm takes hidden sizes up to {_MAX_NORM_N}, got N={n}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps: expected a number >= 0, got {eps!r}")
+
+
+def _gemm_all_reduce_rmsnorm_impl(x, weight, residual, norm_weight, eps: float, group_name: str,
+                                  mode: str = "auto", bands_per_group: Optional[int] = None,
+                                  kernel: Optional[str] = None, backend: Optional[str] = None):
+    check_gemm_operands(x, weight)
+    _check_norm_operands(x, weight, residual, norm_weight, eps)
+    comm = communicator_by_name(group_name)
+    for name, t in (("residual", residual), ("norm_weight", norm_weight)):
+        check_device(name, t, comm.device)
+    residual_out = torch.empty_like(residual)
+    norm = (residual.data_ptr(), residual_out.data_ptr(), norm_weight.data_ptr(), float(eps))
+    # Groups of whole rows: the norm of a group needs every column of its rows.
+    out, schedule = _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, backend,
+                                         "banded", norm)
+    if schedule == "sequential" and out.numel():
+        n = weight.shape[0]
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        _core.add_rmsnorm(out.data_ptr(), residual.data_ptr(), residual_out.data_ptr(), norm_weight.data_ptr(),
+                          out.numel() // n, n, float(eps), dtype_name(x.dtype), x.device.index,
+                          _stream_handle(x.device), sms)
+    return out, residual_out
+
+
+def _gemm_all_reduce_rmsnorm_fake(x, weight, residual, norm_weight, eps: float, group_name: str,
+                                  mode: str = "auto", bands_per_group: Optional[int] = None,
+                                  kernel: Optional[str] = None, backend: Optional[str] = None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0])), torch.empty_like(residual)
 
 
 def _gemm_all_reduce_fake(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
@@ -176,6 +238,7 @@ def _gemm_reduce_scatter_fake(x: torch.Tensor, weight: torch.Tensor, group_name:
 
 _register("gemm", _gemm_impl, _gemm_fake)
 _register("gemm_reduce_scatter", _gemm_reduce_scatter_impl, _gemm_reduce_scatter_fake)
+_register("gemm_all_reduce_rmsnorm", _gemm_all_reduce_rmsnorm_impl, _gemm_all_reduce_rmsnorm_fake)
 _register("gemm_all_reduce", _gemm_all_reduce_impl, _gemm_all_reduce_fake)
 
 
@@ -341,3 +404,26 @@ def _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kern
     check_device("x", x, comm.device)
     _rs_shape(x, weight, comm.world_size)
     return comm
+
+
+def gemm_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                            norm_weight: torch.Tensor, eps: float = 1e-6, group: GroupLike = None, *,
+                            communicator=None, mode: str = "auto", bands_per_group: Optional[int] = None,
+                            kernel: Optional[str] = None,
+                            backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's fused_add_rms_norm after a row-parallel linear layer, returned as new tensors:
+    ``residual_out = all_reduce(x @ weight.T) + residual`` and
+    ``out = rms_norm(residual_out) * norm_weight`` (fp32 statistics, eps inside the root).
+
+    Each wave group's rows are normalized on the communication stream as soon as their AllReduce
+    completes, on the SMs the GEMM leaves free, so most of the norm hides behind the rest of the
+    GEMM. residual: the shape of ``x @ weight.T``; norm_weight: [N], N <= 16384; all one dtype.
+    The other arguments are those of :func:`gemm_all_reduce` (the groups are always whole row
+    bands). Returns (out, residual_out)."""
+    _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
+    _check_norm_operands(x, weight, residual, norm_weight, eps)
+    comm = get_communicator(group, communicator=communicator)
+    for name, t in (("residual", residual), ("norm_weight", norm_weight)):
+        check_device(name, t, comm.device)
+    return torch.ops.flashoverlap.gemm_all_reduce_rmsnorm(x, weight, residual, norm_weight, float(eps), comm.name,
+                                                          mode, bands_per_group, kernel, backend)

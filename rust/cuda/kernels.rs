@@ -39,6 +39,10 @@ const SOURCES: &[Source] = &[
         name: "unreorder.cu",
         text: include_str!("../../csrc/unreorder.cu"),
     },
+    Source {
+        name: "add_rmsnorm.cu",
+        text: include_str!("../../csrc/add_rmsnorm.cu"),
+    },
 ];
 
 /// One compiled variant of one kernel.
@@ -218,9 +222,27 @@ pub fn unreorder_spec(bm: u32, bn: u32) -> KernelSpec {
     }
 }
 
+/// Threads per block of the fused add + RMSNorm, and the widest row it takes.
+pub const ADD_RMSNORM_THREADS: u32 = 256;
+pub const ADD_RMSNORM_MAX_N: u32 = 16384;
+
+/// vLLM's fused_add_rms_norm on rows of the reduced output.
+pub fn add_rmsnorm_spec(dtype: Dtype) -> KernelSpec {
+    let bf16 = if dtype == Dtype::Bf16 { "1" } else { "0" }.to_string();
+    KernelSpec {
+        source: "add_rmsnorm.cu",
+        entry: "fo_add_rmsnorm",
+        defines: vec![
+            ("FO_BF16", bf16),
+            ("FO_MAX_N", ADD_RMSNORM_MAX_N.to_string()),
+        ],
+        dynamic_smem: 0,
+    }
+}
+
 /// Every variant the library can launch on `arch`, for the compile check CI
 /// runs (the peer reduction for 2, 4 and 8 ranks, the un-reorder copy
-/// for each GEMM tile).
+/// for each GEMM tile, the fused add + RMSNorm).
 pub fn all_for(arch: &str) -> Vec<KernelSpec> {
     let gemms = GemmKernel::ALL
         .into_iter()
@@ -241,9 +263,14 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
         .collect();
     widths.dedup();
     let unreorders = widths.into_iter().map(|(bm, bn)| unreorder_spec(bm, bn));
+    let norms = [Dtype::Bf16, Dtype::F16]
+        .into_iter()
+        .map(add_rmsnorm_spec)
+        .filter(move |_| runs);
     gemms
         .chain(reduces.filter(|_| runs))
         .chain(unreorders)
+        .chain(norms)
         .collect()
 }
 

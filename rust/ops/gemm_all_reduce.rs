@@ -317,16 +317,63 @@ pub fn staging_bytes(
     })
 }
 
+/// The fused add + RMSNorm that follows each group's AllReduce in
+/// `gemm_all_reduce_rmsnorm`: residual_out = out + residual_in, out =
+/// rms_norm(residual_out) * weight, over the group's rows.
+#[derive(Debug, Clone, Copy)]
+pub struct Norm {
+    pub residual_in: u64,
+    pub residual_out: u64,
+    pub weight: u64,
+    pub eps: f32,
+}
+
+/// Enqueues the fused add + RMSNorm over `rows` of an [.., n] output on at
+/// most `ctas` CTAs (one row per CTA at a time).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_add_rmsnorm(
+    kernel: &Kernel,
+    out: u64,
+    norm: &Norm,
+    rows: std::ops::Range<u32>,
+    n: u32,
+    ctas: u32,
+    stream: RawStream,
+) -> Result<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let grid = ctas.max(1).min(rows.end - rows.start);
+    let (mut x, mut res_in, mut res_out, mut weight) =
+        (out, norm.residual_in, norm.residual_out, norm.weight);
+    let (mut first, mut last, mut n, mut eps) =
+        (rows.start as i32, rows.end as i32, n as i32, norm.eps);
+    let mut params: [*mut c_void; 8] = [
+        (&mut x as *mut u64).cast(),
+        (&mut res_in as *mut u64).cast(),
+        (&mut res_out as *mut u64).cast(),
+        (&mut weight as *mut u64).cast(),
+        (&mut first as *mut i32).cast(),
+        (&mut last as *mut i32).cast(),
+        (&mut n as *mut i32).cast(),
+        (&mut eps as *mut f32).cast(),
+    ];
+    kernel.launch(grid, kernels::ADD_RMSNORM_THREADS, stream, &mut params)
+}
+
 /// Enqueues the overlapped op and returns `Schedule::Overlap`, or enqueues
 /// nothing and returns `Schedule::Sequential` when the plan falls back.
 /// `staging`: a device buffer of `staging_bytes` bytes where the plan is
 /// staged (the caller allocates it in stream order on `caller`; the op is
-/// done with it when `caller` reaches the end of the op).
+/// done with it when `caller` reaches the end of the op). `norm`: the fused
+/// add + RMSNorm to run on each group's rows after its AllReduce (banded
+/// plans only: their groups are whole rows).
 pub fn gemm_all_reduce(
     comm: &Communicator,
     args: &GemmArgs,
     opts: &Options,
     staging: u64,
+    norm: Option<&Norm>,
     caller: RawStream,
 ) -> Result<Schedule> {
     args.validate()?;
@@ -351,6 +398,14 @@ pub fn gemm_all_reduce(
             kernels::load(&comm.device, &kernels::unreorder_spec(t.bm, t.bn))
         })
         .transpose()?;
+    if norm.is_some() && staged {
+        return Err(Error::Invalid(
+            "order: the fused RMSNorm needs whole-row groups; use order='banded'".into(),
+        ));
+    }
+    let norm_kernel = norm
+        .map(|_| kernels::load(&comm.device, &kernels::add_rmsnorm_spec(args.dtype)))
+        .transpose()?;
     let groups = prepared.collectives.len();
     let slot = prepared.next_slot.fetch_add(1, Ordering::Relaxed) % COUNTER_SLOTS;
     let counters = prepared.counters.ptr + (slot * groups * 4) as u64;
@@ -367,6 +422,7 @@ pub fn gemm_all_reduce(
         collectives: &prepared.collectives,
         signals,
         unreorder,
+        norm: norm.copied().zip(norm_kernel),
     };
     match opts.backend {
         Backend::Nccl => enqueue_nccl(comm, &run, &kernel, caller)?,
@@ -383,6 +439,8 @@ struct Run<'a> {
     signals: Signals,
     /// The un-reorder copy, loaded, where the plan is staged.
     unreorder: Option<Kernel>,
+    /// The fused add + RMSNorm after each group, loaded, where asked for.
+    norm: Option<(Norm, Kernel)>,
 }
 
 impl Run<'_> {
@@ -410,6 +468,18 @@ impl Run<'_> {
             ),
             None => Ok(()),
         }
+    }
+
+    /// After group `c`'s collective (in place: whole rows), on the same
+    /// stream: the fused add + RMSNorm of its rows.
+    fn norm(&self, c: &Collective, stream: RawStream) -> Result<()> {
+        let Some((norm, kernel)) = &self.norm else {
+            return Ok(());
+        };
+        let n = u64::from(self.args.n);
+        let rows = (c.slice.offset / n) as u32..((c.slice.offset + c.slice.count) / n) as u32;
+        let ctas = self.plan.request.reserved_sms;
+        launch_add_rmsnorm(kernel, self.args.out, norm, rows, self.args.n, ctas, stream)
     }
 }
 
@@ -445,6 +515,7 @@ fn enqueue_nccl(
             comm_stream.cast(),
         )?;
         run.unreorder(group, comm_stream)?;
+        run.norm(group, comm_stream)?;
     }
     comm.join.order(comm_stream, caller)
 }
@@ -559,6 +630,7 @@ fn enqueue_copy_engine(
             reduce(reducer, &peer, base, offset, bytes, ctas, reduces)?;
         }
         run.unreorder(group, reduces)?;
+        run.norm(group, reduces)?;
     }
     // Every staged partial of this call is summed: the peers may write again.
     for p in peer.peers() {

@@ -604,7 +604,81 @@ def rs_cases(rank: int, world: int, cases: list, replays: int = 0) -> dict:
     return {"records": records}
 
 
+def rmsnorm_cases(rank: int, world: int, cases: list, replays: int = 0, backend=None) -> dict:
+    """gemm_all_reduce_rmsnorm on each case (fresh inputs, poisoned outputs) against the fp32
+    composition: r = sum_ranks(x @ w^T) + residual, out = r * rsqrt(mean(r^2) + eps) * norm_weight;
+    then, if `replays`, a CUDA graph of the first case replayed on fresh inputs."""
+    import torch
+
+    import flashoverlap
+
+    device = torch.device("cuda", rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    failures, records = [], []
+
+    def norm_inputs(seed, lead, n, dtype):
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed * 31 + rank)
+        residual = torch.randn(*lead, n, generator=gen, device=device, dtype=dtype)
+        weight = torch.rand(n, generator=gen, device=device, dtype=dtype) + 0.5
+        return residual, weight
+
+    def expected(seed, lead, n, k, dtype, residual, weight, eps):
+        r = reference(seed, world, lead, n, k, dtype, device) + residual.float()
+        return r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps) * weight.float(), r
+
+    def check(out, res, seed, lead, n, k, dtype, residual, weight, eps, what):
+        out_ref, res_ref = expected(seed, lead, n, k, dtype, residual, weight, eps)
+        for error in (mismatch(out, out_ref, f"{what} out"), mismatch(res, res_ref, f"{what} residual")):
+            if error:
+                failures.append(error)
+
+    call0 = {} if backend is None else {"backend": backend}
+    for case in cases:
+        lead, n, k, seed, eps = tuple(case["lead"]), case["n"], case["k"], case["seed"], case["eps"]
+        dtype = dtype_of(case["dtype"])
+        call = dict(call0, mode=case["mode"], bands_per_group=case["bands"])
+        x, w = make_inputs(seed, rank, lead, n, k, dtype, device)
+        residual, weight = norm_inputs(seed, lead, n, dtype)
+        poison((*lead, n), dtype, device)
+        out, res = flashoverlap.gemm_all_reduce_rmsnorm(x, w, residual, weight, eps, **call)
+        check(out, res, seed, lead, n, k, dtype, residual, weight, eps,
+              f"rank {rank} x{(*lead, k)} w{(n, k)} {case['dtype']} {call}")
+        if math.prod(lead):
+            plan = flashoverlap.plan_of(x, w, order="banded", **call)
+            records.append({"case": case, "schedule": plan.schedule, "groups": len(plan.groups)})
+    if replays and cases:
+        case = cases[0]
+        lead, n, k, eps = tuple(case["lead"]), case["n"], case["k"], case["eps"]
+        dtype = dtype_of(case["dtype"])
+        call = dict(call0, mode="overlap", bands_per_group=case["bands"])
+        static_x, static_w = make_inputs(case["seed"], rank, lead, n, k, dtype, device)
+        static_res, static_nw = norm_inputs(case["seed"], lead, n, dtype)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            flashoverlap.gemm_all_reduce_rmsnorm(static_x, static_w, static_res, static_nw, eps, **call)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, res = flashoverlap.gemm_all_reduce_rmsnorm(static_x, static_w, static_res, static_nw, eps, **call)
+        for i in range(replays):
+            seed = case["seed"] + 1 + i
+            x, w = make_inputs(seed, rank, lead, n, k, dtype, device)
+            residual, weight = norm_inputs(seed, lead, n, dtype)
+            for static, fresh in ((static_x, x), (static_w, w), (static_res, residual), (static_nw, weight)):
+                static.copy_(fresh)
+            out.fill_(float("nan"))
+            res.fill_(float("nan"))
+            graph.replay()
+            check(out, res, seed, lead, n, k, dtype, residual, weight, eps, f"replay {i}")
+    if failures:
+        raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures[:20]))
+    return {"records": records}
+
+
 TARGETS = {
+    "rmsnorm_cases": rmsnorm_cases,
     "rs_cases": rs_cases,
     "cases": cases,
     "cuda_graph": cuda_graph,
