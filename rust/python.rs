@@ -7,9 +7,9 @@ use crate::cuda::kernels::GemmKernel;
 use crate::cuda::{cache, driver, kernels, nvrtc, stream};
 use crate::dtype::Dtype;
 use crate::error::Error;
-use crate::ops::gemm::GemmArgs;
 use crate::ops::{
-    all_reduce as ar_op, gemm as gemm_op, gemm_all_reduce as gar, gemm_reduce_scatter as grs,
+    all_reduce as ar_op, gemm as gemm_op, gemm_all_reduce as gar, gemm_all_to_all as ga2a,
+    gemm_reduce_scatter as grs,
 };
 use crate::plan::{GemmAllReducePlan, ModeRequest, OrderRequest, Partition, Schedule};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -762,6 +762,79 @@ fn add_rmsnorm(
     .map_err(to_py)
 }
 
+/// GEMM + All-to-All options: (groups, reserved_sms, kernel).
+type A2aOptions = (u32, Option<u32>, Option<String>);
+
+fn a2a_options(o: &A2aOptions) -> PyResult<ga2a::Options> {
+    Ok(ga2a::Options {
+        groups: o.0,
+        reserved_sms: o.1,
+        kernel: gemm_kernel(o.2.as_deref())?,
+    })
+}
+
+/// The tables (u32 words, little-endian bytes) and send-buffer rows of a
+/// GEMM + All-to-All call on `device`, for the caller to upload.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn all_to_all_tables<'py>(
+    py: Python<'py>,
+    m: u32,
+    n: u32,
+    k: u32,
+    dtype: &str,
+    device: i32,
+    send_splits: Vec<u64>,
+    recv_splits: Vec<u64>,
+    options: A2aOptions,
+) -> PyResult<(Bound<'py, PyBytes>, u64)> {
+    let args = operands(0, 0, 0, m, n, k, dtype)?;
+    let opts = a2a_options(&options)?;
+    let dev = driver::bind(device).map_err(to_py)?;
+    let (_, plan) = ga2a::plan_for(&args, &send_splits, &recv_splits, &opts, dev.sms, dev.major)
+        .map_err(to_py)?;
+    let words = ga2a::tables(&plan);
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    Ok((PyBytes::new(py, &bytes), plan.send_buffer_rows))
+}
+
+/// Enqueues GEMM + All-to-All; buffers = (send, send_rows, tables,
+/// table_words, counters), all device memory in stream order on `stream`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn gemm_all_to_all(
+    py: Python<'_>,
+    group_name: &str,
+    x: u64,
+    weight: u64,
+    out: u64,
+    m: u32,
+    n: u32,
+    k: u32,
+    dtype: &str,
+    stream: usize,
+    send_splits: Vec<u64>,
+    recv_splits: Vec<u64>,
+    buffers: (u64, u64, u64, u64, u64),
+    options: A2aOptions,
+) -> PyResult<()> {
+    let args = operands(x, weight, out, m, n, k, dtype)?;
+    let opts = a2a_options(&options)?;
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    let b = ga2a::Buffers {
+        send: buffers.0,
+        send_rows: buffers.1,
+        tables: buffers.2,
+        table_words: buffers.3,
+        counters: buffers.4,
+    };
+    py.detach(|| {
+        let caller = stream::from_handle(stream);
+        ga2a::gemm_all_to_all(&comm, &args, &send_splits, &recv_splits, &b, &opts, caller)
+    })
+    .map_err(to_py)
+}
+
 /// A plain ReduceScatter on a communicator (the sequential schedule).
 #[pyfunction]
 fn reduce_scatter(
@@ -799,6 +872,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gemm_reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;
+    m.add_function(wrap_pyfunction!(all_to_all_tables, m)?)?;
+    m.add_function(wrap_pyfunction!(gemm_all_to_all, m)?)?;
     m.add_function(wrap_pyfunction!(plan_gemm_all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(load_nvrtc, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_version, m)?)?;

@@ -63,6 +63,9 @@ type ReduceScatter = unsafe extern "C" fn(
     *mut c_void,
 ) -> c_int;
 
+type SendRecv = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int;
+type GroupCall = unsafe extern "C" fn() -> c_int;
+
 pub struct Nccl {
     pub path: PathBuf,
     _lib: libloading::Library,
@@ -74,6 +77,10 @@ pub struct Nccl {
     get_error_string: GetErrorString,
     all_reduce: AllReduce,
     reduce_scatter: ReduceScatter,
+    send: SendRecv,
+    recv: SendRecv,
+    group_start: GroupCall,
+    group_end: GroupCall,
 }
 
 /// The path of the libnccl mapped into this process, if any.
@@ -116,6 +123,10 @@ fn open() -> std::result::Result<Nccl, String> {
         get_error_string: sym!(b"ncclGetErrorString\0"),
         all_reduce: sym!(b"ncclAllReduce\0"),
         reduce_scatter: sym!(b"ncclReduceScatter\0"),
+        send: sym!(b"ncclSend\0"),
+        recv: sym!(b"ncclRecv\0"),
+        group_start: sym!(b"ncclGroupStart\0"),
+        group_end: sym!(b"ncclGroupEnd\0"),
         path,
         _lib: lib,
     })
@@ -263,5 +274,53 @@ impl Nccl {
             },
             "ncclReduceScatter",
         )
+    }
+
+    /// Point-to-point transfers fused into one NCCL group: each (send,
+    /// count, peer) from this rank and each (recv, count, peer) into it, on
+    /// `stream`. Zero-count entries are skipped (their counterparts are too).
+    pub fn exchange(
+        &self,
+        sends: &[(u64, usize, i32)],
+        recvs: &[(u64, usize, i32)],
+        dtype: Dtype,
+        comm: Comm,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        // SAFETY: plain group markers.
+        self.check(unsafe { (self.group_start)() }, "ncclGroupStart")?;
+        let mut result = Ok(());
+        for &(ptr, count, peer) in sends.iter().filter(|s| s.1 > 0) {
+            // SAFETY: ptr addresses count elements on the communicator's device.
+            let code = unsafe {
+                (self.send)(
+                    ptr as *mut c_void,
+                    count,
+                    nccl_dtype(dtype),
+                    peer,
+                    comm,
+                    stream,
+                )
+            };
+            result = result.and(self.check(code, "ncclSend"));
+        }
+        for &(ptr, count, peer) in recvs.iter().filter(|r| r.1 > 0) {
+            // SAFETY: as above, for the receive buffer.
+            let code = unsafe {
+                (self.recv)(
+                    ptr as *mut c_void,
+                    count,
+                    nccl_dtype(dtype),
+                    peer,
+                    comm,
+                    stream,
+                )
+            };
+            result = result.and(self.check(code, "ncclRecv"));
+        }
+        // The group is closed whatever happened inside it.
+        // SAFETY: matches the ncclGroupStart above.
+        let end = self.check(unsafe { (self.group_end)() }, "ncclGroupEnd");
+        result.and(end)
     }
 }

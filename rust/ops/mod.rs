@@ -4,4 +4,5 @@
 pub mod all_reduce;
 pub mod gemm;
 pub mod gemm_all_reduce;
+pub mod gemm_all_to_all;
 pub mod gemm_reduce_scatter;

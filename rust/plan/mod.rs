@@ -3,6 +3,7 @@
 //! collectives, and whether overlapping beats running the two back to back.
 //! Nothing here touches CUDA, so every decision is testable on any machine.
 
+pub mod all_to_all;
 pub mod error;
 pub mod gemm_all_reduce;
 pub mod groups;
@@ -16,6 +17,7 @@ pub mod waves;
 #[cfg(test)]
 mod testing;
 
+pub use all_to_all::{plan_gemm_all_to_all, AllToAllGroup, AllToAllPlan, Exchange};
 pub use error::PlanError;
 pub use gemm_all_reduce::{
     plan_gemm_all_reduce, GemmAllReducePlan, ModeRequest, OrderRequest, PlanRequest, Schedule,

@@ -1,0 +1,179 @@
+//! GEMM + All-to-All (NCCL): the exchange of each finished wave group's
+//! rows runs while the rest of the GEMM computes.
+//!
+//! Caller's stream S: [fork] GEMM (stores per-segment into the send buffer, signals) [wait join]
+//! Comm stream C:     [wait fork] wait(c0) c0=0 {send/recv g0 with every peer} wait(c1) ... [join]
+//!
+//! The plan (plan/all_to_all.rs) gives each group the same fraction of every
+//! destination's rows; every rank must call with the same group count.
+//! Splits change from call to call (MoE routing), so the tables are made per
+//! call (a few microseconds of host work) and uploaded by the caller into
+//! memory from torch's allocator, which keeps it alive in stream order.
+
+use super::gemm::{self, GemmArgs, Signals};
+use super::gemm_all_reduce::NCCL_RESERVED_SMS;
+use crate::comm::communicator::Communicator;
+use crate::cuda::driver;
+use crate::cuda::kernels::GemmKernel;
+use crate::cuda::stream::{self, RawStream};
+use crate::error::{Error, Result};
+use crate::plan::{plan_gemm_all_to_all, AllToAllPlan};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    pub kernel: Option<GemmKernel>,
+    pub groups: u32,
+    /// SMs left free of GEMM CTAs for NCCL; None: NCCL_RESERVED_SMS.
+    pub reserved_sms: Option<u32>,
+}
+
+/// The plan of a call: its kernel, and the exchanges of every group.
+pub fn plan_for(
+    args: &GemmArgs,
+    send_splits: &[u64],
+    recv_splits: &[u64],
+    opts: &Options,
+    sms: u32,
+    major: i32,
+) -> Result<(GemmKernel, AllToAllPlan)> {
+    let sent: u64 = send_splits.iter().sum();
+    if sent != u64::from(args.m) {
+        return Err(Error::Invalid(format!(
+            "input_split_sizes: must sum to the rows of x ({}), got {sent}",
+            args.m
+        )));
+    }
+    let ctas = sms.saturating_sub(opts.reserved_sms.unwrap_or(NCCL_RESERVED_SMS));
+    let kernel = opts
+        .kernel
+        .unwrap_or_else(|| GemmKernel::default_for(major, args.m, args.n, ctas.max(1)));
+    let plan = plan_gemm_all_to_all(
+        send_splits,
+        recv_splits,
+        args.n,
+        gemm::tile_shape(kernel),
+        opts.groups,
+    )?;
+    Ok((kernel, plan))
+}
+
+/// The tables the kernel reads, as one block of u32 words for the caller
+/// to upload: tile order, group per position, then (row of x read, row of
+/// the send buffer written) per position.
+pub fn tables(plan: &AllToAllPlan) -> Vec<u32> {
+    let mut words = Vec::with_capacity(plan.tile_order.len() * 4);
+    words.extend(&plan.tile_order);
+    words.extend(&plan.tile_group);
+    words.extend(
+        plan.load_rows
+            .iter()
+            .zip(&plan.store_rows)
+            .flat_map(|(&l, &s)| [l, s]),
+    );
+    words
+}
+
+/// What the caller provides on the device, in stream order on its stream:
+/// the send buffer, the uploaded [`tables`] and one zeroed counter per group.
+#[derive(Debug, Clone, Copy)]
+pub struct Buffers {
+    pub send: u64,
+    pub send_rows: u64,
+    pub tables: u64,
+    pub table_words: u64,
+    pub counters: u64,
+}
+
+/// Enqueues the op into `args.out` ([sum(recv_splits), N]). Every rank
+/// calls it with the same group count; the splits are those of
+/// all_to_all_single.
+pub fn gemm_all_to_all(
+    comm: &Communicator,
+    args: &GemmArgs,
+    send_splits: &[u64],
+    recv_splits: &[u64],
+    buffers: &Buffers,
+    opts: &Options,
+    caller: RawStream,
+) -> Result<()> {
+    driver::bind(comm.device.ordinal)?;
+    let world = comm.world as usize;
+    if send_splits.len() != world || recv_splits.len() != world {
+        return Err(Error::Invalid(format!(
+            "input_split_sizes / output_split_sizes: need {world} entries each, got {} and {}",
+            send_splits.len(),
+            recv_splits.len()
+        )));
+    }
+    let (kernel, plan) = plan_for(
+        args,
+        send_splits,
+        recv_splits,
+        opts,
+        comm.device.sms,
+        comm.device.major,
+    )?;
+    let positions = plan.tile_order.len() as u64;
+    if plan.send_buffer_rows > buffers.send_rows
+        || buffers.table_words < positions * 4
+        || (positions > 0 && (buffers.send == 0 || buffers.tables == 0))
+        || buffers.counters == 0
+    {
+        return Err(Error::Invalid(format!(
+            "internal: buffers {buffers:?} do not fit the plan ({} send rows, {positions} positions)",
+            plan.send_buffer_rows
+        )));
+    }
+    let loaded = gemm::load(&comm.device, args.dtype, kernel)?;
+    let nccl = comm.nccl()?;
+    let row_bytes = u64::from(args.n) * args.dtype.bytes() as u64;
+    let comm_stream = comm.stream.0;
+    let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+    comm.fork.order(caller, comm_stream)?;
+    if positions > 0 {
+        let signals = Signals {
+            tile_order: buffers.tables,
+            tile_group: buffers.tables + positions * 4,
+            counters: buffers.counters,
+            row_table: buffers.tables + positions * 8,
+            store: buffers.send,
+            store_rows: plan.send_buffer_rows as u32,
+            tile_count: positions as u32,
+            ..Signals::default()
+        };
+        let ctas = comm
+            .device
+            .sms
+            .saturating_sub(opts.reserved_sms.unwrap_or(NCCL_RESERVED_SMS))
+            .max(1);
+        gemm::launch(&loaded, args, &signals, ctas, caller)?;
+    }
+    let n = args.n as usize;
+    for (g, group) in plan.groups.iter().enumerate() {
+        stream::wait_geq(comm_stream, buffers.counters + (g * 4) as u64, group.tiles)?;
+        let sends: Vec<(u64, usize, i32)> = group
+            .exchanges
+            .iter()
+            .map(|e| {
+                (
+                    buffers.send + e.send_row * row_bytes,
+                    e.send_rows as usize * n,
+                    e.peer as i32,
+                )
+            })
+            .collect();
+        let recvs: Vec<(u64, usize, i32)> = group
+            .exchanges
+            .iter()
+            .map(|e| {
+                (
+                    args.out + e.recv_row * row_bytes,
+                    e.recv_rows as usize * n,
+                    e.peer as i32,
+                )
+            })
+            .collect();
+        nccl.exchange(&sends, &recvs, args.dtype, comm.comm(), comm_stream.cast())?;
+    }
+    comm.join.order(comm_stream, caller)
+}

@@ -1,0 +1,250 @@
+//! GEMM + All-to-All (the expert-parallel combine): y = x @ w^T with x's
+//! rows grouped by destination rank (`send_splits`), and rank r receiving
+//! from peer p its rows into out rows starting at sum(recv_splits[..p]), as
+//! torch.distributed.all_to_all_single does.
+//!
+//! Wave group g takes the same fraction of every destination's rows: rows
+//! [S_d*g/G, S_d*(g+1)/G) of destination d's region, so every link carries
+//! a share of every group and the receiver, computing the same split of
+//! what it gets from each peer, knows where each group's rows land. Every
+//! rank must therefore use the same group count G; it is part of the call,
+//! not chosen per rank (ranks carry different amounts).
+//!
+//! Each (group, destination) segment is tiled on its own, in whole bands of
+//! a send buffer (a band's rows past the segment's end are computed and
+//! never sent), so the GEMM's stores of one segment never touch another's
+//! and each send is one contiguous block.
+
+use super::error::PlanError;
+use super::tiles::TileShape;
+
+/// One (group, peer) exchange: the rows sent from the send buffer and the
+/// rows received into the output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Exchange {
+    pub peer: u32,
+    pub send_row: u64,
+    pub send_rows: u64,
+    pub recv_row: u64,
+    pub recv_rows: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllToAllGroup {
+    pub positions: std::ops::Range<u32>,
+    pub tiles: u32,
+    pub exchanges: Vec<Exchange>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllToAllPlan {
+    pub groups: Vec<AllToAllGroup>,
+    /// Per position: tile id (band * tiles_n + tn over the send buffer's
+    /// bands), the row of x read, the row of the send buffer written.
+    pub tile_order: Vec<u32>,
+    pub load_rows: Vec<u32>,
+    pub store_rows: Vec<u32>,
+    pub tile_group: Vec<u32>,
+    /// Rows of the send buffer (whole bands per segment).
+    pub send_buffer_rows: u64,
+    pub tiles_n: u32,
+}
+
+/// The start of part g of `rows` split in `groups` near-equal parts.
+fn part(rows: u64, g: u32, groups: u32) -> u64 {
+    rows * u64::from(g) / u64::from(groups)
+}
+
+fn check_splits(name: &str, splits: &[u64], world: u32) -> Result<(), PlanError> {
+    if splits.len() != world as usize {
+        return Err(PlanError::InvalidShape(format!(
+            "{name} must have one entry per rank ({world}), got {}",
+            splits.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Plans the exchange of `send_splits` rows (summing to x's rows) to each
+/// peer and `recv_splits` rows from each, in `groups` groups, for `n`
+/// output columns and tiles of `tile`.
+pub fn plan_gemm_all_to_all(
+    send_splits: &[u64],
+    recv_splits: &[u64],
+    n: u32,
+    tile: TileShape,
+    groups: u32,
+) -> Result<AllToAllPlan, PlanError> {
+    let world = send_splits.len() as u32;
+    if world == 0 {
+        return Err(PlanError::InvalidShape(
+            "send_splits must have one entry per rank, got none".into(),
+        ));
+    }
+    check_splits("recv_splits", recv_splits, world)?;
+    if groups == 0 {
+        return Err(PlanError::InvalidPartition(
+            "groups must be >= 1, got 0".into(),
+        ));
+    }
+    let tiles_n = n.div_ceil(tile.bn);
+    let bm = u64::from(tile.bm);
+    let send_offsets: Vec<u64> = send_splits
+        .iter()
+        .scan(0, |o, &s| {
+            let start = *o;
+            *o += s;
+            Some(start)
+        })
+        .collect();
+    let recv_offsets: Vec<u64> = recv_splits
+        .iter()
+        .scan(0, |o, &s| {
+            let start = *o;
+            *o += s;
+            Some(start)
+        })
+        .collect();
+    let mut plan = AllToAllPlan {
+        groups: Vec::with_capacity(groups as usize),
+        tile_order: Vec::new(),
+        load_rows: Vec::new(),
+        store_rows: Vec::new(),
+        tile_group: Vec::new(),
+        send_buffer_rows: 0,
+        tiles_n,
+    };
+    for g in 0..groups {
+        let first = plan.tile_order.len() as u32;
+        let mut exchanges = Vec::with_capacity(world as usize);
+        for p in 0..world as usize {
+            let (s0, s1) = (
+                part(send_splits[p], g, groups),
+                part(send_splits[p], g + 1, groups),
+            );
+            let (r0, r1) = (
+                part(recv_splits[p], g, groups),
+                part(recv_splits[p], g + 1, groups),
+            );
+            let send_row = plan.send_buffer_rows;
+            let bands = (s1 - s0).div_ceil(bm);
+            for j in 0..bands {
+                let band = (send_row / bm + j) as u32;
+                let load = send_offsets[p] + s0 + j * bm;
+                let store = send_row + j * bm;
+                if load > u64::from(u32::MAX >> 1) || store + bm > u64::from(u32::MAX >> 1) {
+                    return Err(PlanError::InvalidShape(
+                        "rows must stay below 2**30 for the kernel's row table".into(),
+                    ));
+                }
+                for tn in 0..tiles_n {
+                    plan.tile_order.push(band * tiles_n + tn);
+                    plan.load_rows.push(load as u32);
+                    plan.store_rows.push(store as u32);
+                    plan.tile_group.push(g);
+                }
+            }
+            plan.send_buffer_rows += bands * bm;
+            exchanges.push(Exchange {
+                peer: p as u32,
+                send_row,
+                send_rows: s1 - s0,
+                recv_row: recv_offsets[p] + r0,
+                recv_rows: r1 - r0,
+            });
+        }
+        let end = plan.tile_order.len() as u32;
+        plan.groups.push(AllToAllGroup {
+            positions: first..end,
+            tiles: end - first,
+            exchanges,
+        });
+    }
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::plan::testing::TILE;
+
+    /// Every rank's plan for a random split matrix: what p sends r in group
+    /// g is what r expects from p in group g, every sent row is computed by
+    /// exactly one tile, and every received row lands once.
+    fn check_world(matrix: &[Vec<u64>], groups: u32) -> Result<(), TestCaseError> {
+        let world = matrix.len();
+        let plans: Vec<AllToAllPlan> = (0..world)
+            .map(|r| {
+                let recv: Vec<u64> = (0..world).map(|p| matrix[p][r]).collect();
+                plan_gemm_all_to_all(&matrix[r], &recv, 200, TILE, groups).unwrap()
+            })
+            .collect();
+        for (r, plan) in plans.iter().enumerate() {
+            prop_assert_eq!(plan.groups.len() as u32, groups);
+            let rows: u64 = matrix[r].iter().sum();
+            let mut computed = vec![0u32; rows as usize];
+            for p in 0..plan.tile_order.len() {
+                if plan.tile_order[p] % plan.tiles_n != 0 {
+                    continue;
+                }
+                let g = &plan.groups[plan.tile_group[p] as usize];
+                prop_assert!(g.positions.contains(&(p as u32)));
+                let e = g
+                    .exchanges
+                    .iter()
+                    .find(|e| {
+                        (e.send_row..e.send_row + e.send_rows.div_ceil(128) * 128)
+                            .contains(&u64::from(plan.store_rows[p]))
+                    })
+                    .expect("a tile stores inside one segment");
+                for i in 0..128u64 {
+                    let at = u64::from(plan.store_rows[p]) + i;
+                    if at < e.send_row + e.send_rows {
+                        computed[(u64::from(plan.load_rows[p]) + i) as usize] += 1;
+                    }
+                }
+            }
+            prop_assert!(computed.iter().all(|&c| c == 1));
+            let mut received = vec![0u32; (0..world).map(|p| matrix[p][r]).sum::<u64>() as usize];
+            for (g, group) in plan.groups.iter().enumerate() {
+                for e in &group.exchanges {
+                    let peer = &plans[e.peer as usize].groups[g].exchanges[r];
+                    prop_assert_eq!(peer.send_rows, e.recv_rows);
+                    for row in e.recv_row..e.recv_row + e.recv_rows {
+                        received[row as usize] += 1;
+                    }
+                }
+            }
+            prop_assert!(received.iter().all(|&c| c == 1));
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn skewed_routing_with_an_empty_pair() {
+        // Rank 0 sends nothing to rank 2; rank 1 receives most rows.
+        let matrix = vec![vec![300, 700, 0], vec![5, 1000, 129], vec![77, 2000, 1]];
+        check_world(&matrix, 4).unwrap();
+    }
+
+    #[test]
+    fn bad_splits_are_rejected() {
+        assert!(plan_gemm_all_to_all(&[1, 2], &[3], 64, TILE, 2).is_err());
+        assert!(plan_gemm_all_to_all(&[], &[], 64, TILE, 2).is_err());
+        assert!(plan_gemm_all_to_all(&[1], &[1], 64, TILE, 0).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn every_rank_agrees_on_every_exchange(
+            world in 1usize..5,
+            cells in prop::collection::vec(0u64..600, 16),
+            groups in 1u32..6,
+        ) {
+            let matrix: Vec<Vec<u64>> = (0..world).map(|r| cells[r * 4..r * 4 + world].to_vec()).collect();
+            check_world(&matrix, groups)?;
+        }
+    }
+}
