@@ -7,6 +7,7 @@ use crate::cuda::kernels::GemmKernel;
 use crate::cuda::{cache, driver, kernels, nvrtc, stream};
 use crate::dtype::Dtype;
 use crate::error::Error;
+use crate::ops::gemm::GemmArgs;
 use crate::ops::{
     all_reduce as ar_op, gemm as gemm_op, gemm_all_reduce as gar, gemm_all_to_all as ga2a,
     gemm_reduce_scatter as grs,

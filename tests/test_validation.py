@@ -390,6 +390,7 @@ def test_ops_are_registered() -> None:
     assert hasattr(torch.ops.flashoverlap, "gemm_all_reduce")
     assert hasattr(torch.ops.flashoverlap, "gemm_reduce_scatter")
     assert hasattr(torch.ops.flashoverlap, "gemm_all_reduce_rmsnorm")
+    assert hasattr(torch.ops.flashoverlap, "gemm_all_to_all")
     gar = torch.ops.flashoverlap.gemm_all_reduce.default
     gemm_op = torch.ops.flashoverlap.gemm.default
     assert isinstance(gar, torch._ops.OpOverload)

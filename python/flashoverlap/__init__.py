@@ -4,8 +4,8 @@ collective on each finished group overlaps the rest of the GEMM."""
 from ._core import Plan, version as _version
 from ._env import configure_logging as _configure_logging
 from .communicator import Communicator, destroy_communicators, get_communicator
-from .ops import (compile_kernels, gemm, gemm_all_reduce, gemm_all_reduce_rmsnorm, gemm_reduce_scatter, plan_of,
-                  reduce_scatter_plan_of)
+from .ops import (compile_kernels, gemm, gemm_all_reduce, gemm_all_reduce_rmsnorm, gemm_all_to_all,
+                  gemm_reduce_scatter, plan_of, reduce_scatter_plan_of)
 from .planning import plan_gemm_all_reduce
 
 __version__ = _version()
@@ -19,6 +19,7 @@ __all__ = [
     "gemm",
     "gemm_all_reduce",
     "gemm_all_reduce_rmsnorm",
+    "gemm_all_to_all",
     "gemm_reduce_scatter",
     "get_communicator",
     "plan_gemm_all_reduce",

@@ -31,6 +31,8 @@ _LIB.define("gemm_all_reduce(Tensor x, Tensor weight, str group_name, str mode='
 _LIB.define("gemm_all_reduce_rmsnorm(Tensor x, Tensor weight, Tensor residual, Tensor norm_weight, float eps, "
             "str group_name, str mode='auto', int? bands_per_group=None, str? kernel=None, str? backend=None) "
             "-> (Tensor, Tensor)")
+_LIB.define("gemm_all_to_all(Tensor x, Tensor weight, int[] input_split_sizes, int[] output_split_sizes, "
+            "str group_name, int groups=4, str? kernel=None) -> Tensor")
 _LIB.define("gemm_reduce_scatter(Tensor x, Tensor weight, str group_name, str mode='auto', "
             "int? bands_per_group=None, str? kernel=None) -> Tensor")
 
@@ -236,9 +238,73 @@ def _gemm_reduce_scatter_fake(x: torch.Tensor, weight: torch.Tensor, group_name:
     return x.new_empty((x.shape[0] // world, weight.shape[0]))
 
 
+def _check_splits(name: str, splits, world: int, total: Optional[int] = None) -> list:
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    if not isinstance(splits, (list, tuple)):
+        raise TypeError(f"{name}: expected a list of ints, got {type(splits).__name__}")
+    if len(splits) != world:
+        raise ValueError(f"{name}: expected one entry per rank ({world}), got {len(splits)}")
+    for s in splits:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"{name}: expected ints, got {s!r}")
+        if s < 0:
+            raise ValueError(f"{name}: entries must be >= 0, got {list(splits)}")
+    if total is not None and sum(splits) != total:
+        raise ValueError(f"{name}: must sum to the rows of x ({total}), got {sum(splits)}")
+    return list(splits)
+
+
+def _check_groups(groups) -> None:
+    if isinstance(groups, bool) or not isinstance(groups, int):
+        raise TypeError(f"groups: expected an int, got {type(groups).__name__}")
+    if not 1 <= groups <= 64:
+        raise ValueError(f"groups: expected 1..64, got {groups}")
+
+
+def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, output_split_sizes,
+                          group_name: str, groups: int = 4, kernel: Optional[str] = None) -> torch.Tensor:
+    comm = communicator_by_name(group_name)
+    m, n, k = check_gemm_operands(x, weight)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [T, K] (rows grouped by destination rank), got shape {tuple(x.shape)}")
+    sends = _check_splits("input_split_sizes", input_split_sizes, comm.world_size, m)
+    recvs = _check_splits("output_split_sizes", output_split_sizes, comm.world_size)
+    _check_groups(groups)
+    check_device("x", x, comm.device)
+    if torch.cuda.is_current_stream_capturing():
+        raise ValueError("gemm_all_to_all: not capturable in a CUDA graph yet (its tables follow each call's "
+                         "splits); call it outside capture")
+    out = torch.empty((sum(recvs), n), dtype=x.dtype, device=x.device)
+    _nvrtc.ensure_loaded()
+    dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
+    options = (groups, _env.reserved_sms(), kernel)
+    table_bytes, send_rows = _core.all_to_all_tables(m, n, k, dtype, x.device.index, sends, recvs, options)
+    # The tables go up from pinned memory without blocking the host; torch keeps both buffers alive
+    # until this stream has used them.
+    words = len(table_bytes) // 4
+    if words:
+        tables = torch.frombuffer(bytearray(table_bytes), dtype=torch.int32).pin_memory()
+        tables = tables.to(x.device, non_blocking=True)
+    else:
+        tables = torch.empty(0, dtype=torch.int32, device=x.device)
+    counters = torch.zeros(groups, dtype=torch.int32, device=x.device)
+    send = torch.empty((send_rows, n), dtype=x.dtype, device=x.device)
+    _core.gemm_all_to_all(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype, stream,
+                          sends, recvs, (send.data_ptr(), send_rows, tables.data_ptr(), words, counters.data_ptr()),
+                          options)
+    return out
+
+
+def _gemm_all_to_all_fake(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, output_split_sizes,
+                          group_name: str, groups: int = 4, kernel: Optional[str] = None) -> torch.Tensor:
+    return x.new_empty((sum(output_split_sizes), weight.shape[0]))
+
+
 _register("gemm", _gemm_impl, _gemm_fake)
 _register("gemm_reduce_scatter", _gemm_reduce_scatter_impl, _gemm_reduce_scatter_fake)
 _register("gemm_all_reduce_rmsnorm", _gemm_all_reduce_rmsnorm_impl, _gemm_all_reduce_rmsnorm_fake)
+_register("gemm_all_to_all", _gemm_all_to_all_impl, _gemm_all_to_all_fake)
 _register("gemm_all_reduce", _gemm_all_reduce_impl, _gemm_all_reduce_fake)
 
 
@@ -427,3 +493,25 @@ def gemm_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: tor
         check_device(name, t, comm.device)
     return torch.ops.flashoverlap.gemm_all_reduce_rmsnorm(x, weight, residual, norm_weight, float(eps), comm.name,
                                                           mode, bands_per_group, kernel, backend)
+
+
+def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, output_split_sizes,
+                    group: GroupLike = None, *, communicator=None, groups: int = 4,
+                    kernel: Optional[str] = None) -> torch.Tensor:
+    """``torch.distributed.all_to_all_single(out, x @ weight.T, output_split_sizes,
+    input_split_sizes)``: the expert-parallel combine. x: [T, K] with its rows grouped by
+    destination rank (input_split_sizes[p] rows for rank p, summing to T); returns
+    [sum(output_split_sizes), N], the rows from rank p at offset sum(output_split_sizes[:p]).
+
+    The GEMM computes the same fraction of every destination's rows per wave group, and each
+    group's rows go to their peers (one NCCL send/receive per peer and group) while the next group
+    computes. ``groups`` (1..64) must be the same on every rank. Splits are checked (one entry per
+    rank, ints >= 0, input summing to T). Not capturable in CUDA graphs yet."""
+    _checked_call(x, weight, group, communicator, "auto", None, kernel, None)
+    comm = get_communicator(group, communicator=communicator)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [T, K] (rows grouped by destination rank), got shape {tuple(x.shape)}")
+    sends = _check_splits("input_split_sizes", input_split_sizes, comm.world_size, x.shape[0])
+    recvs = _check_splits("output_split_sizes", output_split_sizes, comm.world_size)
+    _check_groups(groups)
+    return torch.ops.flashoverlap.gemm_all_to_all(x, weight, sends, recvs, comm.name, groups, kernel)

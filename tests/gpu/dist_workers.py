@@ -677,7 +677,47 @@ def rmsnorm_cases(rank: int, world: int, cases: list, replays: int = 0, backend=
     return {"records": records}
 
 
+def a2a_cases(rank: int, world: int, cases: list) -> dict:
+    """gemm_all_to_all for each case's split matrix (matrix[p][r]: rows p sends r) against the fp32
+    all_to_all_single of every rank's x_p @ w_p^T; bad splits are refused first."""
+    import torch
+
+    import flashoverlap
+
+    device = torch.device("cuda", rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x, w = make_inputs(1, rank, (8,), 64, 64, torch.bfloat16, device)
+    expect_error(ValueError, "input_split_sizes", lambda: flashoverlap.gemm_all_to_all(x, w, [8] * (world + 1),
+                                                                                         [0] * world))
+    expect_error(ValueError, "input_split_sizes", lambda: flashoverlap.gemm_all_to_all(x, w, [9] + [0] * (world - 1),
+                                                                                         [0] * world), "sum")
+    expect_error(ValueError, "output_split_sizes", lambda: flashoverlap.gemm_all_to_all(x, w, [8] + [0] * (world - 1),
+                                                                                          [-1] * world))
+    failures = []
+    for case in cases:
+        matrix, n, k, seed, groups = case["matrix"], case["n"], case["k"], case["seed"], case["groups"]
+        dtype = dtype_of(case["dtype"])
+        sends = matrix[rank]
+        recvs = [matrix[p][rank] for p in range(world)]
+        x, w = make_inputs(seed, rank, (sum(sends),), n, k, dtype, device)
+        poison((sum(recvs), n), dtype, device)
+        out = flashoverlap.gemm_all_to_all(x, w, sends, recvs, groups=groups)
+        parts = []
+        for p in range(world):
+            xp, wp = make_inputs(seed, p, (sum(matrix[p]),), n, k, dtype, device)
+            start = sum(matrix[p][:rank])
+            parts.append(xp[start:start + matrix[p][rank]].float() @ wp.float().T)
+        ref = torch.cat(parts) if parts else torch.empty(0, n, device=device)
+        error = mismatch(out, ref, f"rank {rank} matrix {matrix} {n}x{k} {case['dtype']} groups {groups}")
+        if error:
+            failures.append(error)
+    if failures:
+        raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures[:20]))
+    return {"cases": len(cases)}
+
+
 TARGETS = {
+    "a2a_cases": a2a_cases,
     "rmsnorm_cases": rmsnorm_cases,
     "rs_cases": rs_cases,
     "cases": cases,
