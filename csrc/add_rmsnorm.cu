@@ -1,23 +1,24 @@
 // vLLM's fused_add_rms_norm on rows first..last-1 of an [M, N] output:
-//   r = x + residual_in (fp32);  residual_out = r;  x = r * rsqrt(mean(r^2) + eps) * weight
-// in place on x (the reduced GEMM output), rounded once to 16 bits.
+//   r = x + residual_in (rounded to 16 bits, as vLLM does);  residual_out = r;
+//   x = r * rsqrt(mean(r^2) + eps) * weight   (fp32 statistics and products)
+// in place on x (the reduced GEMM output).
 //
 // It runs on the communication stream right after each wave group's
-// AllReduce, on the few SMs the GEMM leaves free, so most of the norm hides
-// behind the rest of the GEMM. One block per row at a time (grid-stride over
-// the rows), each thread holding its share of the row in fp32 registers:
-// N <= FO_MAX_N, a multiple of 8 (16-byte accesses).
+// AllReduce, on the few SMs the GEMM leaves free, so it must keep memory
+// busy from few SMs: one warp per row (no block barriers), 32 warps per
+// block, 4 independent 16-byte loads per lane in flight. A first pass adds,
+// stores the residual and sums the squares; the second re-reads the residual
+// this lane just wrote (from L2) and writes the normalized row. N is a
+// multiple of 8 (16-byte accesses); any N works.
 #ifndef FO_BF16
 #define FO_BF16 1
 #endif
-#ifndef FO_MAX_N
-#define FO_MAX_N 16384
-#endif
 
 namespace {
-constexpr int THREADS = 256;
+constexpr int THREADS = 1024;
+constexpr int WARPS = THREADS / 32;
 constexpr int VEC = 8;
-constexpr int MAX_VECS = (FO_MAX_N / VEC + THREADS - 1) / THREADS;  // 16-byte vectors per thread
+constexpr int UNROLL = 4;
 
 __device__ __forceinline__ float to_float(unsigned short h) {
 #if FO_BF16
@@ -59,47 +60,67 @@ __device__ __forceinline__ uint4 pack(const float (&f)[VEC]) {
 extern "C" __global__ void __launch_bounds__(THREADS)
     fo_add_rmsnorm(uint4* __restrict__ x, const uint4* __restrict__ residual_in, uint4* __restrict__ residual_out,
                    const uint4* __restrict__ weight, int first, int last, int n, float eps) {
-  __shared__ float partial[THREADS / 32];
+  const int lane = threadIdx.x % 32;
   const int vecs = n / VEC;
-  for (int row = first + blockIdx.x; row < last; row += gridDim.x) {
+  const int warps = gridDim.x * WARPS;
+  for (int row = first + blockIdx.x * WARPS + threadIdx.x / 32; row < last; row += warps) {
     const long long base = static_cast<long long>(row) * vecs;
-    float r[MAX_VECS][VEC];
     float squares = 0.f;
+    for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
+      uint4 a[UNROLL], b[UNROLL];
 #pragma unroll
-    for (int j = 0; j < MAX_VECS; ++j) {
-      const int v = threadIdx.x + j * THREADS;
-      if (v < vecs) {
-        float a[VEC], b[VEC];
-        unpack(x[base + v], a);
-        unpack(residual_in[base + v], b);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          r[j][e] = a[e] + b[e];
-          squares += r[j][e] * r[j][e];
+      for (int u = 0; u < UNROLL; ++u) {
+        const int v = v0 + u * 32;
+        if (v < vecs) {
+          a[u] = x[base + v];
+          b[u] = residual_in[base + v];
         }
-        residual_out[base + v] = pack(r[j]);
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int v = v0 + u * 32;
+        if (v >= vecs) continue;
+        float fa[VEC], fb[VEC];
+        unpack(a[u], fa);
+        unpack(b[u], fb);
+        const uint4 r = [&] {
+          float s[VEC];
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) s[e] = fa[e] + fb[e];
+          return pack(s);
+        }();
+        float fr[VEC];
+        unpack(r, fr);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) squares += fr[e] * fr[e];
+        residual_out[base + v] = r;
       }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
-    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = squares;
-    __syncthreads();
-    float total = 0.f;
+    const float scale = rsqrtf(squares / n + eps);
+    for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
+      uint4 r[UNROLL], g[UNROLL];
 #pragma unroll
-    for (int w = 0; w < THREADS / 32; ++w) total += partial[w];
-    const float scale = rsqrtf(total / n + eps);
+      for (int u = 0; u < UNROLL; ++u) {
+        const int v = v0 + u * 32;
+        if (v < vecs) {
+          // This lane wrote residual_out[base + v] above: program order makes it visible.
+          r[u] = residual_out[base + v];
+          g[u] = weight[v];
+        }
+      }
 #pragma unroll
-    for (int j = 0; j < MAX_VECS; ++j) {
-      const int v = threadIdx.x + j * THREADS;
-      if (v < vecs) {
-        float g[VEC];
-        unpack(weight[v], g);
+      for (int u = 0; u < UNROLL; ++u) {
+        const int v = v0 + u * 32;
+        if (v >= vecs) continue;
+        float fr[VEC], fg[VEC];
+        unpack(r[u], fr);
+        unpack(g[u], fg);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) r[j][e] = r[j][e] * scale * g[e];
-        x[base + v] = pack(r[j]);
+        for (int e = 0; e < VEC; ++e) fr[e] = fr[e] * scale * fg[e];
+        x[base + v] = pack(fr);
       }
     }
-    // `partial` is rewritten by the next row.
-    __syncthreads();
   }
 }

@@ -222,8 +222,9 @@ pub fn unreorder_spec(bm: u32, bn: u32) -> KernelSpec {
     }
 }
 
-/// Threads per block of the fused add + RMSNorm, and the widest row it takes.
-pub const ADD_RMSNORM_THREADS: u32 = 256;
+/// Threads per block of the fused add + RMSNorm (a warp per row), and the
+/// widest row the ops accept.
+pub const ADD_RMSNORM_THREADS: u32 = 1024;
 pub const ADD_RMSNORM_MAX_N: u32 = 16384;
 
 /// vLLM's fused_add_rms_norm on rows of the reduced output.

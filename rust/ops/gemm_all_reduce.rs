@@ -329,7 +329,7 @@ pub struct Norm {
 }
 
 /// Enqueues the fused add + RMSNorm over `rows` of an [.., n] output on at
-/// most `ctas` CTAs (one row per CTA at a time).
+/// most `ctas` CTAs (one row per warp at a time).
 #[allow(clippy::too_many_arguments)]
 pub fn launch_add_rmsnorm(
     kernel: &Kernel,
@@ -343,7 +343,9 @@ pub fn launch_add_rmsnorm(
     if rows.is_empty() {
         return Ok(());
     }
-    let grid = ctas.max(1).min(rows.end - rows.start);
+    // A warp per row: a block takes 32 rows at a time.
+    let warps = kernels::ADD_RMSNORM_THREADS / 32;
+    let grid = ctas.max(1).min((rows.end - rows.start).div_ceil(warps));
     let (mut x, mut res_in, mut res_out, mut weight) =
         (out, norm.residual_in, norm.residual_out, norm.weight);
     let (mut first, mut last, mut n, mut eps) =
