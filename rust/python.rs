@@ -105,6 +105,7 @@ fn options(
         raster_bands,
         backend: self::backend(backend)?,
         order: self::order(order)?,
+        fused_norm: false,
     })
 }
 

@@ -78,6 +78,9 @@ pub struct Options {
     pub backend: Backend,
     /// Banded (in place), swizzled (staged) or whichever the predictor prefers.
     pub order: OrderRequest,
+    /// A fused add + RMSNorm follows each group (gemm_all_reduce_rmsnorm):
+    /// the predictor charges it to the communication stream.
+    pub fused_norm: bool,
 }
 
 /// What a shape needs on the device, made on its first call.
@@ -103,6 +106,7 @@ pub(crate) fn hardware_for(
     kernel: GemmKernel,
     backend: Backend,
     reserved: u32,
+    fused_norm: bool,
 ) -> HardwareModel {
     if major == 9 && sms == 132 {
         // bf16 on H200, random data, all SMs (evaluation/results/gemm_kernel_h200.txt):
@@ -136,10 +140,22 @@ pub(crate) fn hardware_for(
             gemm_tflops,
             overlap_comm,
             overlap_fixed_us,
+            fused_norm_bytes_per_us_per_sm: if fused_norm {
+                crate::plan::predictor::H200_FUSED_NORM_PER_SM
+            } else {
+                0.0
+            },
             ..h200
         }
     } else {
-        HardwareModel::generic(sms)
+        HardwareModel {
+            fused_norm_bytes_per_us_per_sm: if fused_norm {
+                crate::plan::predictor::H200_FUSED_NORM_PER_SM / 2.0
+            } else {
+                0.0
+            },
+            ..HardwareModel::generic(sms)
+        }
     }
 }
 
@@ -199,7 +215,7 @@ pub fn plan_for(
         let kernel = opts.kernel.unwrap_or_else(|| {
             GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved))
         });
-        let hw = hardware_for(sms, major, kernel, opts.backend, reserved);
+        let hw = hardware_for(sms, major, kernel, opts.backend, reserved, opts.fused_norm);
         let plan = plan::plan_gemm_all_reduce(&request(args, world, opts, kernel, reserved), &hw)?;
         let faster = |b: &GemmAllReducePlan| plan.timeline.overlap_us < b.timeline.overlap_us;
         if best.as_ref().map_or(true, |(_, b)| faster(b)) {
@@ -380,6 +396,10 @@ pub fn gemm_all_reduce(
 ) -> Result<Schedule> {
     args.validate()?;
     driver::bind(comm.device.ordinal)?;
+    let opts = &Options {
+        fused_norm: norm.is_some(),
+        ..*opts
+    };
     let prepared = prepare(comm, args, opts, caller)?;
     let plan = &prepared.plan;
     if plan.schedule == Schedule::Sequential {

@@ -51,7 +51,7 @@ pub fn plan_for(
     let kernel = opts.kernel.unwrap_or_else(|| {
         GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved).max(1))
     });
-    let hw = hardware_for(sms, major, kernel, Backend::Nccl, reserved);
+    let hw = hardware_for(sms, major, kernel, Backend::Nccl, reserved, false);
     let req = ReduceScatterRequest {
         m: args.m,
         n: args.n,

@@ -436,6 +436,32 @@ mod tests {
     }
 
     #[test]
+    fn a_fused_norm_is_charged_to_every_group_and_to_the_baseline() {
+        let plain = HardwareModel::h200();
+        let normed = HardwareModel {
+            fused_norm_bytes_per_us_per_sm: 12_000.0,
+            ..plain
+        };
+        let req = PlanRequest {
+            mode: ModeRequest::Overlap,
+            bands_per_group: Some(4),
+            ..request(4096, 8192, 4096, 2)
+        };
+        let (a, b) = (
+            plan_gemm_all_reduce(&req, &plain).unwrap(),
+            plan_gemm_all_reduce(&req, &normed).unwrap(),
+        );
+        // 4 bands of 8192 bf16 columns on the 12 reserved SMs, after each collective.
+        let per_group = (4 * 128 * 8192 * 2) as f64 / (12_000.0 * 12.0);
+        for (x, y) in a.timeline.groups.iter().zip(&b.timeline.groups) {
+            let (tx, ty) = (x.comm_end_us - x.comm_start_us, y.comm_end_us - y.comm_start_us);
+            assert!((ty - tx - per_group).abs() < 1e-6, "{tx} {ty}");
+        }
+        let whole = (4096 * 8192 * 2) as f64 / (12_000.0f64 * 132.0).min(590_000.0);
+        assert!((b.timeline.sequential_us - a.timeline.sequential_us - whole).abs() < 1e-6);
+    }
+
+    #[test]
     fn invalid_requests_name_the_field() {
         let hw = HardwareModel::h200();
         let base = request(1024, 1024, 1024, 2);

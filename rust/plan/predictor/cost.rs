@@ -71,7 +71,10 @@ impl<'a> OverlapCost<'a> {
     /// backend's model, under the overlap CTA cap).
     pub(super) fn comm_us(&self, rows: u32) -> f64 {
         let bytes = self.bytes(rows);
+        // A fused norm of the group's rows follows on the same stream and SMs.
+        let free_sms = self.hw.sms.saturating_sub(self.waves.ctas);
         self.hw.overlap_comm_slowdown * self.hw.overlap_comm.all_reduce_us(bytes, self.world)
+            + self.hw.fused_norm_us(bytes, free_sms)
     }
 
     /// Staged schedule: when the GEMM has stored every position of waves `0..end_wave`.
@@ -105,7 +108,8 @@ impl<'a> OverlapCost<'a> {
     /// The library GEMM on all SMs with nothing beside it, then one
     /// AllReduce of all of `out`.
     pub(super) fn sequential_us(&self) -> f64 {
-        self.sequential_gemm_us() + self.all_reduce_us(self.tiles.m)
+        let norm = self.hw.fused_norm_us(self.bytes(self.tiles.m), self.hw.sms);
+        self.sequential_gemm_us() + self.all_reduce_us(self.tiles.m) + norm
     }
 
     pub(super) fn sequential_gemm_us(&self) -> f64 {

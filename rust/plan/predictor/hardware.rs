@@ -67,9 +67,29 @@ pub struct HardwareModel {
     /// share un-reorders from the staging buffer into `out` (the staged
     /// schedule's extra copy: a read and a write of each byte).
     pub unreorder_bytes_per_us_per_sm: f64,
+    /// Output bytes per microsecond per SM of the fused add + RMSNorm that
+    /// follows each group's collective in gemm_all_reduce_rmsnorm (0: no
+    /// norm follows). Capped at `FUSED_NORM_CAP` over the whole GPU.
+    pub fused_norm_bytes_per_us_per_sm: f64,
 }
 
+/// The fused add + RMSNorm on H200: ~12 K output bytes per us per CTA on 4
+/// to 32 CTAs, ~590 K on all 132 (HBM-bound), evaluation/bench_add_rmsnorm.py.
+pub const H200_FUSED_NORM_PER_SM: f64 = 12_000.0;
+pub const FUSED_NORM_CAP: f64 = 590_000.0;
+
 impl HardwareModel {
+    /// Time of the fused add + RMSNorm over `bytes` of output on `sms` SMs
+    /// (0 when no norm follows the collectives).
+    pub fn fused_norm_us(&self, bytes: u64, sms: u32) -> f64 {
+        if self.fused_norm_bytes_per_us_per_sm <= 0.0 {
+            return 0.0;
+        }
+        let rate =
+            (self.fused_norm_bytes_per_us_per_sm * f64::from(sms.max(1))).min(FUSED_NORM_CAP);
+        bytes as f64 / rate
+    }
+
     /// An H200 node with NVLink, BF16 GEMM, with the sm80 kernel's rate;
     /// callers that run another kernel override `gemm_tflops`.
     pub fn h200() -> Self {
@@ -90,6 +110,7 @@ impl HardwareModel {
             overlap_comm_slowdown: 1.0,
             overlap_fixed_us: 0.0,
             unreorder_bytes_per_us_per_sm: H200_UNREORDER_PER_SM,
+            fused_norm_bytes_per_us_per_sm: 0.0,
         }
     }
 
@@ -106,6 +127,7 @@ impl HardwareModel {
             overlap_comm_slowdown: 1.1,
             overlap_fixed_us: 0.0,
             unreorder_bytes_per_us_per_sm: H200_UNREORDER_PER_SM / 2.0,
+            fused_norm_bytes_per_us_per_sm: 0.0,
         }
     }
 
@@ -159,6 +181,12 @@ impl HardwareModel {
                 self.unreorder_bytes_per_us_per_sm,
                 "> 0",
                 self.unreorder_bytes_per_us_per_sm > 0.0,
+            ),
+            (
+                "fused_norm_bytes_per_us_per_sm",
+                self.fused_norm_bytes_per_us_per_sm,
+                ">= 0",
+                self.fused_norm_bytes_per_us_per_sm >= 0.0,
             ),
             (
                 "overlap_gemm_slowdown",

@@ -8,6 +8,6 @@ mod hardware;
 mod search;
 mod timeline;
 
-pub use hardware::{CollectiveModel, HardwareModel};
+pub use hardware::{CollectiveModel, HardwareModel, FUSED_NORM_CAP, H200_FUSED_NORM_PER_SM};
 pub use search::{best_partition, best_staged_partition};
 pub use timeline::{predict, predict_sequential, predict_staged, GroupTiming, Timeline};
