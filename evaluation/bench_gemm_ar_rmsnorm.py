@@ -19,7 +19,7 @@ norm_weight, fp32 statistics, eps = 1e-6, vLLM's fused_add_rms_norm after a row-
 Before timing, both outputs of seq, fo, forced and fo_nccl are checked against the fp32
 composition (the fp32 product all-reduced in fp32, plus the residual, normalized in fp32): the
 relative error is the Frobenius norm of the difference over that of the reference, maximum over
-ranks. The schedule and group count are those of flashoverlap.plan_of(x, w, order="banded"),
+ranks. The schedule and group count are those of flashoverlap.plan_of(x, w, fused_norm=True),
 the plan fo runs. Times are medians of CUDA-event-timed iterations after warm-up, the variants
 interleaved, pooled over 3 rounds across all shapes, maximum over ranks; inputs rotate over
 buffers larger than L2. Writes <out>.csv, <out>.json (environment) and <out>.txt.
@@ -118,7 +118,7 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
         errors[f"err_res_{name}"] = float((res.float() - res_ref).norm() / res_ref.norm())
     del res_ref, out_ref
     fns = {"cublas": cublas, "nccl": nccl, "norm": norm, "seq": seq, "fo": fo, "forced": forced, "fo_nccl": fo_nccl}
-    plan = flashoverlap.plan_of(xs[0], ws[0], order="banded")
+    plan = flashoverlap.plan_of(xs[0], ws[0], fused_norm=True)
     dist.barrier()
     times = bench.interleaved_times_us(fns, iters, warmup)
     return times, {"schedule": plan.schedule, "groups": len(plan.groups), "errors": errors}

@@ -496,7 +496,8 @@ fn gemm_all_reduce(
 }
 
 /// A collective op's options as Python passes them: (mode, bands_per_group,
-/// reserved_sms, max_groups, kernel, raster_bands, backend, order).
+/// reserved_sms, max_groups, kernel, raster_bands, backend, order,
+/// fused_norm).
 type OpOptions = (
     String,
     Option<u32>,
@@ -506,6 +507,7 @@ type OpOptions = (
     Option<u32>,
     String,
     String,
+    bool,
 );
 
 /// The communicator, the shape (no pointers: planning reads none) and the
@@ -523,7 +525,10 @@ fn call_of(
     gar::Options,
 )> {
     let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let opts = options(&o.0, o.1, o.2, o.3, o.4.as_deref(), o.5, &o.6, &o.7)?;
+    let opts = gar::Options {
+        fused_norm: o.8,
+        ..options(&o.0, o.1, o.2, o.3, o.4.as_deref(), o.5, &o.6, &o.7)?
+    };
     let comm = communicator::get(group_name).map_err(to_py)?;
     Ok((comm, args, opts))
 }

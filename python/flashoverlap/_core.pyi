@@ -93,9 +93,9 @@ def gemm(
     """The GEMM alone. signal_bands (a measurement hook): signal one counter per group of this
     many row bands, as the overlapped ops do, with nobody waiting. staging (another): store the
     tile of position p at rows p*128.. of this [tiles * 128, BN] buffer instead of out."""
-OpOptions = tuple[str, Optional[int], Optional[int], int, Optional[str], Optional[int], str, str]
+OpOptions = tuple[str, Optional[int], Optional[int], int, Optional[str], Optional[int], str, str, bool]
 """A collective op's options: (mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands,
-backend, order); reserved_sms None is the backend's default."""
+backend, order, fused_norm); reserved_sms None is the backend's default."""
 
 def gemm_all_reduce(
     group_name: str,

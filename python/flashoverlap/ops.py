@@ -103,7 +103,8 @@ def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, b
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
-    plan_args = (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, None, backend, order)
+    plan_args = (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, None, backend, order,
+                 norm is not None)
     staging, staging_ptr = None, 0
     if mode != "sequential":
         # A swizzled plan reduces in a staging buffer, taken from torch's
@@ -411,8 +412,10 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
 
 def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
             mode: str = "auto", bands_per_group: Optional[int] = None, kernel: Optional[str] = None,
-            backend: Optional[str] = None, order: Optional[str] = None) -> "_core.Plan":
-    """The plan ``gemm_all_reduce`` runs for these arguments (tiles, waves, groups, predicted timeline)."""
+            backend: Optional[str] = None, order: Optional[str] = None, fused_norm: bool = False) -> "_core.Plan":
+    """The plan ``gemm_all_reduce`` runs for these arguments (tiles, waves, groups, predicted timeline);
+    with ``fused_norm=True``, the plan ``gemm_all_reduce_rmsnorm`` runs (banded, the norm charged to
+    each group)."""
     m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order)
     backend = _resolve_backend(comm, backend)
     order = _resolve_order(order)
@@ -420,7 +423,7 @@ def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, c
         mode, bands_per_group = "sequential", None
     return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device),
                                    (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, None,
-                                    backend, order))
+                                    backend, "banded" if fused_norm else order, bool(fused_norm)))
 
 
 def compile_kernels(arch: str) -> "list[tuple[str, str, int]]":

@@ -645,7 +645,7 @@ def rmsnorm_cases(rank: int, world: int, cases: list, replays: int = 0, backend=
         check(out, res, seed, lead, n, k, dtype, residual, weight, eps,
               f"rank {rank} x{(*lead, k)} w{(n, k)} {case['dtype']} {call}")
         if math.prod(lead):
-            plan = flashoverlap.plan_of(x, w, order="banded", **call)
+            plan = flashoverlap.plan_of(x, w, fused_norm=True, **call)
             records.append({"case": case, "schedule": plan.schedule, "groups": len(plan.groups)})
     if replays and cases:
         case = cases[0]

@@ -454,7 +454,10 @@ mod tests {
         // 4 bands of 8192 bf16 columns on the 12 reserved SMs, after each collective.
         let per_group = (4 * 128 * 8192 * 2) as f64 / (12_000.0 * 12.0);
         for (x, y) in a.timeline.groups.iter().zip(&b.timeline.groups) {
-            let (tx, ty) = (x.comm_end_us - x.comm_start_us, y.comm_end_us - y.comm_start_us);
+            let (tx, ty) = (
+                x.comm_end_us - x.comm_start_us,
+                y.comm_end_us - y.comm_start_us,
+            );
             assert!((ty - tx - per_group).abs() < 1e-6, "{tx} {ty}");
         }
         let whole = (4096 * 8192 * 2) as f64 / (12_000.0f64 * 132.0).min(590_000.0);
