@@ -28,13 +28,11 @@ buffers larger than L2. Writes <out>.csv, <out>.json (environment) and <out>.txt
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 
@@ -146,20 +144,10 @@ def _worker(rank, world, init_method, shapes, dtype_name, iters, warmup, result_
 
     import flashoverlap
 
-    os.environ.update(bench.SAFE_ENV)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    bench.init_worker(rank, world, init_method)
     dtype = getattr(torch, dtype_name)
     try:
-        measure_round(*shapes[0], dtype, 3, warmup)
-        pooled, facts = {s: {} for s in shapes}, {}
-        per_round = max(1, -(-iters // bench.ROUNDS))
-        for _ in range(bench.ROUNDS):
-            for s in shapes:
-                raw, facts[s] = measure_round(*s, dtype, per_round, warmup)
-                for name, v in raw.items():
-                    pooled[s].setdefault(name, []).extend(v)
+        pooled, facts = bench.pooled_rounds(measure_round, shapes, dtype, iters, warmup)
         rows = []
         for s in shapes:
             t = {name: bench._max_over_ranks(statistics.median(v)) for name, v in pooled[s].items()}
@@ -194,18 +182,11 @@ def main() -> int:
     p.add_argument("--world-size", type=int, default=None, help="default: every local GPU (>= 2; 1 for a smoke test)")
     p.add_argument("--out", default=None, help="path without extension (default: evaluation/results/bench_gemm_rs_<gpu>x<world>_<dtype>)")
     args = p.parse_args()
-    import torch.multiprocessing as mp
-
     world = args.world_size or torch.cuda.device_count()
     gpu = torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "-").lower()
     out = args.out or os.path.join(os.path.dirname(__file__), "results", f"bench_gemm_rs_{gpu}x{world}_{args.dtype}")
     os.environ.update(bench.SAFE_ENV)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(world, f"file://{tmp}/rendezvous", list(args.shapes), args.dtype, args.iters,
-                                          args.warmup, result), nprocs=world, join=True, start_method="spawn")
-        with open(result) as f:
-            data = json.load(f)
+    data = bench.spawn_ranks(_worker, world, list(args.shapes), args.dtype, args.iters, args.warmup)
     rows = data["rows"]
     lines = [f"# GEMM + ReduceScatter, {world} x {data['meta']['gpu']}, {args.dtype}, {data['meta']['date']}; "
              f"command: {data['meta']['command']}",
@@ -224,15 +205,7 @@ def main() -> int:
     if any(r["async_tp_error"] for r in rows):
         lines.append(f"torch Async-TP failed: {rows[0]['async_tp_error']}")
     print("\n".join(lines))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".txt", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(out + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        writer.writeheader()
-        writer.writerows(rows)
-    with open(out + ".json", "w") as f:
-        json.dump(data["meta"], f, indent=2)
+    bench.write_outputs(out, lines, rows, data["meta"])
     return 0
 
 

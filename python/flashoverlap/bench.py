@@ -204,32 +204,72 @@ def make_row(m: int, n: int, k: int, dtype: torch.dtype, raw: dict[str, list[flo
                times["seq"] / times["fo_nccl"], facts["schedule_nccl"], times["forced_nccl"])
 
 
+def pooled_rounds(measure: Callable, shapes, dtype: torch.dtype, iters: int, warmup: int) -> tuple[dict, dict]:
+    """Runs ``measure(m, n, k, dtype, iters, warmup) -> (times, facts)`` over all shapes: one
+    discarded pass first, then ROUNDS passes whose per-iteration times are pooled per shape. On
+    these machines a few-second transient once slowed every variant of whichever shape was being
+    measured (up to 2x); spread over rounds it moves a third of a shape's runs, not all of them,
+    and the median stays put. Returns ({shape: {variant: times}}, {shape: last facts})."""
+    measure(*shapes[0], dtype, max(3, iters // 5), warmup)
+    pooled, facts = {shape: {} for shape in shapes}, {}
+    per_round = max(1, -(-iters // ROUNDS))
+    for _ in range(ROUNDS):
+        for shape in shapes:
+            raw, facts[shape] = measure(*shape, dtype, per_round, warmup)
+            for name, v in raw.items():
+                pooled[shape].setdefault(name, []).extend(v)
+    return pooled, facts
+
+
+def init_worker(rank: int, world: int, init_method: str) -> None:
+    """A benchmark rank: the safe environment, its GPU, the process group."""
+    import torch.distributed as dist
+
+    os.environ.update(SAFE_ENV)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+
+
+def spawn_ranks(worker: Callable, world: int, *args) -> dict:
+    """Runs ``worker(rank, world, init_method, *args, result_path)`` on `world` spawned ranks
+    (a file rendezvous: no TCP port to race for) and returns what rank 0 wrote to result_path."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    os.environ.update(SAFE_ENV)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        mp.start_processes(worker, args=(world, f"file://{tmp}/rendezvous", *args, result), nprocs=world, join=True,
+                           start_method="spawn")
+        with open(result) as f:
+            return json.load(f)
+
+
+def write_outputs(out: str, lines: list, rows: list, meta: dict) -> None:
+    """<out>.txt (the printed table), <out>.csv (the rows) and <out>.json (the environment)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".txt", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(out + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(out + ".json", "w") as f:
+        json.dump(meta, f, indent=2)
+
+
 def _worker(rank: int, world: int, init_method: str, shapes, dtype_name: str, iters: int, warmup: int, result_path: str):
     import torch.distributed as dist
 
     import flashoverlap
 
-    for k, v in SAFE_ENV.items():
-        os.environ[k] = v
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    init_worker(rank, world, init_method)
     dtype = getattr(torch, dtype_name)
     rows = []
     try:
-        # A discarded pass first, then ROUNDS passes over all shapes whose runs are pooled per
-        # shape: on these machines a few-second transient slowed every variant of whichever shape
-        # was being measured (up to 2x, once per run or so); spread over rounds it moves a third
-        # of a shape's runs, not all of them, and the median stays put.
-        measure_round(*shapes[0], dtype, max(3, iters // 5), warmup)
-        pooled = {shape: {} for shape in shapes}
-        facts = {}
-        per_round = max(1, -(-iters // ROUNDS))
-        for _ in range(ROUNDS):
-            for shape in shapes:
-                raw, facts[shape] = measure_round(*shape, dtype, per_round, warmup)
-                for name, v in raw.items():
-                    pooled[shape].setdefault(name, []).extend(v)
+        pooled, facts = pooled_rounds(measure_round, shapes, dtype, iters, warmup)
         for shape in shapes:
             row = make_row(*shape, dtype, pooled[shape], facts[shape])
             rows.append(asdict(row))

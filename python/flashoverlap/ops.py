@@ -462,15 +462,7 @@ def reduce_scatter_plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLi
 
 
 def _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel):
-    check_gemm_operands(x, weight, devices=False)
-    _check_mode(mode, bands_per_group)
-    _check_kernel(kernel)
-    if not isinstance(group, (str, Communicator)) and communicator is None:
-        resolve_group(group)
-    check_device("x", x)
-    check_device("weight", weight, x.device)
-    comm = get_communicator(group, communicator=communicator)
-    check_device("x", x, comm.device)
+    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, None)
     _rs_shape(x, weight, comm.world_size)
     return comm
 

@@ -46,6 +46,43 @@ unsafe impl Send for Communicator {}
 unsafe impl Sync for Communicator {}
 
 impl Communicator {
+    /// The per-shape state an op keeps under `key`, made by `make` on first
+    /// use. A first use under CUDA graph capture is refused (`what` names the
+    /// call in the error): making the state allocates and uploads, which must
+    /// happen before capture.
+    pub fn prepared<T: Any + Send + Sync>(
+        &self,
+        key: String,
+        caller: stream::RawStream,
+        what: impl FnOnce() -> String,
+        make: impl FnOnce() -> Result<T>,
+    ) -> Result<Arc<T>> {
+        if let Some(p) = self
+            .prepared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            return p
+                .clone()
+                .downcast::<T>()
+                .map_err(|_| Error::Invalid("internal: prepared state type".into()));
+        }
+        if stream::is_capturing(caller)? {
+            return Err(Error::Invalid(format!(
+                "{} is first called during CUDA graph capture; run it once before capturing so that its plan, \
+                 tables and kernel are ready",
+                what()
+            )));
+        }
+        let made = Arc::new(make()?);
+        self.prepared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, made.clone());
+        Ok(made)
+    }
+
     pub fn comm(&self) -> Comm {
         self.comm
     }

@@ -239,71 +239,56 @@ fn prepare(
         "gemm_all_reduce/{}x{}x{}/{:?}/{:?}",
         args.m, args.n, args.k, args.dtype, opts
     );
-    if let Some(p) = comm
-        .prepared
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(&key)
-    {
-        return p
-            .clone()
-            .downcast::<Prepared>()
-            .map_err(|_| Error::Invalid("internal: prepared state type".into()));
-    }
-    if stream::is_capturing(caller)? {
-        return Err(Error::Invalid(format!(
-            "gemm_all_reduce: shape {}x{}x{} ({}) is first called during CUDA graph capture; run it once before \
-             capturing so that its plan, tables and kernel are ready",
+    let what = || {
+        format!(
+            "gemm_all_reduce: shape {}x{}x{} ({})",
             args.m,
             args.n,
             args.k,
             args.dtype.name()
-        )));
-    }
-    let (kernel, plan) = plan_for(
-        args,
-        comm.world as u32,
-        opts,
-        comm.device.sms,
-        comm.device.major,
-    )?;
-    let groups = plan.partition.len().max(1);
-    if opts.backend == Backend::CopyEngine {
-        if groups > MAX_PEER_GROUPS {
-            return Err(Error::Invalid(format!(
-                "bands_per_group: the copy-engine backend signals at most {MAX_PEER_GROUPS} groups, the plan has {groups}"
-            )));
+        )
+    };
+    comm.prepared(key, caller, what, || {
+        let (kernel, plan) = plan_for(
+            args,
+            comm.world as u32,
+            opts,
+            comm.device.sms,
+            comm.device.major,
+        )?;
+        let groups = plan.partition.len().max(1);
+        if opts.backend == Backend::CopyEngine {
+            if groups > MAX_PEER_GROUPS {
+                return Err(Error::Invalid(format!(
+                    "bands_per_group: the copy-engine backend signals at most {MAX_PEER_GROUPS} groups, the plan has {groups}"
+                )));
+            }
+            // The reduction moves 16-byte vectors: N % 8 == 0 makes every
+            // group's rows start and end on one.
+            let elem = args.dtype.bytes() as u64;
+            if let Some(group) = plan
+                .partition
+                .collectives()
+                .into_iter()
+                .find(|g| (g.slice.offset * elem) % 16 != 0 || (g.slice.count * elem) % 16 != 0)
+            {
+                return Err(Error::Invalid(format!(
+                    "internal: group slice {:?} is not 16-byte aligned",
+                    group.slice
+                )));
+            }
+            comm.ensure_group_events(groups)?;
         }
-        // The reduction moves 16-byte vectors: N % 8 == 0 makes every
-        // group's rows start and end on one.
-        let elem = args.dtype.bytes() as u64;
-        if let Some(group) = plan
-            .partition
-            .collectives()
-            .into_iter()
-            .find(|g| (g.slice.offset * elem) % 16 != 0 || (g.slice.count * elem) % 16 != 0)
-        {
-            return Err(Error::Invalid(format!(
-                "internal: group slice {:?} is not 16-byte aligned",
-                group.slice
-            )));
-        }
-        comm.ensure_group_events(groups)?;
-    }
-    let prepared = Arc::new(Prepared {
-        kernel,
-        tile_order: gemm::order_table(&plan.order)?,
-        collectives: plan.partition.collectives(),
-        tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
-        counters: DeviceBuffer::zeroed_u32(groups * COUNTER_SLOTS)?,
-        next_slot: AtomicUsize::new(0),
-        plan,
-    });
-    comm.prepared
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(key, prepared.clone());
-    Ok(prepared)
+        Ok(Prepared {
+            kernel,
+            tile_order: gemm::order_table(&plan.order)?,
+            collectives: plan.partition.collectives(),
+            tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
+            counters: DeviceBuffer::zeroed_u32(groups * COUNTER_SLOTS)?,
+            next_slot: AtomicUsize::new(0),
+            plan,
+        })
+    })
 }
 
 /// The plan a call with these arguments runs (made on first use).

@@ -88,60 +88,45 @@ fn prepare(
         "gemm_reduce_scatter/{}x{}x{}/{:?}/{:?}",
         args.m, args.n, args.k, args.dtype, opts
     );
-    if let Some(p) = comm
-        .prepared
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(&key)
-    {
-        return p
-            .clone()
-            .downcast::<Prepared>()
-            .map_err(|_| Error::Invalid("internal: prepared state type".into()));
-    }
-    if stream::is_capturing(caller)? {
-        return Err(Error::Invalid(format!(
-            "gemm_reduce_scatter: shape {}x{}x{} ({}) is first called during CUDA graph capture; run it once \
-             before capturing so that its plan, tables and kernel are ready",
+    let what = || {
+        format!(
+            "gemm_reduce_scatter: shape {}x{}x{} ({})",
             args.m,
             args.n,
             args.k,
             args.dtype.name()
-        )));
-    }
-    let (kernel, plan) = plan_for(
-        args,
-        comm.world as u32,
-        opts,
-        comm.device.sms,
-        comm.device.major,
-    )?;
-    let rows: Vec<u32> = plan
-        .load_rows
-        .iter()
-        .zip(&plan.store_rows)
-        .flat_map(|(&l, &s)| [l, s])
-        .collect();
-    if plan.send_rows() > i32::MAX as u64 {
-        return Err(Error::Invalid(format!(
-            "shape: {} rows of send buffer exceed the kernel's 32-bit rows",
-            plan.send_rows()
-        )));
-    }
-    let prepared = Arc::new(Prepared {
-        kernel,
-        tile_order: DeviceBuffer::from_u32(&plan.tile_order)?,
-        tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
-        row_table: DeviceBuffer::from_u32(&rows)?,
-        counters: DeviceBuffer::zeroed_u32(plan.groups.len() * COUNTER_SLOTS)?,
-        next_slot: AtomicUsize::new(0),
-        plan,
-    });
-    comm.prepared
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(key, prepared.clone());
-    Ok(prepared)
+        )
+    };
+    comm.prepared(key, caller, what, || {
+        let (kernel, plan) = plan_for(
+            args,
+            comm.world as u32,
+            opts,
+            comm.device.sms,
+            comm.device.major,
+        )?;
+        let rows: Vec<u32> = plan
+            .load_rows
+            .iter()
+            .zip(&plan.store_rows)
+            .flat_map(|(&l, &s)| [l, s])
+            .collect();
+        if plan.send_rows() > i32::MAX as u64 {
+            return Err(Error::Invalid(format!(
+                "shape: {} rows of send buffer exceed the kernel's 32-bit rows",
+                plan.send_rows()
+            )));
+        }
+        Ok(Prepared {
+            kernel,
+            tile_order: DeviceBuffer::from_u32(&plan.tile_order)?,
+            tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
+            row_table: DeviceBuffer::from_u32(&rows)?,
+            counters: DeviceBuffer::zeroed_u32(plan.groups.len() * COUNTER_SLOTS)?,
+            next_slot: AtomicUsize::new(0),
+            plan,
+        })
+    })
 }
 
 /// The plan a call with these arguments runs (made on first use).

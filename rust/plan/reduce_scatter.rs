@@ -19,8 +19,8 @@
 //! AllReduce model over a virtual output of `bands` bands of world*tiles_n
 //! tiles with half-size elements.
 
-use super::error::{require_positive, PlanError};
-use super::gemm_all_reduce::{ModeRequest, Schedule, AUTO_OVERLAP_MARGIN};
+use super::error::PlanError;
+use super::gemm_all_reduce::{validate_common, ModeRequest, Schedule, AUTO_OVERLAP_MARGIN};
 use super::groups::GroupPartition;
 use super::predictor::{best_partition, predict, predict_sequential, HardwareModel, Timeline};
 use super::tiles::{OutputTiles, TileShape};
@@ -79,31 +79,25 @@ pub struct ReduceScatterPlan {
 
 impl ReduceScatterRequest {
     fn validate(&self, hw: &HardwareModel) -> Result<(), PlanError> {
-        for (field, value) in [
+        let dims = [
             ("m", self.m),
             ("n", self.n),
             ("k", self.k),
             ("world", self.world),
             ("elem_bytes", self.elem_bytes),
-        ] {
-            require_positive(field, value, PlanError::InvalidShape)?;
-        }
+        ];
+        validate_common(
+            dims,
+            hw,
+            self.reserved_sms,
+            self.max_groups,
+            self.bands_per_group,
+        )?;
         if self.m % self.world != 0 {
             return Err(PlanError::InvalidShape(format!(
                 "m must be divisible by the world size {}, got {}",
                 self.world, self.m
             )));
-        }
-        hw.validate()?;
-        if self.reserved_sms >= hw.sms {
-            return Err(PlanError::InvalidHardware(format!(
-                "reserved_sms must be < sms = {}, got {}",
-                hw.sms, self.reserved_sms
-            )));
-        }
-        require_positive("max_groups", self.max_groups, PlanError::InvalidPartition)?;
-        if let Some(b) = self.bands_per_group {
-            require_positive("bands_per_group", b, PlanError::InvalidPartition)?;
         }
         Ok(())
     }

@@ -74,37 +74,57 @@ pub struct PlanRequest {
     pub order: OrderRequest,
 }
 
+/// The checks every GEMM + collective request shares: positive dimensions,
+/// a valid machine, SMs left to the GEMM, positive group limits.
+pub(crate) fn validate_common(
+    dims: [(&str, u32); 5],
+    hw: &HardwareModel,
+    reserved_sms: u32,
+    max_groups: u32,
+    bands_per_group: Option<u32>,
+) -> Result<(), PlanError> {
+    for (field, value) in dims {
+        require_positive(field, value, PlanError::InvalidShape)?;
+    }
+    hw.validate()?;
+    if reserved_sms >= hw.sms {
+        return Err(PlanError::InvalidHardware(format!(
+            "reserved_sms must be < sms = {}, got {reserved_sms}",
+            hw.sms
+        )));
+    }
+    require_positive("max_groups", max_groups, PlanError::InvalidPartition)?;
+    if let Some(bands) = bands_per_group {
+        require_positive("bands_per_group", bands, PlanError::InvalidPartition)?;
+    }
+    Ok(())
+}
+
 impl PlanRequest {
     fn validate(&self, hw: &HardwareModel) -> Result<(), PlanError> {
-        for (field, value) in [
+        let dims = [
             ("m", self.m),
             ("n", self.n),
             ("k", self.k),
             ("world", self.world),
             ("elem_bytes", self.elem_bytes),
-        ] {
-            require_positive(field, value, PlanError::InvalidShape)?;
-        }
-        hw.validate()?;
-        if self.reserved_sms >= hw.sms {
-            return Err(PlanError::InvalidHardware(format!(
-                "reserved_sms must be < sms = {}, got {}",
-                hw.sms, self.reserved_sms
-            )));
-        }
-        require_positive("max_groups", self.max_groups, PlanError::InvalidPartition)?;
+        ];
+        validate_common(
+            dims,
+            hw,
+            self.reserved_sms,
+            self.max_groups,
+            self.bands_per_group,
+        )?;
         if let Some(bands) = self.raster_bands {
             require_positive("raster_bands", bands, PlanError::InvalidPartition)?;
         }
-        if let Some(bands) = self.bands_per_group {
-            require_positive("bands_per_group", bands, PlanError::InvalidPartition)?;
-            if self.order == OrderRequest::Swizzled {
-                return Err(PlanError::InvalidPartition(
-                    "bands_per_group sets whole-band groups, which the swizzled order does not have; \
-                     leave it unset or use the banded order"
-                        .into(),
-                ));
-            }
+        if self.bands_per_group.is_some() && self.order == OrderRequest::Swizzled {
+            return Err(PlanError::InvalidPartition(
+                "bands_per_group sets whole-band groups, which the swizzled order does not have; \
+                 leave it unset or use the banded order"
+                    .into(),
+            ));
         }
         Ok(())
     }
