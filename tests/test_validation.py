@@ -450,3 +450,76 @@ def test_bad_backend_in_the_environment(no_distributed, monkeypatch: pytest.Monk
     assert _env.backend() == "copy_engine"
     monkeypatch.delenv("FLASHOVERLAP_BACKEND")
     assert _env.backend() == "auto"
+
+
+# The ops added with ReduceScatter, AllReduce + RMSNorm and All-to-All: the same operand checks
+# run first, before any process group or device is needed.
+
+def _norm_args(x, w):
+    n = w.shape[0] if isinstance(w, torch.Tensor) and w.dim() == 2 else 24
+    lead = x.shape[:-1] if isinstance(x, torch.Tensor) and x.dim() >= 1 else (16,)
+    return torch.randn(*lead, n).to(BF16), torch.rand(n).to(BF16)
+
+
+NEW_OPS = {
+    "gemm_reduce_scatter": lambda x, w: flashoverlap.gemm_reduce_scatter(x, w),
+    "gemm_all_reduce_rmsnorm": lambda x, w: flashoverlap.gemm_all_reduce_rmsnorm(x, w, *_norm_args(x, w)),
+    "gemm_all_to_all": lambda x, w: flashoverlap.gemm_all_to_all(x, w, [16], [16]),
+}
+
+
+@pytest.mark.parametrize("op", NEW_OPS)
+@pytest.mark.parametrize("name,build,exc,argument,words", SHAPE_DTYPE_CASES, ids=CASE_IDS)
+def test_new_ops_reject_operands(no_distributed, op, name, build, exc, argument, words) -> None:
+    x, w = build()
+    with raises_naming(exc, argument, *words):
+        NEW_OPS[op](x, w)
+    valid_plan_still_works()
+
+
+def _residual(shape=(16, 24), dtype=BF16):
+    return torch.randn(*shape).to(dtype)
+
+
+NORM_CASES = [
+    ("residual of another shape", lambda: (_residual((16, 25)), torch.rand(24).to(BF16), 1e-6), ValueError,
+     "residual", ["shape"]),
+    ("residual float32", lambda: (_residual(dtype=torch.float32), torch.rand(24).to(BF16), 1e-6), TypeError,
+     "residual", []),
+    ("residual of another 16-bit dtype", lambda: (_residual(dtype=F16), torch.rand(24).to(BF16), 1e-6),
+     TypeError, "residual", ["dtype"]),
+    ("norm weight of another length", lambda: (_residual(), torch.rand(23).to(BF16), 1e-6), ValueError,
+     "norm_weight", ["(24,)"]),
+    ("norm weight 2-D", lambda: (_residual(), torch.rand(1, 24).to(BF16), 1e-6), ValueError, "norm_weight", []),
+    ("negative eps", lambda: (_residual(), torch.rand(24).to(BF16), -1.0), ValueError, "eps", []),
+    ("eps not a number", lambda: (_residual(), torch.rand(24).to(BF16), "small"), ValueError, "eps", []),
+    ("non-contiguous residual", lambda: (_residual((24, 16)).t(), torch.rand(24).to(BF16), 1e-6), ValueError,
+     "residual", ["contiguous"]),
+]
+
+
+@pytest.mark.parametrize("name,build,exc,argument,words", NORM_CASES, ids=[c[0] for c in NORM_CASES])
+def test_rmsnorm_arguments_are_checked_first(no_distributed, name, build, exc, argument, words) -> None:
+    x, w = operands()
+    residual, norm_weight, eps = build()
+    with raises_naming(exc, argument, *words):
+        flashoverlap.gemm_all_reduce_rmsnorm(x, w, residual, norm_weight, eps)
+
+
+def test_rmsnorm_hidden_size_is_bounded(no_distributed) -> None:
+    x, w = operands(n=16392)
+    with raises_naming(ValueError, "weight", "16384"):
+        flashoverlap.gemm_all_reduce_rmsnorm(x, w, _residual((16, 16392)), torch.rand(16392).to(BF16))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_new_ops_fake_shapes_on_meta_tensors(dtype) -> None:
+    x = torch.empty(77, 64, dtype=dtype, device="meta")
+    w = torch.empty(48, 64, dtype=dtype, device="meta")
+    residual = torch.empty(77, 48, dtype=dtype, device="meta")
+    norm_weight = torch.empty(48, dtype=dtype, device="meta")
+    out, res = torch.ops.flashoverlap.gemm_all_reduce_rmsnorm(x, w, residual, norm_weight, 1e-6, "any-name")
+    assert tuple(out.shape) == tuple(res.shape) == (77, 48)
+    assert out.device.type == res.device.type == "meta" and out.dtype == dtype
+    out = torch.ops.flashoverlap.gemm_all_to_all(x, w, [70, 7], [3, 100], "any-name")
+    assert tuple(out.shape) == (103, 48) and out.device.type == "meta"

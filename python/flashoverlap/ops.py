@@ -481,8 +481,10 @@ def gemm_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: tor
     GEMM. residual: the shape of ``x @ weight.T``; norm_weight: [N], N <= 16384; all one dtype.
     The other arguments are those of :func:`gemm_all_reduce` (the groups are always whole row
     bands). Returns (out, residual_out)."""
-    _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
+    # Every argument is checked before the communicator is looked up (or created, collectively).
+    check_gemm_operands(x, weight, devices=False)
     _check_norm_operands(x, weight, residual, norm_weight, eps)
+    _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
     comm = get_communicator(group, communicator=communicator)
     for name, t in (("residual", residual), ("norm_weight", norm_weight)):
         check_device(name, t, comm.device)
