@@ -1,0 +1,44 @@
+"""The evaluation scripts that need no GPU: E1's speedup tables from benchmark CSVs."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "evaluation" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_e1_tables_from_the_committed_results() -> None:
+    e1 = _load("e1_speedup")
+    lines = e1.tables(str(ROOT / "evaluation" / "results"))
+    text = "\n".join(lines)
+    # The committed 2x H200 AllReduce CSV: 16 shapes, its geometric mean as the README states.
+    assert "2 x h200, bfloat16, bench_gemm_ar_h200x2_bfloat16.csv" in text
+    ar = next(line for line in lines if "flashoverlap vs sequential cuBLAS + NCCL " in line)
+    assert "16 shapes" in ar and "1.160x" in ar
+    assert "AllReduce+RMSNorm:" in text
+
+
+def test_e1_reads_each_primitive_and_keeps_prefixes_apart(tmp_path: Path) -> None:
+    e1 = _load("e1_speedup")
+    rows = [dict(m=2048 * i, n=8192, k=4096, fo_vs_seq=s, fo_vs_decomp=1.1, fo_vs_async_tp=2.0, concurrent_vs_seq=1.0)
+            for i, s in enumerate((1.2, 1.5, 0.99), start=1)]
+    with open(tmp_path / "bench_gemm_rs_h200x4_bfloat16.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    text = "\n".join(e1.tables(str(tmp_path)))
+    assert "ReduceScatter:\n  4 x h200, bfloat16" in text
+    expected = (1.2 * 1.5 * 0.99) ** (1 / 3)
+    line = next(x for x in text.splitlines() if "flashoverlap vs sequential cuBLAS + NCCL" in x)
+    assert f"{expected:.3f}x  (min 0.990x, max 1.500x, 3 shapes)" in line
+    # No AllReduce CSV here (and the RS file must not be read as one).
+    assert "AllReduce:\n  not measured (no CSV)" in text
