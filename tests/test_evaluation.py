@@ -42,3 +42,37 @@ def test_e1_reads_each_primitive_and_keeps_prefixes_apart(tmp_path: Path) -> Non
     assert f"{expected:.3f}x  (min 0.990x, max 1.500x, 3 shapes)" in line
     # No AllReduce CSV here (and the RS file must not be read as one).
     assert "AllReduce:\n  not measured (no CSV)" in text
+
+
+def test_pooled_rounds_discard_a_pass_then_pool_every_round() -> None:
+    from flashoverlap import bench
+
+    calls = []
+
+    def measure(m, n, k, dtype, iters, warmup):
+        calls.append(((m, n, k), iters))
+        return {"a": [float(len(calls))] * iters}, {"call": len(calls)}
+
+    shapes = [(1, 2, 3), (4, 5, 6)]
+    pooled, facts = bench.pooled_rounds(measure, shapes, None, iters=7, warmup=1)
+    per_round = -(-7 // bench.ROUNDS)
+    # One discarded pass on the first shape, then every shape once per round.
+    assert calls[0] == ((1, 2, 3), 3)
+    assert len(calls) == 1 + bench.ROUNDS * len(shapes)
+    for shape in shapes:
+        assert len(pooled[shape]["a"]) == bench.ROUNDS * per_round
+        assert 1.0 not in pooled[shape]["a"], "the discarded pass leaked into the pool"
+    assert facts[(4, 5, 6)]["call"] == len(calls)
+
+
+def test_write_outputs(tmp_path) -> None:
+    import json
+
+    from flashoverlap import bench
+
+    rows = [{"m": 1, "x": 2.5}, {"m": 2, "x": 3.5}]
+    bench.write_outputs(str(tmp_path / "sub" / "table"), ["# header", "line"], rows, {"gpu": "test"})
+    assert (tmp_path / "sub" / "table.txt").read_text() == "# header\nline\n"
+    with open(tmp_path / "sub" / "table.csv", newline="") as f:
+        assert list(csv.DictReader(f)) == [{"m": "1", "x": "2.5"}, {"m": "2", "x": "3.5"}]
+    assert json.loads((tmp_path / "sub" / "table.json").read_text()) == {"gpu": "test"}
