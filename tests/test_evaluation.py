@@ -76,3 +76,12 @@ def test_write_outputs(tmp_path) -> None:
     with open(tmp_path / "sub" / "table.csv", newline="") as f:
         assert list(csv.DictReader(f)) == [{"m": "1", "x": "2.5"}, {"m": "2", "x": "3.5"}]
     assert json.loads((tmp_path / "sub" / "table.json").read_text()) == {"gpu": "test"}
+
+
+def test_gpu_scripts_import_and_document_their_command() -> None:
+    """The GPU-only scripts at least load on a CPU machine and say how they are run."""
+    for name in ("bench_gemm", "bench_gemm_ar", "bench_gemm_rs", "bench_gemm_ar_rmsnorm", "bench_add_rmsnorm",
+                 "e1_correctness", "e3_overhead"):
+        module = _load(name)
+        assert f"evaluation/{name}.py" in module.__doc__, name
+        assert callable(module.main)
