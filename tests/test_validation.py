@@ -523,3 +523,29 @@ def test_new_ops_fake_shapes_on_meta_tensors(dtype) -> None:
     assert out.device.type == res.device.type == "meta" and out.dtype == dtype
     out = torch.ops.flashoverlap.gemm_all_to_all(x, w, [70, 7], [3, 100], "any-name")
     assert tuple(out.shape) == (103, 48) and out.device.type == "meta"
+
+
+def test_all_to_all_table_cache() -> None:
+    """Tables are reused per routing, the most recent few kept, the captured ones kept for good,
+    and new routings refused during capture."""
+    from flashoverlap.ops import _TableCache
+
+    made = []
+
+    def maker(key):
+        return lambda: made.append(key) or (f"tables{key}", key)
+
+    cache = _TableCache(size=2)
+    assert cache.get(1, maker(1), False) == ("tables1", 1)
+    assert cache.get(1, maker(1), False) == ("tables1", 1) and made == [1]
+    cache.get(2, maker(2), False)
+    # Captured: kept however many routings follow.
+    assert cache.get(2, maker(2), True) == ("tables2", 2) and made == [1, 2]
+    for key in (3, 4, 5):
+        cache.get(key, maker(key), False)
+    assert cache.get(2, maker(2), False) == ("tables2", 2) and made == [1, 2, 3, 4, 5]
+    # 1 was evicted (size 2): made again outside capture, refused inside.
+    with raises_naming(ValueError, "gemm_all_to_all", "capture"):
+        cache.get(1, maker(1), True)
+    cache.get(1, maker(1), False)
+    assert made == [1, 2, 3, 4, 5, 1]

@@ -8,6 +8,7 @@ GPU, while a plain dispatcher op costs a few microseconds."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -263,6 +264,38 @@ def _check_groups(groups) -> None:
         raise ValueError(f"groups: expected 1..64, got {groups}")
 
 
+class _TableCache:
+    """Device copies of the All-to-All tables, per (device, shape, splits, options): calls with the
+    same routing reuse them, the `size` most recent are kept, and those a CUDA graph captured are
+    kept for the life of the process (the graph reads them at every replay). Tables are made only
+    outside capture: a capture of new splits is refused with a clear error."""
+
+    def __init__(self, size: int = 8) -> None:
+        self._size = size
+        self._recent: "OrderedDict[tuple, tuple]" = OrderedDict()
+        self._captured: dict = {}
+
+    def get(self, key: tuple, make, capturing: bool) -> tuple:
+        hit = self._captured.get(key)
+        if hit is None:
+            hit = self._recent.pop(key, None)
+            if hit is None:
+                if capturing:
+                    raise ValueError("gemm_all_to_all: these split sizes are first seen during CUDA graph "
+                                     "capture; call the op once with them before capturing")
+                hit = make()
+            if capturing:
+                self._captured[key] = hit
+            else:
+                self._recent[key] = hit
+                while len(self._recent) > self._size:
+                    self._recent.popitem(last=False)
+        return hit
+
+
+_A2A_TABLES = _TableCache()
+
+
 def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, output_split_sizes,
                           group_name: str, groups: int = 4, kernel: Optional[str] = None) -> torch.Tensor:
     comm = communicator_by_name(group_name)
@@ -273,22 +306,25 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
     recvs = _check_splits("output_split_sizes", output_split_sizes, comm.world_size)
     _check_groups(groups)
     check_device("x", x, comm.device)
-    if torch.cuda.is_current_stream_capturing():
-        raise ValueError("gemm_all_to_all: not capturable in a CUDA graph yet (its tables follow each call's "
-                         "splits); call it outside capture")
     out = torch.empty((sum(recvs), n), dtype=x.dtype, device=x.device)
     _nvrtc.ensure_loaded()
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
     options = (groups, _env.reserved_sms(), kernel)
-    table_bytes, send_rows = _core.all_to_all_tables(m, n, k, dtype, x.device.index, sends, recvs, options)
-    # The tables go up from pinned memory without blocking the host; torch keeps both buffers alive
-    # until this stream has used them.
-    words = len(table_bytes) // 4
-    if words:
-        tables = torch.frombuffer(bytearray(table_bytes), dtype=torch.int32).pin_memory()
-        tables = tables.to(x.device, non_blocking=True)
-    else:
-        tables = torch.empty(0, dtype=torch.int32, device=x.device)
+
+    def upload():
+        table_bytes, rows = _core.all_to_all_tables(m, n, k, dtype, x.device.index, sends, recvs, options)
+        # Up from pinned memory without blocking the host.
+        if not table_bytes:
+            return torch.empty(0, dtype=torch.int32, device=x.device), rows
+        host = torch.frombuffer(bytearray(table_bytes), dtype=torch.int32).pin_memory()
+        return host.to(x.device, non_blocking=True), rows
+
+    key = (x.device.index, m, n, k, dtype, tuple(sends), tuple(recvs), options)
+    tables, send_rows = _A2A_TABLES.get(key, upload, torch.cuda.is_current_stream_capturing())
+    # Cached tables may be reused from another stream: the allocator must not recycle them until
+    # this stream is done with them.
+    tables.record_stream(torch.cuda.current_stream(x.device))
+    words = tables.numel()
     counters = torch.zeros(groups, dtype=torch.int32, device=x.device)
     send = torch.empty((send_rows, n), dtype=x.dtype, device=x.device)
     _core.gemm_all_to_all(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype, stream,
@@ -503,7 +539,8 @@ def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, ou
     The GEMM computes the same fraction of every destination's rows per wave group, and each
     group's rows go to their peers (one NCCL send/receive per peer and group) while the next group
     computes. ``groups`` (1..64) must be the same on every rank. Splits are checked (one entry per
-    rank, ints >= 0, input summing to T). Not capturable in CUDA graphs yet."""
+    rank, ints >= 0, input summing to T). Capturable in CUDA graphs once the op has run with the
+    same split sizes outside capture (its tables are made then and kept for the graph)."""
     _checked_call(x, weight, group, communicator, "auto", None, kernel, None)
     comm = get_communicator(group, communicator=communicator)
     if x.dim() != 2:

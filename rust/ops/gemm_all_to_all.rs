@@ -7,8 +7,9 @@
 //! The plan (plan/all_to_all.rs) gives each group the same fraction of every
 //! destination's rows; every rank must call with the same group count.
 //! Splits change from call to call (MoE routing), so the tables are made per
-//! call (a few microseconds of host work) and uploaded by the caller into
-//! memory from torch's allocator, which keeps it alive in stream order.
+//! routing (a few microseconds of host work) and uploaded by the caller
+//! into memory from torch's allocator, which it caches per routing (and
+//! keeps for CUDA graphs that captured it).
 
 use super::gemm::{self, GemmArgs, Signals};
 use super::gemm_all_reduce::NCCL_RESERVED_SMS;

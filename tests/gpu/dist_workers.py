@@ -711,6 +711,34 @@ def a2a_cases(rank: int, world: int, cases: list) -> dict:
         error = mismatch(out, ref, f"rank {rank} matrix {matrix} {n}x{k} {case['dtype']} groups {groups}")
         if error:
             failures.append(error)
+    # A CUDA graph of the first routing (run above, so its tables exist), replayed on fresh inputs.
+    case = cases[0]
+    matrix, n, k, groups, dtype = case["matrix"], case["n"], case["k"], case["groups"], dtype_of(case["dtype"])
+    sends, recvs = matrix[rank], [matrix[p][rank] for p in range(world)]
+    static_x, static_w = make_inputs(case["seed"], rank, (sum(sends),), n, k, dtype, device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        flashoverlap.gemm_all_to_all(static_x, static_w, sends, recvs, groups=groups)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashoverlap.gemm_all_to_all(static_x, static_w, sends, recvs, groups=groups)
+    for i in range(20):
+        seed = case["seed"] + 1 + i
+        x, w = make_inputs(seed, rank, (sum(sends),), n, k, dtype, device)
+        static_x.copy_(x)
+        static_w.copy_(w)
+        out.fill_(float("nan"))
+        graph.replay()
+        parts = []
+        for p in range(world):
+            xp, wp = make_inputs(seed, p, (sum(matrix[p]),), n, k, dtype, device)
+            start = sum(matrix[p][:rank])
+            parts.append(xp[start:start + matrix[p][rank]].float() @ wp.float().T)
+        error = mismatch(out, torch.cat(parts), f"replay {i}")
+        if error:
+            failures.append(error)
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures[:20]))
     return {"cases": len(cases)}
