@@ -461,6 +461,9 @@ fn unreorder(
         .map_err(to_py)
 }
 
+/// Enqueues GEMM + AllReduce: ("overlap", 0), ("sequential", 0) (nothing
+/// enqueued: the caller runs the GEMM, then the AllReduce) or ("staging",
+/// bytes) (nothing enqueued: call again with a staging buffer that large).
 #[pyfunction]
 #[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, options, staging=0, norm=None))]
 #[allow(clippy::too_many_arguments)]
@@ -478,7 +481,7 @@ fn gemm_all_reduce(
     options: OpOptions,
     staging: u64,
     norm: Option<(u64, u64, u64, f32)>,
-) -> PyResult<&'static str> {
+) -> PyResult<(&'static str, u64)> {
     let (comm, _, opts) = call_of(group_name, m, n, k, dtype, &options)?;
     let args = operands(x, weight, out, m, n, k, dtype)?;
     let norm = norm.map(|(residual_in, residual_out, weight, eps)| gar::Norm {
@@ -491,7 +494,11 @@ fn gemm_all_reduce(
         let caller = stream::from_handle(stream);
         gar::gemm_all_reduce(&comm, &args, &opts, staging, norm.as_ref(), caller)
     })
-    .map(schedule_name)
+    .map(|done| match done {
+        gar::Enqueued::Overlap => ("overlap", 0),
+        gar::Enqueued::Sequential => ("sequential", 0),
+        gar::Enqueued::NeedsStaging(bytes) => ("staging", bytes),
+    })
     .map_err(to_py)
 }
 
@@ -607,22 +614,6 @@ fn communicator_plan(
     gar::plan_of(&comm, &args, &opts, stream::from_handle(stream))
         .map(PyPlan)
         .map_err(to_py)
-}
-
-/// Bytes of the staging buffer `gemm_all_reduce` needs for these arguments
-/// (0 where its plan reduces in place or runs sequentially).
-#[pyfunction]
-fn communicator_staging_bytes(
-    group_name: &str,
-    m: u32,
-    n: u32,
-    k: u32,
-    dtype: &str,
-    stream: usize,
-    options: OpOptions,
-) -> PyResult<u64> {
-    let (comm, args, opts) = call_of(group_name, m, n, k, dtype, &options)?;
-    gar::staging_bytes(&comm, &args, &opts, stream::from_handle(stream)).map_err(to_py)
 }
 
 /// GEMM + ReduceScatter options as Python passes them: (mode,
@@ -872,8 +863,8 @@ fn reduce_scatter(
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlan>()?;
     m.add("NCCL_RESERVED_SMS", gar::NCCL_RESERVED_SMS)?;
+    m.add("ADD_RMSNORM_MAX_N", kernels::ADD_RMSNORM_MAX_N)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
-    m.add_function(wrap_pyfunction!(communicator_staging_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(unreorder, m)?)?;
     m.add_function(wrap_pyfunction!(communicator_rs_plan, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_reduce_scatter, m)?)?;

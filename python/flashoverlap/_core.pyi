@@ -42,6 +42,8 @@ class Plan:
 
 NCCL_RESERVED_SMS: int
 """SMs the NCCL backend leaves free of GEMM CTAs when FLASHOVERLAP_RESERVED_SMS is unset."""
+ADD_RMSNORM_MAX_N: int
+"""The widest row (hidden size) the fused add + RMSNorm takes."""
 
 def version() -> str: ...
 def plan_gemm_all_reduce(
@@ -109,13 +111,12 @@ def gemm_all_reduce(
     stream: int,
     options: OpOptions,
     staging: int = 0,
-) -> str:
-    """Enqueues the overlapped op and returns "overlap", or enqueues nothing and
-    returns "sequential" (the caller then runs its GEMM and all_reduce). staging: a buffer of
-    communicator_staging_bytes bytes where the plan is swizzled (0 otherwise)."""
-def communicator_staging_bytes(
-    group_name: str, m: int, n: int, k: int, dtype: str, stream: int, options: OpOptions
-) -> int: ...
+    norm: Optional[tuple[int, int, int, float]] = None,
+) -> tuple[str, int]:
+    """Enqueues the overlapped op and returns ("overlap", 0); or enqueues nothing and returns
+    ("sequential", 0) (the caller then runs its GEMM and all_reduce) or ("staging", bytes) (the
+    plan is swizzled: call again with a staging buffer of that many bytes). norm: (residual_in,
+    residual_out, norm_weight pointers, eps) of the fused add + RMSNorm after each group."""
 def unreorder(
     out: int,
     staging: int,

@@ -87,6 +87,16 @@ def _gemm_all_reduce_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str
     return _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, backend, order)[0]
 
 
+def _op_options(mode, bands_per_group, kernel, backend, order, fused_norm: bool) -> tuple:
+    """The options tuple the core takes for GEMM + AllReduce (environment settings included)."""
+    return (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, None, backend, order, fused_norm)
+
+
+def _rs_options(mode, bands_per_group, kernel) -> tuple:
+    """The options tuple the core takes for GEMM + ReduceScatter (environment settings included)."""
+    return (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel)
+
+
 def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, backend, order, norm=None):
     """The op's body: (out, schedule). norm: (residual_in, residual_out, weight, eps) pointers and
     eps of the fused add + RMSNorm run on each group's rows after its AllReduce (overlap only:
@@ -104,21 +114,23 @@ def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, b
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
-    plan_args = (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, None, backend, order,
-                 norm is not None)
-    staging, staging_ptr = None, 0
-    if mode != "sequential":
-        # A swizzled plan reduces in a staging buffer, taken from torch's
-        # allocator on this stream: the op's last use of it is ordered before
-        # whatever this stream runs after the op.
-        staged = _core.communicator_staging_bytes(comm.name, m, n, k, dtype, stream, plan_args)
-        if staged:
-            staging = torch.empty(staged // x.element_size(), dtype=x.dtype, device=x.device)
-            staging_ptr = staging.data_ptr()
-        if backend == "copy_engine":
-            comm.ensure_peer_buffers(max(staged, out.numel() * out.element_size()))
-    schedule = _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype,
+    plan_args = _op_options(mode, bands_per_group, kernel, backend, order, norm is not None)
+    if backend == "copy_engine" and mode != "sequential":
+        comm.ensure_peer_buffers(out.numel() * out.element_size())
+
+    def call(staging_ptr: int = 0):
+        return _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype,
                                      stream, plan_args, staging_ptr, norm)
+
+    schedule, staged = call()
+    if schedule == "staging":
+        # A swizzled plan reduces in a staging buffer, taken from torch's allocator on this
+        # stream: the op's last use of it is ordered before whatever this stream runs after it.
+        # (Every rank plans alike, so all grow their copy-engine slots together.)
+        if backend == "copy_engine":
+            comm.ensure_peer_buffers(staged)
+        staging = torch.empty(staged // x.element_size(), dtype=x.dtype, device=x.device)
+        schedule, _ = call(staging.data_ptr())
     if schedule == "sequential":
         # Overlap does not pay here (or was not asked for): exactly the unfused
         # composition, torch's library GEMM (cuBLAS) then one AllReduce.
@@ -130,7 +142,7 @@ def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, b
     return out, schedule
 
 
-_MAX_NORM_N = 16384
+_MAX_NORM_N = _core.ADD_RMSNORM_MAX_N
 
 
 def _check_norm_operands(x: torch.Tensor, weight: torch.Tensor, residual, norm_weight, eps) -> None:
@@ -212,7 +224,7 @@ def _gemm_reduce_scatter_impl(x: torch.Tensor, weight: torch.Tensor, group_name:
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
-    options = (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel)
+    options = _rs_options(mode, bands_per_group, kernel)
     plan = _core.communicator_rs_plan(comm.name, m, n, k, dtype, stream, options)
     if plan["schedule"] == "overlap":
         # Whole bands of output (the caller sees the first M / world rows) and the send buffer the
@@ -457,9 +469,9 @@ def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, c
     order = _resolve_order(order)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
-    return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device),
-                                   (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, None,
-                                    backend, "banded" if fused_norm else order, bool(fused_norm)))
+    options = _op_options(mode, bands_per_group, kernel, backend, "banded" if fused_norm else order,
+                          bool(fused_norm))
+    return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), options)
 
 
 def compile_kernels(arch: str) -> "list[tuple[str, str, int]]":
@@ -493,7 +505,7 @@ def reduce_scatter_plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLi
     m, n, k = _rs_shape(x, weight, comm.world_size)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
-    options = (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel)
+    options = _rs_options(mode, bands_per_group, kernel)
     return _core.communicator_rs_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), options)
 
 

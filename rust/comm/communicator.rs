@@ -83,6 +83,22 @@ impl Communicator {
         Ok(made)
     }
 
+    /// Runs `enqueue` (a plain collective) on the communicator's stream,
+    /// ordered after the caller's prior work and before its later work:
+    /// the collective half of the sequential schedules.
+    pub fn on_comm_stream(
+        &self,
+        caller: stream::RawStream,
+        enqueue: impl FnOnce(&nccl::Nccl, stream::RawStream) -> Result<()>,
+    ) -> Result<()> {
+        driver::bind(self.device.ordinal)?;
+        let nccl = self.nccl()?;
+        let _order = self.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+        self.fork.order(caller, self.stream.0)?;
+        enqueue(nccl, self.stream.0)?;
+        self.join.order(self.stream.0, caller)
+    }
+
     pub fn comm(&self) -> Comm {
         self.comm
     }

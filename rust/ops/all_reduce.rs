@@ -3,7 +3,6 @@
 //! the sequential schedule.
 
 use crate::comm::communicator::Communicator;
-use crate::cuda::driver;
 use crate::cuda::stream::RawStream;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
@@ -18,10 +17,7 @@ pub fn all_reduce(
     if ptr == 0 && count > 0 {
         return Err(Error::Invalid("tensor: null device pointer".into()));
     }
-    driver::bind(comm.device.ordinal)?;
-    let nccl = comm.nccl()?;
-    let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
-    comm.fork.order(caller, comm.stream.0)?;
-    nccl.all_reduce_in_place(ptr, count, dtype, comm.comm(), comm.stream.0.cast())?;
-    comm.join.order(comm.stream.0, caller)
+    comm.on_comm_stream(caller, |nccl, stream| {
+        nccl.all_reduce_in_place(ptr, count, dtype, comm.comm(), stream.cast())
+    })
 }

@@ -76,6 +76,42 @@ pub struct Signals {
     pub tile_count: u32,
 }
 
+impl Signals {
+    /// The counter of group `g` (4-byte words from `counters`).
+    pub fn counter(&self, g: usize) -> u64 {
+        self.counters + (g * 4) as u64
+    }
+}
+
+/// Counter slots per shape: consecutive calls use different slots, so a call
+/// never sees counts left by the call before it, even if the caller
+/// enqueues on several streams.
+const COUNTER_SLOTS: usize = 4;
+
+/// The group counters of one shape's overlapped op, in COUNTER_SLOTS slots
+/// taken in turn by consecutive calls.
+pub struct CounterSlots {
+    buffer: DeviceBuffer,
+    groups: usize,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl CounterSlots {
+    pub fn new(groups: usize) -> Result<Self> {
+        Ok(Self {
+            buffer: DeviceBuffer::zeroed_u32(groups * COUNTER_SLOTS)?,
+            groups,
+            next: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+
+    /// The first counter of the next call's slot.
+    pub fn next(&self) -> u64 {
+        let slot = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % COUNTER_SLOTS;
+        self.buffer.ptr + (slot * self.groups * 4) as u64
+    }
+}
+
 /// A GEMM kernel loaded for one device and dtype.
 #[derive(Debug, Clone, Copy)]
 pub struct LoadedGemm {
@@ -108,19 +144,20 @@ pub fn launch(
     let (mut c, mut m, mut n, mut k) = (args.out, args.m as i32, args.n as i32, args.k as i32);
     let (mut order, mut group, mut counters) =
         (signals.tile_order, signals.tile_group, signals.counters);
-    let tiles = args.tiles(gemm.which);
-    let mut count = tiles as i32;
     let mut staged = i32::from(signals.staging != 0);
-    if signals.staging != 0 {
-        c = signals.staging;
-    }
     let mut row_table = signals.row_table;
-    if row_table != 0 {
+    // Positions the kernel walks: the row table's grid where there is one,
+    // else the output's tiles.
+    let tiles = if row_table != 0 {
         c = signals.store;
-        // The row table's grid, not the output's, sets the tile count.
-        count = signals.tile_count as i32;
-    }
-    let tiles = count as u32;
+        signals.tile_count
+    } else {
+        if signals.staging != 0 {
+            c = signals.staging;
+        }
+        args.tiles(gemm.which)
+    };
+    let mut count = tiles as i32;
     let grid = ctas.min(tiles).max(1);
     let tail: [*mut c_void; 10] = [
         (&mut c as *mut u64).cast(),
@@ -172,6 +209,43 @@ pub fn launch(
                 .launch(grid, gemm.which.threads(), stream, &mut params)
         }
     }
+}
+
+/// The kernel's row table: (row of x read, row written) per position, as
+/// the interleaved pairs it reads.
+pub fn row_table(load_rows: &[u32], store_rows: &[u32]) -> Vec<u32> {
+    load_rows
+        .iter()
+        .zip(store_rows)
+        .flat_map(|(&l, &s)| [l, s])
+        .collect()
+}
+
+/// The per-shape state an overlapped op keeps on `comm`, keyed by the op's
+/// name, shape and options, made by `make` on first use (refused under
+/// CUDA graph capture, naming the call).
+pub fn prepared<T: std::any::Any + Send + Sync>(
+    comm: &crate::comm::communicator::Communicator,
+    op: &str,
+    args: &GemmArgs,
+    opts: &impl std::fmt::Debug,
+    caller: RawStream,
+    make: impl FnOnce() -> Result<T>,
+) -> Result<Arc<T>> {
+    let key = format!(
+        "{op}/{}x{}x{}/{:?}/{opts:?}",
+        args.m, args.n, args.k, args.dtype
+    );
+    let what = || {
+        format!(
+            "{op}: shape {}x{}x{} ({})",
+            args.m,
+            args.n,
+            args.k,
+            args.dtype.name()
+        )
+    };
+    comm.prepared(key, caller, what, make)
 }
 
 /// How the GEMM alone runs; every field None is the default launch.

@@ -22,7 +22,7 @@
 //! caller runs its library GEMM (cuBLAS, faster than ours today) and then
 //! `all_reduce::all_reduce`.
 
-use super::gemm::{self, GemmArgs, Signals};
+use super::gemm::{self, CounterSlots, GemmArgs, Signals};
 use crate::comm::communicator::Communicator;
 use crate::comm::peer::{PeerBuffers, MAX_PEER_GROUPS};
 use crate::cuda::driver;
@@ -35,13 +35,7 @@ use crate::plan::{
     PlanRequest, Schedule,
 };
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-
-/// Counter slots per shape: consecutive calls use different slots, so a call
-/// never sees counts left by the call before it, even if the caller
-/// enqueues on several streams.
-pub(crate) const COUNTER_SLOTS: usize = 4;
 
 /// What moves the bytes of each group's AllReduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -93,8 +87,7 @@ pub struct Prepared {
     /// The plan's groups: what each waits for and where its collective runs.
     collectives: Vec<Collective>,
     tile_group: DeviceBuffer,
-    counters: DeviceBuffer,
-    next_slot: AtomicUsize,
+    counters: CounterSlots,
 }
 
 /// The predictor's machine: measured constants on H200 (with the rate of
@@ -235,20 +228,7 @@ fn prepare(
     opts: &Options,
     caller: RawStream,
 ) -> Result<Arc<Prepared>> {
-    let key = format!(
-        "gemm_all_reduce/{}x{}x{}/{:?}/{:?}",
-        args.m, args.n, args.k, args.dtype, opts
-    );
-    let what = || {
-        format!(
-            "gemm_all_reduce: shape {}x{}x{} ({})",
-            args.m,
-            args.n,
-            args.k,
-            args.dtype.name()
-        )
-    };
-    comm.prepared(key, caller, what, || {
+    gemm::prepared(comm, "gemm_all_reduce", args, opts, caller, || {
         let (kernel, plan) = plan_for(
             args,
             comm.world as u32,
@@ -284,8 +264,7 @@ fn prepare(
             tile_order: gemm::order_table(&plan.order)?,
             collectives: plan.partition.collectives(),
             tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
-            counters: DeviceBuffer::zeroed_u32(groups * COUNTER_SLOTS)?,
-            next_slot: AtomicUsize::new(0),
+            counters: CounterSlots::new(groups)?,
             plan,
         })
     })
@@ -300,22 +279,6 @@ pub fn plan_of(
 ) -> Result<GemmAllReducePlan> {
     driver::bind(comm.device.ordinal)?;
     Ok(prepare(comm, args, opts, caller)?.plan.clone())
-}
-
-/// Bytes of the staging buffer a call with these arguments needs (0: the
-/// plan reduces in place in `out`, or falls back to running sequentially).
-pub fn staging_bytes(
-    comm: &Communicator,
-    args: &GemmArgs,
-    opts: &Options,
-    caller: RawStream,
-) -> Result<u64> {
-    driver::bind(comm.device.ordinal)?;
-    let plan = &prepare(comm, args, opts, caller)?.plan;
-    Ok(match plan.schedule {
-        Schedule::Sequential => 0,
-        Schedule::Overlap => plan.staging_elems() * args.dtype.bytes() as u64,
-    })
 }
 
 /// The fused add + RMSNorm that follows each group's AllReduce in
@@ -364,13 +327,26 @@ pub fn launch_add_rmsnorm(
     kernel.launch(grid, kernels::ADD_RMSNORM_THREADS, stream, &mut params)
 }
 
-/// Enqueues the overlapped op and returns `Schedule::Overlap`, or enqueues
-/// nothing and returns `Schedule::Sequential` when the plan falls back.
-/// `staging`: a device buffer of `staging_bytes` bytes where the plan is
-/// staged (the caller allocates it in stream order on `caller`; the op is
-/// done with it when `caller` reaches the end of the op). `norm`: the fused
-/// add + RMSNorm to run on each group's rows after its AllReduce (banded
-/// plans only: their groups are whole rows).
+/// What a call of [`gemm_all_reduce`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enqueued {
+    /// The overlapped op is on the streams.
+    Overlap,
+    /// Nothing: the plan falls back; the caller runs its GEMM, then the AllReduce.
+    Sequential,
+    /// Nothing: the plan is swizzled and no staging buffer was given; call
+    /// again with one of this many bytes.
+    NeedsStaging(u64),
+}
+
+/// Enqueues the overlapped op, or nothing where the plan falls back or
+/// needs a staging buffer the call did not bring (see [`Enqueued`]): the
+/// default, banded plans need none, so they cost one call. `staging`: a
+/// 16-byte aligned device buffer of the bytes `NeedsStaging` named (the
+/// caller allocates it in stream order on `caller`; the op is done with it
+/// when `caller` reaches the end of the op), or 0. `norm`: the fused add +
+/// RMSNorm to run on each group's rows after its AllReduce (banded plans
+/// only: their groups are whole rows).
 pub fn gemm_all_reduce(
     comm: &Communicator,
     args: &GemmArgs,
@@ -378,7 +354,7 @@ pub fn gemm_all_reduce(
     staging: u64,
     norm: Option<&Norm>,
     caller: RawStream,
-) -> Result<Schedule> {
+) -> Result<Enqueued> {
     args.validate()?;
     driver::bind(comm.device.ordinal)?;
     let opts = &Options {
@@ -388,13 +364,22 @@ pub fn gemm_all_reduce(
     let prepared = prepare(comm, args, opts, caller)?;
     let plan = &prepared.plan;
     if plan.schedule == Schedule::Sequential {
-        return Ok(Schedule::Sequential);
+        return Ok(Enqueued::Sequential);
     }
     let staged = plan.partition.is_staged();
-    if staged && (staging == 0 || staging % 16 != 0) {
+    if staged && norm.is_some() {
+        return Err(Error::Invalid(
+            "order: the fused RMSNorm needs whole-row groups; use order='banded'".into(),
+        ));
+    }
+    if staged && staging == 0 {
+        return Ok(Enqueued::NeedsStaging(
+            plan.staging_elems() * args.dtype.bytes() as u64,
+        ));
+    }
+    if staged && staging % 16 != 0 {
         return Err(Error::Invalid(format!(
-            "staging: the swizzled plan needs a 16-byte aligned buffer of {} bytes, got {staging:#x}",
-            plan.staging_elems() * args.dtype.bytes() as u64
+            "staging: the swizzled plan needs a 16-byte aligned buffer, got {staging:#x}"
         )));
     }
     let kernel = gemm::load(&comm.device, args.dtype, prepared.kernel)?;
@@ -405,17 +390,10 @@ pub fn gemm_all_reduce(
             kernels::load(&comm.device, &kernels::unreorder_spec(t.bm, t.bn))
         })
         .transpose()?;
-    if norm.is_some() && staged {
-        return Err(Error::Invalid(
-            "order: the fused RMSNorm needs whole-row groups; use order='banded'".into(),
-        ));
-    }
     let norm_kernel = norm
         .map(|_| kernels::load(&comm.device, &kernels::add_rmsnorm_spec(args.dtype)))
         .transpose()?;
-    let groups = prepared.collectives.len();
-    let slot = prepared.next_slot.fetch_add(1, Ordering::Relaxed) % COUNTER_SLOTS;
-    let counters = prepared.counters.ptr + (slot * groups * 4) as u64;
+    let counters = prepared.counters.next();
     let signals = Signals {
         tile_order: prepared.tile_order.as_ref().map_or(0, |b| b.ptr),
         tile_group: prepared.tile_group.ptr,
@@ -435,7 +413,7 @@ pub fn gemm_all_reduce(
         Backend::Nccl => enqueue_nccl(comm, &run, &kernel, caller)?,
         Backend::CopyEngine => enqueue_copy_engine(comm, &run, &kernel, caller)?,
     }
-    Ok(Schedule::Overlap)
+    Ok(Enqueued::Overlap)
 }
 
 /// What one overlapped call enqueues.
@@ -490,11 +468,6 @@ impl Run<'_> {
     }
 }
 
-/// The counter of group `g` (4-byte words from `signals.counters`).
-pub(crate) fn counter(signals: &Signals, g: usize) -> u64 {
-    signals.counters + (g * 4) as u64
-}
-
 fn enqueue_nccl(
     comm: &Communicator,
     run: &Run,
@@ -510,7 +483,7 @@ fn enqueue_nccl(
     comm.fork.order(caller, comm_stream)?;
     gemm::launch(kernel, run.args, &run.signals, run.plan.ctas, caller)?;
     for (g, group) in run.collectives.iter().enumerate() {
-        let counter = counter(&run.signals, g);
+        let counter = run.signals.counter(g);
         stream::wait_geq(comm_stream, counter, group.tiles)?;
         // Every tile of the group has counted, so the reset races with nothing.
         stream::write(comm_stream, counter, 0)?;
@@ -613,7 +586,7 @@ fn enqueue_copy_engine(
         stream::write(copies, free, 0)?;
     }
     for (g, group) in run.collectives.iter().enumerate() {
-        let counter = counter(&run.signals, g);
+        let counter = run.signals.counter(g);
         stream::wait_geq(copies, counter, group.tiles)?;
         stream::write(copies, counter, 0)?;
         let (offset, bytes) = (group.slice.offset * elem, group.slice.count * elem);

@@ -65,12 +65,7 @@ pub fn tables(plan: &AllToAllPlan) -> Vec<u32> {
     let mut words = Vec::with_capacity(plan.tile_order.len() * 4);
     words.extend(&plan.tile_order);
     words.extend(&plan.tile_group);
-    words.extend(
-        plan.load_rows
-            .iter()
-            .zip(&plan.store_rows)
-            .flat_map(|(&l, &s)| [l, s]),
-    );
+    words.extend(gemm::row_table(&plan.load_rows, &plan.store_rows));
     words
 }
 

@@ -11,8 +11,8 @@
 //! Where overlap does not pay nothing is enqueued here: the caller runs its
 //! library GEMM and then `reduce_scatter`.
 
-use super::gemm::{self, GemmArgs, Signals};
-use super::gemm_all_reduce::{counter, hardware_for, Backend, COUNTER_SLOTS};
+use super::gemm::{self, CounterSlots, GemmArgs, Signals};
+use super::gemm_all_reduce::{hardware_for, Backend};
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
 use crate::cuda::kernels::GemmKernel;
@@ -23,7 +23,6 @@ use crate::error::{Error, Result};
 use crate::plan::{
     plan_gemm_reduce_scatter, ModeRequest, ReduceScatterPlan, ReduceScatterRequest, Schedule,
 };
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,8 +73,7 @@ struct Prepared {
     tile_group: DeviceBuffer,
     /// (row of x read, row of the send buffer written) per position.
     row_table: DeviceBuffer,
-    counters: DeviceBuffer,
-    next_slot: AtomicUsize,
+    counters: CounterSlots,
 }
 
 fn prepare(
@@ -84,20 +82,7 @@ fn prepare(
     opts: &Options,
     caller: RawStream,
 ) -> Result<Arc<Prepared>> {
-    let key = format!(
-        "gemm_reduce_scatter/{}x{}x{}/{:?}/{:?}",
-        args.m, args.n, args.k, args.dtype, opts
-    );
-    let what = || {
-        format!(
-            "gemm_reduce_scatter: shape {}x{}x{} ({})",
-            args.m,
-            args.n,
-            args.k,
-            args.dtype.name()
-        )
-    };
-    comm.prepared(key, caller, what, || {
+    gemm::prepared(comm, "gemm_reduce_scatter", args, opts, caller, || {
         let (kernel, plan) = plan_for(
             args,
             comm.world as u32,
@@ -105,12 +90,6 @@ fn prepare(
             comm.device.sms,
             comm.device.major,
         )?;
-        let rows: Vec<u32> = plan
-            .load_rows
-            .iter()
-            .zip(&plan.store_rows)
-            .flat_map(|(&l, &s)| [l, s])
-            .collect();
         if plan.send_rows() > i32::MAX as u64 {
             return Err(Error::Invalid(format!(
                 "shape: {} rows of send buffer exceed the kernel's 32-bit rows",
@@ -121,9 +100,8 @@ fn prepare(
             kernel,
             tile_order: DeviceBuffer::from_u32(&plan.tile_order)?,
             tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
-            row_table: DeviceBuffer::from_u32(&rows)?,
-            counters: DeviceBuffer::zeroed_u32(plan.groups.len() * COUNTER_SLOTS)?,
-            next_slot: AtomicUsize::new(0),
+            row_table: DeviceBuffer::from_u32(&gemm::row_table(&plan.load_rows, &plan.store_rows))?,
+            counters: CounterSlots::new(plan.groups.len())?,
             plan,
         })
     })
@@ -167,12 +145,10 @@ pub fn gemm_reduce_scatter(
     }
     let kernel = gemm::load(&comm.device, args.dtype, prepared.kernel)?;
     let nccl = comm.nccl()?;
-    let groups = plan.groups.len();
-    let slot = prepared.next_slot.fetch_add(1, Ordering::Relaxed) % COUNTER_SLOTS;
     let signals = Signals {
         tile_order: prepared.tile_order.ptr,
         tile_group: prepared.tile_group.ptr,
-        counters: prepared.counters.ptr + (slot * groups * 4) as u64,
+        counters: prepared.counters.next(),
         row_table: prepared.row_table.ptr,
         store: send,
         store_rows: plan.send_rows() as u32,
@@ -185,7 +161,7 @@ pub fn gemm_reduce_scatter(
     comm.fork.order(caller, comm_stream)?;
     gemm::launch(&kernel, args, &signals, plan.ctas, caller)?;
     for (g, group) in plan.groups.iter().enumerate() {
-        let counter = counter(&signals, g);
+        let counter = signals.counter(g);
         stream::wait_geq(comm_stream, counter, group.tiles)?;
         stream::write(comm_stream, counter, 0)?;
         nccl.reduce_scatter(
@@ -214,17 +190,7 @@ pub fn reduce_scatter(
     if (send == 0 || recv == 0) && recv_count > 0 {
         return Err(Error::Invalid("tensor: null device pointer".into()));
     }
-    driver::bind(comm.device.ordinal)?;
-    let nccl = comm.nccl()?;
-    let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
-    comm.fork.order(caller, comm.stream.0)?;
-    nccl.reduce_scatter(
-        send,
-        recv,
-        recv_count,
-        dtype,
-        comm.comm(),
-        comm.stream.0.cast(),
-    )?;
-    comm.join.order(comm.stream.0, caller)
+    comm.on_comm_stream(caller, |nccl, stream| {
+        nccl.reduce_scatter(send, recv, recv_count, dtype, comm.comm(), stream.cast())
+    })
 }
