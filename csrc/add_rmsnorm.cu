@@ -5,20 +5,41 @@
 //
 // It runs on the communication stream right after each wave group's
 // AllReduce, on the few SMs the GEMM leaves free, so it must keep memory
-// busy from few SMs: one warp per row (no block barriers), 32 warps per
-// block, 4 independent 16-byte loads per lane in flight. A first pass adds,
-// stores the residual and sums the squares; the second re-reads the residual
-// this lane just wrote (from L2) and writes the normalized row. N is a
-// multiple of 8 (16-byte accesses); any N works.
+// busy from few SMs. One warp per row (no block barriers). The first pass
+// (x and residual_in, the bytes that come from HBM) goes global -> shared
+// with cp.async, FO_STAGES steps ahead across row boundaries: loads in
+// flight hold no registers, so a block keeps ~160 KiB outstanding (loads
+// into registers topped out near 60 GB/s per SM, as in peer_reduce.cu).
+// Each lane reads back only the chunks it loaded itself. The pass adds,
+// stores the residual and sums the squares; the second pass re-reads the
+// residual this lane just wrote (from L2) and writes the normalized row.
+// N is a multiple of 8 (16-byte accesses); any N works.
+#include "ptx.cuh"
+
 #ifndef FO_BF16
 #define FO_BF16 1
 #endif
 
+// FO_THREADS per block; FO_VPT 16-byte vectors per lane per tensor per
+// step; FO_STAGES steps in the shared-memory ring (FO_STAGES - 1 in flight).
+#ifndef FO_THREADS
+#define FO_THREADS 512
+#endif
+#ifndef FO_VPT
+#define FO_VPT 2
+#endif
+#ifndef FO_STAGES
+#define FO_STAGES 6
+#endif
+
 namespace {
-constexpr int THREADS = 1024;
+constexpr int THREADS = FO_THREADS;
 constexpr int WARPS = THREADS / 32;
 constexpr int VEC = 8;
-constexpr int UNROLL = 4;
+constexpr int VPT = FO_VPT;
+constexpr int STAGES = FO_STAGES;
+// The second pass reads L2-resident data into registers: 2 steps of loads in flight.
+constexpr int UNROLL = 2;
 
 __device__ __forceinline__ float to_float(unsigned short h) {
 #if FO_BF16
@@ -40,65 +61,85 @@ __device__ __forceinline__ unsigned short from_float(float f) {
   return h;
 }
 
-__device__ __forceinline__ void unpack(uint4 v, float (&f)[VEC]) {
-  const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = to_float(w[i] & 0xffffu);
-    f[2 * i + 1] = to_float(w[i] >> 16);
-  }
+// One 32-bit word = two 16-bit values: low half first.
+__device__ __forceinline__ float low(unsigned w) { return to_float(w & 0xffffu); }
+__device__ __forceinline__ float high(unsigned w) { return to_float(w >> 16); }
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  return from_float(lo) | (static_cast<unsigned>(from_float(hi)) << 16);
 }
-
-__device__ __forceinline__ uint4 pack(const float (&f)[VEC]) {
-  unsigned w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = from_float(f[2 * i]) | (static_cast<unsigned>(from_float(f[2 * i + 1])) << 16);
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
+__device__ __forceinline__ unsigned& word(uint4& v, int i) { return reinterpret_cast<unsigned*>(&v)[i]; }
+__device__ __forceinline__ unsigned word(const uint4& v, int i) { return reinterpret_cast<const unsigned*>(&v)[i]; }
 }  // namespace
+
+// The ring slot of (stage, tensor 0 = x / 1 = residual_in, vector u) of this thread.
+__device__ __forceinline__ uint4* slot(uint4* ring, int stage, int tensor, int u) {
+  return ring + ((stage * 2 + tensor) * VPT + u) * THREADS + threadIdx.x;
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     fo_add_rmsnorm(uint4* __restrict__ x, const uint4* __restrict__ residual_in, uint4* __restrict__ residual_out,
                    const uint4* __restrict__ weight, int first, int last, int n, float eps) {
+  extern __shared__ uint4 ring[];  // [STAGES][2][VPT][THREADS]
   const int lane = threadIdx.x % 32;
   const int vecs = n / VEC;
+  // This warp's rows: first + warp, then every `warps` rows; each row in
+  // `steps` steps of VPT vectors per lane.
+  const int warp = blockIdx.x * WARPS + threadIdx.x / 32;
   const int warps = gridDim.x * WARPS;
-  for (int row = first + blockIdx.x * WARPS + threadIdx.x / 32; row < last; row += warps) {
-    const long long base = static_cast<long long>(row) * vecs;
-    float squares = 0.f;
-    for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
-      uint4 a[UNROLL], b[UNROLL];
+  const int rows = warp < last - first ? (last - first - warp + warps - 1) / warps : 0;
+  const int steps = (vecs + 32 * VPT - 1) / (32 * VPT);
+  const long long items = static_cast<long long>(rows) * steps;
+  auto vector_of = [&](long long item, int u) { return lane + 32 * (static_cast<int>(item % steps) * VPT + u); };
+  auto base_of = [&](long long item) {
+    return static_cast<long long>(first + warp + static_cast<int>(item / steps) * warps) * vecs;
+  };
+  // Every step commits a group, empty past the end, so wait_group counts stay uniform.
+  auto issue = [&](long long item) {
+    if (item < items) {
+      const long long base = base_of(item);
+      const int stage = static_cast<int>(item % STAGES);
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int v = v0 + u * 32;
-        if (v < vecs) {
-          a[u] = x[base + v];
-          b[u] = residual_in[base + v];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int v = v0 + u * 32;
-        if (v >= vecs) continue;
-        float fa[VEC], fb[VEC];
-        unpack(a[u], fa);
-        unpack(b[u], fb);
-        const uint4 r = [&] {
-          float s[VEC];
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) s[e] = fa[e] + fb[e];
-          return pack(s);
-        }();
-        float fr[VEC];
-        unpack(r, fr);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) squares += fr[e] * fr[e];
-        residual_out[base + v] = r;
+      for (int u = 0; u < VPT; ++u) {
+        const int v = vector_of(item, u);
+        const bool in = v < vecs;
+        // Past the row's end: a zero-filled chunk from a valid address, never used.
+        fo::cp_async_16(fo::smem_addr(slot(ring, stage, 0, u)), in ? x + base + v : x, in ? 16 : 0);
+        fo::cp_async_16(fo::smem_addr(slot(ring, stage, 1, u)), in ? residual_in + base + v : residual_in,
+                        in ? 16 : 0);
       }
     }
+    fo::cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  float squares = 0.f;
+  for (long long item = 0; item < items; ++item) {
+    issue(item + STAGES - 1);
+    fo::cp_async_wait<STAGES - 1>();
+    const long long base = base_of(item);
+    const int stage = static_cast<int>(item % STAGES);
+#pragma unroll
+    for (int u = 0; u < VPT; ++u) {
+      const int v = vector_of(item, u);
+      if (v >= vecs) continue;
+      const uint4 a = *slot(ring, stage, 0, u), b = *slot(ring, stage, 1, u);
+      uint4 r;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const unsigned ai = word(a, i), bi = word(b, i);
+        const unsigned w = pack2(low(ai) + low(bi), high(ai) + high(bi));
+        // The statistics are of the rounded sum, as vLLM's are.
+        squares += low(w) * low(w) + high(w) * high(w);
+        word(r, i) = w;
+      }
+      residual_out[base + v] = r;
+    }
+    if (item % steps != steps - 1) continue;
+    // The row's last step (warp-uniform): its statistics, then the second pass.
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
     const float scale = rsqrtf(squares / n + eps);
+    squares = 0.f;
     for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
       uint4 r[UNROLL], g[UNROLL];
 #pragma unroll
@@ -114,13 +155,15 @@ extern "C" __global__ void __launch_bounds__(THREADS)
       for (int u = 0; u < UNROLL; ++u) {
         const int v = v0 + u * 32;
         if (v >= vecs) continue;
-        float fr[VEC], fg[VEC];
-        unpack(r[u], fr);
-        unpack(g[u], fg);
+        uint4 y;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) fr[e] = fr[e] * scale * fg[e];
-        x[base + v] = pack(fr);
+        for (int i = 0; i < 4; ++i) {
+          const unsigned rw = word(r[u], i), gw = word(g[u], i);
+          word(y, i) = pack2(low(rw) * scale * low(gw), high(rw) * scale * high(gw));
+        }
+        x[base + v] = y;
       }
     }
   }
+  fo::cp_async_wait<0>();
 }

@@ -10,6 +10,8 @@ norm_weight, fp32 statistics, eps = 1e-6, vLLM's fused_add_rms_norm after a row-
            torch.nn.functional.rms_norm on the fp32 sum where torch has it, else
            r * rsqrt(mean(r^2) + eps); both outputs cast back to the input dtype)
   seq      cuBLAS, then NCCL AllReduce, then that add + RMSNorm (the unfused composition)
+  seq_fused  cuBLAS, then NCCL AllReduce, then flashoverlap's one-kernel add + RMSNorm on every SM
+           (the sequential baseline with the fastest fused norm this machine has)
   fo       flashoverlap.gemm_all_reduce_rmsnorm (mode auto: overlapped where the predictor says
            it wins, each group's rows normalized right after its AllReduce; else GEMM, AllReduce,
            then flashoverlap's add + RMSNorm kernel; default backend)
@@ -38,14 +40,14 @@ import sys
 
 import torch
 
-from flashoverlap import bench
+from flashoverlap import _core, bench
 from flashoverlap.cli import _shape
 
 SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 4096), (8192, 14336), (8192, 1024),
                                                                     (8192, 3584))]
 EPS = 1e-6
-VARIANTS = ("cublas", "nccl", "norm", "seq", "fo", "forced", "fo_nccl")
-CHECKED = ("seq", "fo", "forced", "fo_nccl")
+VARIANTS = ("cublas", "nccl", "norm", "seq", "seq_fused", "fo", "forced", "fo_nccl")
+CHECKED = ("seq", "seq_fused", "fo", "forced", "fo_nccl")
 SPEEDUPS = ("fo", "forced", "fo_nccl")
 
 
@@ -93,6 +95,18 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
         dist.all_reduce(y)
         return add_rmsnorm(y, residuals[i % sets])
 
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    dtype_name = str(dtype).removeprefix("torch.")
+
+    def seq_fused(i):
+        y = torch.matmul(xs[i % sets], ws[i % sets].t())
+        dist.all_reduce(y)
+        residual_out = torch.empty_like(y)
+        _core.add_rmsnorm(y.data_ptr(), residuals[i % sets].data_ptr(), residual_out.data_ptr(),
+                          norm_weight.data_ptr(), m, n, EPS, dtype_name, torch.cuda.current_device(),
+                          torch.cuda.current_stream().cuda_stream, sms)
+        return y, residual_out
+
     def fo(i):
         return flashoverlap.gemm_all_reduce_rmsnorm(xs[i % sets], ws[i % sets], residuals[i % sets], norm_weight, EPS)
 
@@ -110,12 +124,13 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     res_ref += residuals[0].float()
     out_ref = res_ref * torch.rsqrt(res_ref.pow(2).mean(-1, keepdim=True) + EPS) * norm_weight_f
     errors = {}
-    for name, f in (("seq", seq), ("fo", fo), ("forced", forced), ("fo_nccl", fo_nccl)):
+    for name, f in (("seq", seq), ("seq_fused", seq_fused), ("fo", fo), ("forced", forced), ("fo_nccl", fo_nccl)):
         out, res = f(0)
         errors[f"err_out_{name}"] = float((out.float() - out_ref).norm() / out_ref.norm())
         errors[f"err_res_{name}"] = float((res.float() - res_ref).norm() / res_ref.norm())
     del res_ref, out_ref
-    fns = {"cublas": cublas, "nccl": nccl, "norm": norm, "seq": seq, "fo": fo, "forced": forced, "fo_nccl": fo_nccl}
+    fns = {"cublas": cublas, "nccl": nccl, "norm": norm, "seq": seq, "seq_fused": seq_fused, "fo": fo,
+           "forced": forced, "fo_nccl": fo_nccl}
     plan = flashoverlap.plan_of(xs[0], ws[0], fused_norm=True)
     dist.barrier()
     times = bench.interleaved_times_us(fns, iters, warmup)
@@ -139,6 +154,7 @@ def _worker(rank, world, init_method, shapes, dtype_name, iters, warmup, result_
                    "schedule": facts[s]["schedule"], "groups": facts[s]["groups"]}
             for v in SPEEDUPS:
                 row[f"{v}_vs_seq"] = row["seq_us"] / row[f"{v}_us"]
+                row[f"{v}_vs_seq_fused"] = row["seq_fused_us"] / row[f"{v}_us"]
             # Same keys in the same order on every rank: _max_over_ranks is collective.
             for key, e in facts[s]["errors"].items():
                 row[key] = bench._max_over_ranks(e)
@@ -185,13 +201,16 @@ def main() -> int:
                      f" {r['schedule']:>10} {r['groups']:>6} {r['fo_vs_seq']:6.3f}x {r['forced_vs_seq']:7.3f}x "
                      f"{r['fo_nccl_vs_seq']:6.3f}x" +
                      "".join(f" {r[f'err_{o}_{v}']:10.1e}" for v in SPEEDUPS for o in ("out", "res")))
-    for key, what in (("fo_vs_seq", "fo over sequential cuBLAS + NCCL + add-RMSNorm"),
+    for key, what in (("fo_vs_seq", "fo over sequential cuBLAS + NCCL + torch add-RMSNorm"),
+                      ("fo_vs_seq_fused", "fo over sequential cuBLAS + NCCL + one-kernel add-RMSNorm"),
                       ("forced_vs_seq", "forced overlap over sequential"),
-                      ("fo_nccl_vs_seq", "fo with backend='nccl' over sequential")):
+                      ("fo_nccl_vs_seq", "fo with backend='nccl' over sequential"),
+                      ("fo_nccl_vs_seq_fused", "fo with backend='nccl' over sequential with the one-kernel norm")):
         g, lo = geo(rows, key)
         lines.append(f"{what}: geometric mean {g:.3f}x, min {lo:.3f}x")
-    seq_err = max(max(r["err_out_seq"], r["err_res_seq"]) for r in rows)
-    lines.append(f"max relative error of the seq baseline itself: {seq_err:.1e}")
+    for base in ("seq", "seq_fused"):
+        err = max(max(r[f"err_out_{base}"], r[f"err_res_{base}"]) for r in rows)
+        lines.append(f"max relative error of the {base} baseline itself: {err:.1e}")
     print("\n".join(lines))
     bench.write_outputs(out, lines, rows, data["meta"])
     return 0

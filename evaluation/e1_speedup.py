@@ -32,8 +32,9 @@ PRIMITIVES = [
                                         ("flashoverlap vs torch Async-TP", "fo_vs_async_tp"),
                                         ("reference: cuBLAS || unrelated NCCL vs sequential", "concurrent_vs_seq")]),
     ("AllReduce+RMSNorm", "bench_gemm_ar_rmsnorm", [
-        ("flashoverlap vs sequential cuBLAS + NCCL + add-RMSNorm", "fo_vs_seq"),
-        ("flashoverlap (NCCL backend) vs the same", "fo_nccl_vs_seq")]),
+        ("flashoverlap vs sequential cuBLAS + NCCL + torch add-RMSNorm", "fo_vs_seq"),
+        ("flashoverlap vs sequential cuBLAS + NCCL + one-kernel add-RMSNorm", "fo_vs_seq_fused"),
+        ("flashoverlap (NCCL backend) vs sequential + torch add-RMSNorm", "fo_nccl_vs_seq")]),
 ]
 
 NAME = re.compile(r"^(?P<prefix>.+)_(?P<gpu>[^_]+)x(?P<world>\d+)_(?P<dtype>[a-z0-9]+)\.csv$")

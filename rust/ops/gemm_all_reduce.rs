@@ -307,7 +307,7 @@ pub fn launch_add_rmsnorm(
     if rows.is_empty() {
         return Ok(());
     }
-    // A warp per row: a block takes 32 rows at a time.
+    // A warp per row: a block takes ADD_RMSNORM_THREADS / 32 rows at a time.
     let warps = kernels::ADD_RMSNORM_THREADS / 32;
     let grid = ctas.max(1).min((rows.end - rows.start).div_ceil(warps));
     let (mut x, mut res_in, mut res_out, mut weight) =
@@ -391,7 +391,7 @@ pub fn gemm_all_reduce(
         })
         .transpose()?;
     let norm_kernel = norm
-        .map(|_| kernels::load(&comm.device, &kernels::add_rmsnorm_spec(args.dtype)))
+        .map(|_| kernels::load(&comm.device, &kernels::add_rmsnorm_spec(args.dtype, comm.device.major)))
         .transpose()?;
     let counters = prepared.counters.next();
     let signals = Signals {
@@ -456,14 +456,17 @@ impl Run<'_> {
     }
 
     /// After group `c`'s collective (in place: whole rows), on the same
-    /// stream: the fused add + RMSNorm of its rows.
-    fn norm(&self, c: &Collective, stream: RawStream) -> Result<()> {
+    /// stream: the fused add + RMSNorm of its rows, on the SMs the GEMM
+    /// leaves free; after the last group every tile is stored (the groups'
+    /// waits ran in order), so its norm gets every SM.
+    fn norm(&self, c: &Collective, stream: RawStream, sms: u32) -> Result<()> {
         let Some((norm, kernel)) = &self.norm else {
             return Ok(());
         };
         let n = u64::from(self.args.n);
         let rows = (c.slice.offset / n) as u32..((c.slice.offset + c.slice.count) / n) as u32;
-        let ctas = self.plan.request.reserved_sms;
+        let last = rows.end == self.args.m;
+        let ctas = if last { sms } else { self.plan.request.reserved_sms };
         launch_add_rmsnorm(kernel, self.args.out, norm, rows, self.args.n, ctas, stream)
     }
 }
@@ -495,7 +498,7 @@ fn enqueue_nccl(
             comm_stream.cast(),
         )?;
         run.unreorder(group, comm_stream)?;
-        run.norm(group, comm_stream)?;
+        run.norm(group, comm_stream, comm.device.sms)?;
     }
     comm.join.order(comm_stream, caller)
 }
@@ -610,7 +613,7 @@ fn enqueue_copy_engine(
             reduce(reducer, &peer, base, offset, bytes, ctas, reduces)?;
         }
         run.unreorder(group, reduces)?;
-        run.norm(group, reduces)?;
+        run.norm(group, reduces, comm.device.sms)?;
     }
     // Every staged partial of this call is summed: the peers may write again.
     for p in peer.peers() {

@@ -67,14 +67,20 @@ impl<'a> OverlapCost<'a> {
         f64::from(self.waves.count()) * self.wave_us * self.hw.overlap_gemm_slowdown
     }
 
-    /// AllReduce of `rows` output rows while overlapping (the overlap
-    /// backend's model, under the overlap CTA cap).
-    pub(super) fn comm_us(&self, rows: u32) -> f64 {
-        let bytes = self.bytes(rows);
-        // A fused norm of the group's rows follows on the same stream and SMs.
-        let free_sms = self.hw.sms.saturating_sub(self.waves.ctas);
+    /// AllReduce of group bands `bands` while overlapping (the overlap
+    /// backend's model, under the overlap CTA cap), then the fused norm of
+    /// its rows where one follows: on the SMs the GEMM leaves free, except
+    /// after the last group, when the GEMM is done and the norm gets every SM.
+    pub(super) fn comm_us(&self, bands: std::ops::Range<u32>) -> f64 {
+        let tail = bands.end == self.band_count();
+        let bytes = self.bytes(self.rows(bands));
+        let norm_sms = if tail {
+            self.hw.sms
+        } else {
+            self.hw.sms.saturating_sub(self.waves.ctas)
+        };
         self.hw.overlap_comm_slowdown * self.hw.overlap_comm.all_reduce_us(bytes, self.world)
-            + self.hw.fused_norm_us(bytes, free_sms)
+            + self.hw.fused_norm_us(bytes, norm_sms)
     }
 
     /// Staged schedule: when the GEMM has stored every position of waves `0..end_wave`.

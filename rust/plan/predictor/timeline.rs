@@ -48,7 +48,7 @@ pub fn predict(
     let timings = partition.groups.iter().map(|group| {
         (
             cost.gemm_done_us(group.bands.end),
-            cost.comm_us(cost.rows(group.bands.clone())),
+            cost.comm_us(group.bands.clone()),
         )
     });
     Ok(replay(timings, &cost))
