@@ -7,12 +7,14 @@
 // AllReduce, on the few SMs the GEMM leaves free, so it must keep memory
 // busy from few SMs. One warp per row (no block barriers). The first pass
 // (x and residual_in, the bytes that come from HBM) goes global -> shared
-// with cp.async, FO_STAGES steps ahead across row boundaries: loads in
-// flight hold no registers, so a block keeps ~160 KiB outstanding (loads
-// into registers topped out near 60 GB/s per SM, as in peer_reduce.cu).
-// Each lane reads back only the chunks it loaded itself. The pass adds,
-// stores the residual and sums the squares; the second pass re-reads the
-// residual this lane just wrote (from L2) and writes the normalized row.
+// with cp.async, FO_STAGES - 1 steps ahead across row ends: loads in flight
+// hold no registers. Each lane reads back only the chunks it loaded itself.
+// The pass adds, stores the residual and sums the squares; the second pass
+// re-reads the residual this lane just wrote (from L2) and writes the
+// normalized row. On H200 this moves ~20 K output bytes/us per CTA on few
+// CTAs (the register-only version spilled and managed ~13 K): the loop is
+// short of issue slots more than of bytes in flight, hence the counters
+// instead of divisions and the packed conversions.
 // N is a multiple of 8 (16-byte accesses); any N works.
 #include "ptx.cuh"
 
@@ -29,7 +31,7 @@
 #define FO_VPT 2
 #endif
 #ifndef FO_STAGES
-#define FO_STAGES 6
+#define FO_STAGES 3
 #endif
 
 namespace {
@@ -38,35 +40,28 @@ constexpr int WARPS = THREADS / 32;
 constexpr int VEC = 8;
 constexpr int VPT = FO_VPT;
 constexpr int STAGES = FO_STAGES;
-// The second pass reads L2-resident data into registers: 2 steps of loads in flight.
-constexpr int UNROLL = 2;
+// The second pass reads L2-resident data into registers, FO_UNROLL vectors
+// of the residual and of the weight per lane in flight.
+#ifndef FO_UNROLL
+#define FO_UNROLL 8
+#endif
+constexpr int UNROLL = FO_UNROLL;
 
-__device__ __forceinline__ float to_float(unsigned short h) {
+// One 32-bit word = two 16-bit values, the low half first; packing rounds
+// both with one instruction (fo::pack2).
 #if FO_BF16
-  return __uint_as_float(static_cast<unsigned>(h) << 16);
+__device__ __forceinline__ float low(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float high(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 #else
+__device__ __forceinline__ float half_to_float(unsigned short h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;
+}
+__device__ __forceinline__ float low(unsigned w) { return half_to_float(w & 0xffffu); }
+__device__ __forceinline__ float high(unsigned w) { return half_to_float(w >> 16); }
 #endif
-}
-
-__device__ __forceinline__ unsigned short from_float(float f) {
-  unsigned short h;
-#if FO_BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-  return h;
-}
-
-// One 32-bit word = two 16-bit values: low half first.
-__device__ __forceinline__ float low(unsigned w) { return to_float(w & 0xffffu); }
-__device__ __forceinline__ float high(unsigned w) { return to_float(w >> 16); }
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-  return from_float(lo) | (static_cast<unsigned>(from_float(hi)) << 16);
-}
+using fo::pack2;
 __device__ __forceinline__ unsigned& word(uint4& v, int i) { return reinterpret_cast<unsigned*>(&v)[i]; }
 __device__ __forceinline__ unsigned word(const uint4& v, int i) { return reinterpret_cast<const unsigned*>(&v)[i]; }
 }  // namespace
@@ -83,59 +78,61 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   const int lane = threadIdx.x % 32;
   const int vecs = n / VEC;
   // This warp's rows: first + warp, then every `warps` rows; each row in
-  // `steps` steps of VPT vectors per lane.
+  // `steps` steps of VPT vectors per lane. Two cursors walk them: the loads
+  // (STAGES - 1 steps ahead, across row ends) and the sums.
   const int warp = blockIdx.x * WARPS + threadIdx.x / 32;
   const int warps = gridDim.x * WARPS;
-  const int rows = warp < last - first ? (last - first - warp + warps - 1) / warps : 0;
   const int steps = (vecs + 32 * VPT - 1) / (32 * VPT);
-  const long long items = static_cast<long long>(rows) * steps;
-  auto vector_of = [&](long long item, int u) { return lane + 32 * (static_cast<int>(item % steps) * VPT + u); };
-  auto base_of = [&](long long item) {
-    return static_cast<long long>(first + warp + static_cast<int>(item / steps) * warps) * vecs;
-  };
+  int load_row = first + warp, load_step = 0, load_stage = 0;
   // Every step commits a group, empty past the end, so wait_group counts stay uniform.
-  auto issue = [&](long long item) {
-    if (item < items) {
-      const long long base = base_of(item);
-      const int stage = static_cast<int>(item % STAGES);
+  auto issue = [&]() {
+    if (load_row < last) {
+      const long long base = static_cast<long long>(load_row) * vecs;
 #pragma unroll
       for (int u = 0; u < VPT; ++u) {
-        const int v = vector_of(item, u);
+        const int v = lane + 32 * (load_step * VPT + u);
         const bool in = v < vecs;
         // Past the row's end: a zero-filled chunk from a valid address, never used.
-        fo::cp_async_16(fo::smem_addr(slot(ring, stage, 0, u)), in ? x + base + v : x, in ? 16 : 0);
-        fo::cp_async_16(fo::smem_addr(slot(ring, stage, 1, u)), in ? residual_in + base + v : residual_in,
+        fo::cp_async_16(fo::smem_addr(slot(ring, load_stage, 0, u)), in ? x + base + v : x, in ? 16 : 0);
+        fo::cp_async_16(fo::smem_addr(slot(ring, load_stage, 1, u)), in ? residual_in + base + v : residual_in,
                         in ? 16 : 0);
       }
+      if (++load_step == steps) {
+        load_step = 0;
+        load_row += warps;
+      }
+      load_stage = load_stage + 1 == STAGES ? 0 : load_stage + 1;
     }
     fo::cp_async_commit();
   };
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  for (int s = 0; s < STAGES - 1; ++s) issue();
   float squares = 0.f;
-  for (long long item = 0; item < items; ++item) {
-    issue(item + STAGES - 1);
-    fo::cp_async_wait<STAGES - 1>();
-    const long long base = base_of(item);
-    const int stage = static_cast<int>(item % STAGES);
+  int stage = 0;
+  for (int row = first + warp; row < last; row += warps) {
+    const long long base = static_cast<long long>(row) * vecs;
+    for (int step = 0; step < steps; ++step) {
+      issue();
+      fo::cp_async_wait<STAGES - 1>();
 #pragma unroll
-    for (int u = 0; u < VPT; ++u) {
-      const int v = vector_of(item, u);
-      if (v >= vecs) continue;
-      const uint4 a = *slot(ring, stage, 0, u), b = *slot(ring, stage, 1, u);
-      uint4 r;
+      for (int u = 0; u < VPT; ++u) {
+        const int v = lane + 32 * (step * VPT + u);
+        if (v >= vecs) continue;
+        const uint4 a = *slot(ring, stage, 0, u), b = *slot(ring, stage, 1, u);
+        uint4 r;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const unsigned ai = word(a, i), bi = word(b, i);
-        const unsigned w = pack2(low(ai) + low(bi), high(ai) + high(bi));
-        // The statistics are of the rounded sum, as vLLM's are.
-        squares += low(w) * low(w) + high(w) * high(w);
-        word(r, i) = w;
+        for (int i = 0; i < 4; ++i) {
+          const unsigned ai = word(a, i), bi = word(b, i);
+          const unsigned w = pack2(low(ai) + low(bi), high(ai) + high(bi));
+          // The statistics are of the rounded sum, as vLLM's are.
+          squares += low(w) * low(w) + high(w) * high(w);
+          word(r, i) = w;
+        }
+        residual_out[base + v] = r;
       }
-      residual_out[base + v] = r;
+      stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
-    if (item % steps != steps - 1) continue;
-    // The row's last step (warp-uniform): its statistics, then the second pass.
+    // The row's statistics, then the second pass.
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
     const float scale = rsqrtf(squares / n + eps);

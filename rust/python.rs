@@ -746,7 +746,7 @@ fn add_rmsnorm(
     };
     py.detach(|| {
         let dev = driver::bind(device)?;
-        let kernel = kernels::load(&dev, &kernels::add_rmsnorm_spec(dtype, dev.major))?;
+        let kernel = kernels::load(&dev, &kernels::add_rmsnorm_spec(dtype))?;
         gar::launch_add_rmsnorm(
             &kernel,
             x,

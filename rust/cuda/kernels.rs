@@ -227,13 +227,14 @@ pub fn unreorder_spec(bm: u32, bn: u32) -> KernelSpec {
 pub const ADD_RMSNORM_THREADS: u32 = 512;
 pub const ADD_RMSNORM_MAX_N: u32 = 16384;
 
-/// vLLM's fused_add_rms_norm on rows of the reduced output, on a device of
-/// compute capability `major`: each lane moves 2 vectors of x and 2 of the
-/// residual per step; Hopper keeps 5 steps in flight (192 KiB of shared
-/// memory per block), older GPUs 2 (96 KiB, within sm_86/89's 99 KiB).
-pub fn add_rmsnorm_spec(dtype: Dtype, major: i32) -> KernelSpec {
+/// vLLM's fused_add_rms_norm on rows of the reduced output: each lane moves
+/// 2 vectors of x and 2 of the residual per step, 2 steps in flight (96 KiB
+/// of shared memory per block, within every sm_80+ GPU's limit). Measured
+/// on H200 (4096 x 8192 bf16, alone): 19.9 K output bytes/us/CTA on 4 CTAs,
+/// vs 20.4 K with 4 vectors (128 KiB) and 19.6 K with 4 vectors, 3 stages.
+pub fn add_rmsnorm_spec(dtype: Dtype) -> KernelSpec {
     let bf16 = if dtype == Dtype::Bf16 { "1" } else { "0" }.to_string();
-    let (stages, vectors) = if major >= 9 { (6, 2) } else { (3, 2) };
+    let (stages, vectors) = (3, 2);
     KernelSpec {
         source: "add_rmsnorm.cu",
         entry: "fo_add_rmsnorm",
@@ -272,7 +273,7 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
     let unreorders = widths.into_iter().map(|(bm, bn)| unreorder_spec(bm, bn));
     let norms = [Dtype::Bf16, Dtype::F16]
         .into_iter()
-        .map(move |d| add_rmsnorm_spec(d, major))
+        .map(add_rmsnorm_spec)
         .filter(move |_| runs);
     gemms
         .chain(reduces.filter(|_| runs))

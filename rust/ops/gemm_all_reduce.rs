@@ -391,7 +391,7 @@ pub fn gemm_all_reduce(
         })
         .transpose()?;
     let norm_kernel = norm
-        .map(|_| kernels::load(&comm.device, &kernels::add_rmsnorm_spec(args.dtype, comm.device.major)))
+        .map(|_| kernels::load(&comm.device, &kernels::add_rmsnorm_spec(args.dtype)))
         .transpose()?;
     let counters = prepared.counters.next();
     let signals = Signals {
