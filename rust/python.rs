@@ -8,11 +8,14 @@ use crate::cuda::{cache, driver, kernels, nvrtc, stream};
 use crate::dtype::Dtype;
 use crate::error::Error;
 use crate::ops::gemm::GemmArgs;
+use crate::ops::profile;
 use crate::ops::{
     all_reduce as ar_op, gemm as gemm_op, gemm_all_reduce as gar, gemm_all_to_all as ga2a,
     gemm_reduce_scatter as grs,
 };
-use crate::plan::{GemmAllReducePlan, ModeRequest, OrderRequest, Partition, Schedule};
+use crate::plan::{
+    CollectiveKind, GemmAllReducePlan, ModeRequest, OrderRequest, Partition, Schedule,
+};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -859,6 +862,71 @@ fn reduce_scatter(
     .map_err(to_py)
 }
 
+fn collective_kind(name: &str) -> PyResult<CollectiveKind> {
+    match name {
+        "all_reduce" => Ok(CollectiveKind::AllReduce),
+        "reduce_scatter" => Ok(CollectiveKind::ReduceScatter),
+        other => Err(PyValueError::new_err(format!(
+            "collective: expected 'all_reduce' or 'reduce_scatter', got {other:?}"
+        ))),
+    }
+}
+
+/// Registers a measured curve (input bytes per rank, microseconds) of
+/// `collective` for devices with `sms` SMs at `world_size` ranks: the
+/// overlapped groups' (this library's capped NCCL communicator) where
+/// `overlapped`, else the sequential schedule's; plans made afterwards use it.
+#[pyfunction]
+fn register_collective_curve(
+    sms: u32,
+    world_size: u32,
+    collective: &str,
+    overlapped: bool,
+    bytes: Vec<u64>,
+    us: Vec<f64>,
+) -> PyResult<()> {
+    if bytes.len() != us.len() {
+        return Err(PyValueError::new_err(format!(
+            "curve: {} sizes but {} times",
+            bytes.len(),
+            us.len()
+        )));
+    }
+    let samples: Vec<(u64, f64)> = bytes.into_iter().zip(us).collect();
+    let kind = collective_kind(collective)?;
+    profile::register_curve(sms, world_size, kind, overlapped, &samples).map_err(to_py)
+}
+
+/// Registers a measured GEMM time: `kernel` ("sm80", "sm90_n128",
+/// "sm90_n256", or "cublas" for the sequential schedule's GEMM) on `ctas`
+/// of a device's `sms` SMs.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn register_gemm_sample(
+    kernel: &str,
+    dtype: &str,
+    sms: u32,
+    ctas: u32,
+    m: u32,
+    n: u32,
+    k: u32,
+    us: f64,
+) -> PyResult<()> {
+    profile::register_gemm(kernel, self::dtype(dtype)?, sms, ctas, (m, n, k), us).map_err(to_py)
+}
+
+/// Forgets every registered profile (plans already made keep theirs).
+#[pyfunction]
+fn clear_profiles() {
+    profile::clear()
+}
+
+/// (collective curves, GEMM samples) registered.
+#[pyfunction]
+fn profile_counts() -> (usize, usize) {
+    profile::counts()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlan>()?;
@@ -870,6 +938,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gemm_reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;
+    m.add_function(wrap_pyfunction!(register_collective_curve, m)?)?;
+    m.add_function(wrap_pyfunction!(register_gemm_sample, m)?)?;
+    m.add_function(wrap_pyfunction!(clear_profiles, m)?)?;
+    m.add_function(wrap_pyfunction!(profile_counts, m)?)?;
     m.add_function(wrap_pyfunction!(all_to_all_tables, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_all_to_all, m)?)?;
     m.add_function(wrap_pyfunction!(plan_gemm_all_reduce, m)?)?;

@@ -23,6 +23,7 @@
 //! `all_reduce::all_reduce`.
 
 use super::gemm::{self, CounterSlots, GemmArgs, Signals};
+use super::profile;
 use crate::comm::communicator::Communicator;
 use crate::comm::peer::{PeerBuffers, MAX_PEER_GROUPS};
 use crate::cuda::driver;
@@ -31,8 +32,8 @@ use crate::cuda::memory::DeviceBuffer;
 use crate::cuda::stream::{self, RawStream};
 use crate::error::{Error, Result};
 use crate::plan::{
-    self, Collective, CollectiveModel, GemmAllReducePlan, HardwareModel, ModeRequest, OrderRequest,
-    PlanRequest, Schedule,
+    self, Collective, CollectiveKind, CollectiveModel, GemmAllReducePlan, HardwareModel,
+    ModeRequest, OrderRequest, PlanRequest, Schedule,
 };
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -122,10 +123,7 @@ pub(crate) fn hardware_for(
             // group made the search pick 2-3 groups and lose up to 10% on
             // communication-bound shapes.
             Backend::CopyEngine => (
-                CollectiveModel {
-                    latency_us: 8.0,
-                    bus_gbps: 240.0 * (f64::from(reserved) / 12.0).min(1.0),
-                },
+                CollectiveModel::analytic(8.0, 240.0 * (f64::from(reserved) / 12.0).min(1.0)),
                 40.0,
             ),
         };
@@ -208,7 +206,18 @@ pub fn plan_for(
         let kernel = opts.kernel.unwrap_or_else(|| {
             GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved))
         });
-        let hw = hardware_for(sms, major, kernel, opts.backend, reserved, opts.fused_norm);
+        let hw = profile::apply(
+            hardware_for(sms, major, kernel, opts.backend, reserved, opts.fused_norm),
+            &profile::Lookup {
+                kernel: &kernel.name(),
+                dtype: args.dtype,
+                ctas: sms.saturating_sub(reserved).max(1),
+                shape: (args.m, args.n, args.k),
+                world,
+                kind: CollectiveKind::AllReduce,
+                nccl_overlap: opts.backend == Backend::Nccl,
+            },
+        );
         let plan = plan::plan_gemm_all_reduce(&request(args, world, opts, kernel, reserved), &hw)?;
         let faster = |b: &GemmAllReducePlan| plan.timeline.overlap_us < b.timeline.overlap_us;
         if best.as_ref().map_or(true, |(_, b)| faster(b)) {
@@ -466,7 +475,11 @@ impl Run<'_> {
         let n = u64::from(self.args.n);
         let rows = (c.slice.offset / n) as u32..((c.slice.offset + c.slice.count) / n) as u32;
         let last = rows.end == self.args.m;
-        let ctas = if last { sms } else { self.plan.request.reserved_sms };
+        let ctas = if last {
+            sms
+        } else {
+            self.plan.request.reserved_sms
+        };
         launch_add_rmsnorm(kernel, self.args.out, norm, rows, self.args.n, ctas, stream)
     }
 }

@@ -13,6 +13,7 @@
 
 use super::gemm::{self, CounterSlots, GemmArgs, Signals};
 use super::gemm_all_reduce::{hardware_for, Backend};
+use super::profile;
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
 use crate::cuda::kernels::GemmKernel;
@@ -21,7 +22,8 @@ use crate::cuda::stream::{self, RawStream};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::{
-    plan_gemm_reduce_scatter, ModeRequest, ReduceScatterPlan, ReduceScatterRequest, Schedule,
+    plan_gemm_reduce_scatter, CollectiveKind, ModeRequest, ReduceScatterPlan, ReduceScatterRequest,
+    Schedule,
 };
 use std::sync::Arc;
 
@@ -50,7 +52,18 @@ pub fn plan_for(
     let kernel = opts.kernel.unwrap_or_else(|| {
         GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved).max(1))
     });
-    let hw = hardware_for(sms, major, kernel, Backend::Nccl, reserved, false);
+    let hw = profile::apply(
+        hardware_for(sms, major, kernel, Backend::Nccl, reserved, false),
+        &profile::Lookup {
+            kernel: &kernel.name(),
+            dtype: args.dtype,
+            ctas: sms.saturating_sub(reserved).max(1),
+            shape: (args.m, args.n, args.k),
+            world,
+            kind: CollectiveKind::ReduceScatter,
+            nccl_overlap: true,
+        },
+    );
     let req = ReduceScatterRequest {
         m: args.m,
         n: args.n,

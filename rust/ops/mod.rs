@@ -6,3 +6,4 @@ pub mod gemm;
 pub mod gemm_all_reduce;
 pub mod gemm_all_to_all;
 pub mod gemm_reduce_scatter;
+pub mod profile;

@@ -26,7 +26,7 @@ pub use groups::{Collective, CollectiveSlice, GroupPartition, Partition, WaveGro
 pub use order::{default_raster_bands, OrderKind, TileOrder};
 pub use predictor::{
     best_partition, best_staged_partition, predict, predict_sequential, predict_staged,
-    CollectiveModel, GroupTiming, HardwareModel, Timeline,
+    CollectiveKind, CollectiveModel, Curve, GroupTiming, HardwareModel, Timeline, CURVE_CAPACITY,
 };
 pub use reduce_scatter::{
     plan_gemm_reduce_scatter, ReduceScatterPlan, ReduceScatterRequest, ScatterGroup,

@@ -14,15 +14,17 @@
 //! after the collective. Chunks are whole bands, so the output is allocated
 //! with `bands * bm` rows and the caller sees its first Ms.
 //!
-//! Cost model: under the ring model a ReduceScatter of B bytes moves
-//! (W-1)/W * B, what an AllReduce of B/2 moves, so the search runs the
-//! AllReduce model over a virtual output of `bands` bands of world*tiles_n
-//! tiles with half-size elements.
+//! Cost model: the search runs the AllReduce search over a virtual output of
+//! `bands` bands of world*tiles_n tiles (a group's bytes are its rows of
+//! every shard: the ReduceScatter's input), with the machine's ReduceScatter
+//! timing (a measured curve, or the ring's (W-1)/W * B over the bus).
 
 use super::error::PlanError;
 use super::gemm_all_reduce::{validate_common, ModeRequest, Schedule, AUTO_OVERLAP_MARGIN};
 use super::groups::GroupPartition;
-use super::predictor::{best_partition, predict, predict_sequential, HardwareModel, Timeline};
+use super::predictor::{
+    best_partition, predict, predict_sequential, CollectiveKind, HardwareModel, Timeline,
+};
 use super::tiles::{OutputTiles, TileShape};
 use super::waves::Waves;
 
@@ -113,6 +115,8 @@ pub fn plan_gemm_reduce_scatter(
     hw: &HardwareModel,
 ) -> Result<ReduceScatterPlan, PlanError> {
     req.validate(hw)?;
+    // Each group's collective is a ReduceScatter of its rows of every shard.
+    let hw = &hw.with_collective(CollectiveKind::ReduceScatter);
     let shard_rows = req.m / req.world;
     let tile = req.tile;
     let bands = shard_rows.div_ceil(tile.bm);
@@ -120,14 +124,14 @@ pub fn plan_gemm_reduce_scatter(
     // The virtual output of the model: one band per local band, holding
     // every shard's tiles of it.
     let virtual_tiles = OutputTiles::new(bands * tile.bm, req.world * tiles_n * tile.bn, tile)?;
-    let half = (req.elem_bytes / 2).max(1);
+    let elem = req.elem_bytes;
     let overlap_ctas = hw.sms - req.reserved_sms;
     let (k, world) = (req.k, req.world);
     let overlap = match (req.mode, req.bands_per_group) {
         (ModeRequest::Sequential, _) => None,
         (_, Some(b)) => {
             let p = GroupPartition::uniform(&virtual_tiles, b)?;
-            let t = predict(&virtual_tiles, k, overlap_ctas, &p, hw, world, half)?;
+            let t = predict(&virtual_tiles, k, overlap_ctas, &p, hw, world, elem)?;
             Some((p, t))
         }
         (mode, None) => {
@@ -137,7 +141,7 @@ pub fn plan_gemm_reduce_scatter(
                 overlap_ctas,
                 hw,
                 world,
-                half,
+                elem,
                 req.max_groups,
             )?;
             let pays = best.1.overlap_us + hw.overlap_fixed_us
@@ -151,7 +155,7 @@ pub fn plan_gemm_reduce_scatter(
             Schedule::Sequential,
             hw.sms,
             GroupPartition::whole(&virtual_tiles),
-            predict_sequential(&virtual_tiles, k, hw, world, half)?,
+            predict_sequential(&virtual_tiles, k, hw, world, elem)?,
         ),
     };
     let total = req.world * bands * tiles_n;

@@ -485,7 +485,10 @@ mod tests {
             } else {
                 12_000.0 * 12.0
             };
-            assert!((ty - tx - group_bytes / rate).abs() < 1e-6, "{g}: {tx} {ty}");
+            assert!(
+                (ty - tx - group_bytes / rate).abs() < 1e-6,
+                "{g}: {tx} {ty}"
+            );
         }
         let whole = (4096 * 8192 * 2) as f64 / (12_000.0f64 * 132.0).min(590_000.0);
         assert!((b.timeline.sequential_us - a.timeline.sequential_us - whole).abs() < 1e-6);

@@ -79,7 +79,7 @@ impl<'a> OverlapCost<'a> {
         } else {
             self.hw.sms.saturating_sub(self.waves.ctas)
         };
-        self.hw.overlap_comm_slowdown * self.hw.overlap_comm.all_reduce_us(bytes, self.world)
+        self.hw.overlap_comm_slowdown * self.hw.overlap_comm.time_us(bytes, self.world)
             + self.hw.fused_norm_us(bytes, norm_sms)
     }
 
@@ -106,7 +106,7 @@ impl<'a> OverlapCost<'a> {
             * u64::from(self.tiles.tile.bn)
             * u64::from(self.elem_bytes);
         let collective =
-            self.hw.overlap_comm_slowdown * self.hw.overlap_comm.all_reduce_us(staged, self.world);
+            self.hw.overlap_comm_slowdown * self.hw.overlap_comm.time_us(staged, self.world);
         let free_sms = self.hw.sms.saturating_sub(self.waves.ctas).max(1);
         collective + staged as f64 / (self.hw.unreorder_bytes_per_us_per_sm * f64::from(free_sms))
     }
@@ -115,7 +115,7 @@ impl<'a> OverlapCost<'a> {
     /// AllReduce of all of `out`.
     pub(super) fn sequential_us(&self) -> f64 {
         let norm = self.hw.fused_norm_us(self.bytes(self.tiles.m), self.hw.sms);
-        self.sequential_gemm_us() + self.all_reduce_us(self.tiles.m) + norm
+        self.sequential_gemm_us() + self.collective_us(self.tiles.m) + norm
     }
 
     pub(super) fn sequential_gemm_us(&self) -> f64 {
@@ -128,8 +128,8 @@ impl<'a> OverlapCost<'a> {
         self.tiles.band_rows(bands.end - 1).end - self.tiles.band_rows(bands.start).start
     }
 
-    fn all_reduce_us(&self, rows: u32) -> f64 {
-        self.hw.comm.all_reduce_us(self.bytes(rows), self.world)
+    fn collective_us(&self, rows: u32) -> f64 {
+        self.hw.comm.time_us(self.bytes(rows), self.world)
     }
 
     fn bytes(&self, rows: u32) -> u64 {

@@ -1,24 +1,71 @@
-//! What the predictor knows about a machine: a few calibratable numbers.
+//! What the predictor knows about a machine: a few calibratable numbers,
+//! and measured collective curves where `flashoverlap tune` made them.
 
 use crate::plan::error::{require_positive, PlanError};
 
-/// A collective's cost as nccl-tests reports it: a fixed latency plus the
-/// bytes each rank moves over the bus bandwidth.
+use super::curve::Curve;
+
+/// Which collective a [`CollectiveModel`] times; `bytes` is always the
+/// collective's input on one rank (for ReduceScatter: all `world` shards).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CollectiveKind {
+    AllReduce,
+    ReduceScatter,
+}
+
+/// A collective's cost: a measured curve at this world size where there is
+/// one, else as nccl-tests reports it: a fixed latency plus the bytes each
+/// rank moves over the bus bandwidth.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CollectiveModel {
     pub latency_us: f64,
     /// Bus bandwidth in GB/s (1e9 bytes/s), nccl-tests' "busbw".
     pub bus_gbps: f64,
+    pub kind: CollectiveKind,
+    /// Measured time vs input bytes, for `kind` at the world size planned for.
+    pub curve: Option<Curve>,
 }
 
 impl CollectiveModel {
-    /// Ring AllReduce time: latency + 2*(world-1)/world * bytes / bus bandwidth (world 1 -> 0).
-    pub fn all_reduce_us(&self, bytes: u64, world: u32) -> f64 {
+    pub const fn analytic(latency_us: f64, bus_gbps: f64) -> Self {
+        Self {
+            latency_us,
+            bus_gbps,
+            kind: CollectiveKind::AllReduce,
+            curve: None,
+        }
+    }
+
+    /// The same link timing another collective: the analytic constants
+    /// carry over (busbw is per collective-independent bus traffic), a
+    /// measured curve only to its own kind.
+    pub fn with_kind(self, kind: CollectiveKind) -> Self {
+        if kind == self.kind {
+            return self;
+        }
+        Self {
+            kind,
+            curve: None,
+            ..self
+        }
+    }
+
+    /// The collective over `bytes` of input per rank (world 1 -> 0). Ring
+    /// traffic per rank: AllReduce 2*(world-1)/world * bytes, ReduceScatter
+    /// (world-1)/world * bytes.
+    pub fn time_us(&self, bytes: u64, world: u32) -> f64 {
         if world <= 1 {
             return 0.0;
         }
+        if let Some(curve) = &self.curve {
+            return curve.at(bytes);
+        }
         let world = f64::from(world);
-        let moved = 2.0 * (world - 1.0) / world * bytes as f64;
+        let passes = match self.kind {
+            CollectiveKind::AllReduce => 2.0,
+            CollectiveKind::ReduceScatter => 1.0,
+        };
+        let moved = passes * (world - 1.0) / world * bytes as f64;
         // 1 GB/s moves 1e3 bytes per microsecond.
         self.latency_us + moved / (self.bus_gbps * 1e3)
     }
@@ -27,20 +74,14 @@ impl CollectiveModel {
 // NCCL AllReduce on 2x H200 over NVLink: 64 MB in ~260 us, 256 MB in
 // 900-1030 us, small messages 60-80 us (the bandwidth is set a little low:
 // with 300 GB/s the model under-rated overlap at M = 2048).
-const H200_NCCL: CollectiveModel = CollectiveModel {
-    latency_us: 45.0,
-    bus_gbps: 270.0,
-};
+const H200_NCCL: CollectiveModel = CollectiveModel::analytic(45.0, 270.0);
 
 /// The un-reorder copy on H200: output bytes per microsecond per CTA (one
 /// per SM), measured over the 17 kernel shapes alone on the GPU: 42 K on 4
 /// CTAs, 38 K on 8, 29 K on 16, 28 K on 24 (evaluation/results/gemm_kernel_h200.txt).
 const H200_UNREORDER_PER_SM: f64 = 30_000.0;
 
-const GENERIC_LINK: CollectiveModel = CollectiveModel {
-    latency_us: 60.0,
-    bus_gbps: 100.0,
-};
+const GENERIC_LINK: CollectiveModel = CollectiveModel::analytic(60.0, 100.0);
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HardwareModel {
@@ -134,6 +175,15 @@ impl HardwareModel {
         }
     }
 
+    /// The same machine timing `kind` (see [`CollectiveModel::with_kind`]).
+    pub fn with_collective(self, kind: CollectiveKind) -> Self {
+        Self {
+            comm: self.comm.with_kind(kind),
+            overlap_comm: self.overlap_comm.with_kind(kind),
+            ..self
+        }
+    }
+
     pub fn validate(&self) -> Result<(), PlanError> {
         require_positive("sms", self.sms, PlanError::InvalidHardware)?;
         let checks = [
@@ -222,17 +272,31 @@ mod tests {
 
     use super::*;
 
-    const LINK: CollectiveModel = CollectiveModel {
-        latency_us: 10.0,
-        bus_gbps: 100.0,
-    };
+    const LINK: CollectiveModel = CollectiveModel::analytic(10.0, 100.0);
 
     #[test]
     fn ring_all_reduce_moves_twice_the_shard_complement() {
-        assert_eq!(LINK.all_reduce_us(100_000_000, 1), 0.0);
-        assert!((LINK.all_reduce_us(100_000_000, 2) - 1010.0).abs() < 1e-9);
-        assert!((LINK.all_reduce_us(100_000_000, 4) - 1510.0).abs() < 1e-9);
-        assert_eq!(LINK.all_reduce_us(0, 8), 10.0);
+        assert_eq!(LINK.time_us(100_000_000, 1), 0.0);
+        assert!((LINK.time_us(100_000_000, 2) - 1010.0).abs() < 1e-9);
+        assert!((LINK.time_us(100_000_000, 4) - 1510.0).abs() < 1e-9);
+        assert_eq!(LINK.time_us(0, 8), 10.0);
+        let rs = LINK.with_kind(CollectiveKind::ReduceScatter);
+        assert!((rs.time_us(100_000_000, 4) - 760.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_curve_times_its_own_kind_only() {
+        let curve = Curve::new(&[(1000, 5.0), (2000, 7.0)]).unwrap();
+        let measured = CollectiveModel {
+            curve: Some(curve),
+            ..LINK
+        };
+        assert_eq!(measured.time_us(1500, 2), 6.0);
+        assert_eq!(measured.time_us(1500, 1), 0.0);
+        assert_eq!(measured.with_kind(CollectiveKind::AllReduce), measured);
+        let rs = measured.with_kind(CollectiveKind::ReduceScatter);
+        assert_eq!(rs.curve, None);
+        assert_eq!(rs.time_us(0, 2), 10.0);
     }
 
     #[test]
@@ -311,7 +375,7 @@ mod tests {
             world in 2u32..=8,
         ) {
             let comm = HardwareModel::h200().comm;
-            prop_assert!(comm.all_reduce_us(bytes + extra, world) > comm.all_reduce_us(bytes, world));
+            prop_assert!(comm.time_us(bytes + extra, world) > comm.time_us(bytes, world));
         }
     }
 }

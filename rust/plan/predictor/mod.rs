@@ -1,13 +1,18 @@
-//! An analytic latency model of the overlapped schedule, and the search for
-//! the group layout it predicts to be fastest. The constants are rough until
-//! a profile-based predictor replaces them; the structure (wave-quantised
-//! GEMM, collectives serialised on one stream) is what the kernel does.
+//! A latency model of the overlapped schedule, and the search for the group
+//! layout it predicts to be fastest. The structure (wave-quantised GEMM,
+//! collectives serialised on one stream) is what the kernel does; the rates
+//! are measured constants, replaced by a machine's profile (measured
+//! collective curves and GEMM rates) where `flashoverlap tune` made one.
 
 mod cost;
+mod curve;
 mod hardware;
 mod search;
 mod timeline;
 
-pub use hardware::{CollectiveModel, HardwareModel, FUSED_NORM_CAP, H200_FUSED_NORM_PER_SM};
+pub use curve::{Curve, CURVE_CAPACITY};
+pub use hardware::{
+    CollectiveKind, CollectiveModel, HardwareModel, FUSED_NORM_CAP, H200_FUSED_NORM_PER_SM,
+};
 pub use search::{best_partition, best_staged_partition};
 pub use timeline::{predict, predict_sequential, predict_staged, GroupTiming, Timeline};

@@ -31,9 +31,9 @@ pub struct Timeline {
 /// of one wave of full tiles / (gemm_tflops * ctas/sms); group g's GEMM is done
 /// at the end of the wave containing its last position (times
 /// overlap_gemm_slowdown). Comm of group g starts at max(gemm_done_g,
-/// comm_end_{g-1}) and lasts overlap_comm_slowdown * all_reduce_us(bytes of its
+/// comm_end_{g-1}) and lasts overlap_comm_slowdown * the collective's time_us(bytes of its
 /// slice). overlap_us = last comm_end. sequential_us = the library GEMM
-/// (sequential_gemm_tflops) + all_reduce_us(whole output).
+/// (sequential_gemm_tflops) + the collective over the whole output.
 pub fn predict(
     tiles: &OutputTiles,
     k: u32,
