@@ -39,6 +39,77 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_show(args: argparse.Namespace) -> int:
+    import torch
+
+    import flashoverlap
+    from . import profiles
+
+    m, n, k = args.shape
+    used = profiles.load_for_device(args.gpu, args.sms, args.nccl) if args.gpu else []
+    plan = flashoverlap.plan_gemm_all_reduce(m, n, k, args.world_size, dtype=getattr(torch, args.dtype), sms=args.sms,
+                                             mode=args.mode, bands_per_group=args.bands_per_group,
+                                             backend=args.backend, order=args.order)
+    print(plan.describe())
+    print("profile: " + (", ".join(str(p) for p in used) if used else
+                         "none (built-in constants; `flashoverlap tune` measures this machine)"))
+    if args.plot:
+        plot_timeline(plan, args.plot)
+        print(f"timeline drawn to {args.plot}")
+    return 0
+
+
+def plot_timeline(plan, path: str) -> None:
+    """The predicted timeline: the GEMM, each group's collective, and the sequential baseline."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
+    fig, ax = plt.subplots(figsize=(10, 2.8))
+    gemm_us = plan.predicted_overlap_us if plan.schedule == "sequential" else None
+    groups = plan.groups
+    if plan.schedule == "overlap":
+        ends = [g["gemm_done_us"] for g in groups]
+        ax.barh(2, max(ends), color="#4c72b0", label="GEMM (signaling)")
+        for i, g in enumerate(groups):
+            ax.barh(1, g["comm_end_us"] - g["comm_start_us"], left=g["comm_start_us"],
+                    color=("#dd8452", "#c44e52")[i % 2], edgecolor="white")
+            ax.axvline(g["gemm_done_us"], color="grey", lw=0.5, ls=":")
+    else:
+        ax.barh(2, gemm_us or 0, color="#4c72b0", label="(sequential plan)")
+    ax.barh(0, plan.predicted_sequential_us, color="#8c8c8c", label="sequential GEMM + collective")
+    ax.set_yticks([0, 1, 2], ["sequential", "collectives", "GEMM"])
+    ax.set_xlabel("predicted time (us)")
+    m, n, k = plan.shape
+    ax.set_title(f"{m}x{n}x{k}, {plan.world_size} ranks: {plan.schedule}, {len(groups)} group(s), "
+                 f"{plan.predicted_us:.0f} us vs {plan.predicted_sequential_us:.0f} us sequential")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from . import tune
+
+    if args.preset:
+        world, shapes = tune.preset_shapes(args.preset)
+        if args.world_size is not None and args.world_size != world:
+            raise SystemExit(f"--world-size {args.world_size} contradicts --preset {args.preset} (TP={world})")
+    else:
+        world, shapes = args.world_size or 1, args.shapes or [(4096, 8192, 4096)]
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = set(ops) - {"all_reduce", "reduce_scatter", "gemm"}
+    if unknown:
+        raise SystemExit(f"--ops: unknown {sorted(unknown)}; expected all_reduce, reduce_scatter, gemm")
+    path, profile = tune.tune(shapes, world, ops, args.dtype, args.iters, args.out, args.fresh)
+    print(tune.summary(profile))
+    print(f"written to {path}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -89,6 +160,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--backend", default="nccl", choices=["nccl", "copy_engine", "auto"])
     p.add_argument("--order", default="auto", choices=["auto", "banded", "swizzled"])
     p.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("show", help="the plan for a shape and its predicted timeline, from a GPU's profile if one exists")
+    s.add_argument("shape", type=_shape, help="MxNxK")
+    s.add_argument("--world-size", type=int, default=2)
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    s.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU (default: H200's 132)")
+    s.add_argument("--gpu", default="NVIDIA H200", help="GPU model whose profiles to use ('' for none)")
+    s.add_argument("--nccl", default=None, help="NCCL version of the collective curves to use (default: the "
+                   "version loaded in this process, if any)")
+    s.add_argument("--mode", default="auto", choices=["auto", "overlap", "sequential"])
+    s.add_argument("--bands-per-group", type=int, default=None)
+    s.add_argument("--backend", default="nccl", choices=["nccl", "copy_engine", "auto"])
+    s.add_argument("--order", default="auto", choices=["auto", "banded", "swizzled"])
+    s.add_argument("--plot", default=None, help="also draw the timeline to this PNG (needs matplotlib)")
+    s.set_defaults(func=cmd_show)
+
+    t = sub.add_parser("tune", help="measure this machine's profile (collective curves, GEMM times) into the cache")
+    t.add_argument("--world-size", type=int, default=None, help="ranks (one per GPU; collectives need >= 2)")
+    t.add_argument("--ops", default="all_reduce,reduce_scatter,gemm", help="comma-separated: all_reduce, "
+                   "reduce_scatter, gemm")
+    t.add_argument("--shapes", type=_shape, nargs="*", default=None, help="MxNxK of the GEMMs to time")
+    t.add_argument("--preset", default=None, help="a model's shapes and TP size, e.g. llama-3-70b-tp2")
+    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    t.add_argument("--iters", type=int, default=20)
+    t.add_argument("--out", default=None, help="profile file (default: the cache dir's file for this machine)")
+    t.add_argument("--fresh", action="store_true", help="start over instead of resuming an interrupted run")
+    t.set_defaults(func=cmd_tune)
 
     b = sub.add_parser("bench", help="GEMM + AllReduce vs sequential cuBLAS + NCCL on all local GPUs")
     b.add_argument("--shapes", type=_shape, nargs="*", default=None, help="MxNxK ...")

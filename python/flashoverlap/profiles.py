@@ -1,0 +1,206 @@
+"""Machine profiles: what `flashoverlap tune` measured, stored as versioned JSON, and handed to
+the planner (Rust) so that its predictions use measured collective curves and GEMM times
+instead of built-in constants.
+
+A profile file holds one (GPU model, SM count, world size, NCCL version, dtype) key:
+
+    {"schema": 1,
+     "key": {"gpu": "NVIDIA H200", "sms": 132, "world_size": 2, "nccl": "2.27.3", "dtype": "bfloat16"},
+     "meta": {"date": ..., "torch": ..., "command": ..., "complete": true},
+     "collectives": [{"collective": "all_reduce", "overlapped": true, "max_ctas": 24,
+                      "bytes": [...], "us": [...]}, ...],
+     "gemm": [{"kernel": "sm90_n128", "ctas": 108, "m": 4096, "n": 8192, "k": 4096, "us": 410.2}, ...]}
+
+``overlapped``: the curve of the wave groups' collectives (this library's NCCL communicator,
+capped to ``max_ctas``); else of the sequential schedule's collective (the ProcessGroup's own
+communicator). GEMM kernel "cublas" is torch.matmul, the sequential schedule's GEMM.
+
+Files live in ``<FLASHOVERLAP_CACHE_DIR>/profiles-v1/`` (written by `tune`) and in the package
+(``flashoverlap/profiles/``, measured by the developers); a cache file wins over a bundled one of
+the same key. A file that is corrupt, of another schema, or for another GPU is reported once
+(logger "flashoverlap") and ignored; collective curves of another NCCL version are ignored the
+same way (GEMM times do not depend on NCCL). Nothing here ever raises into an op.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from . import _core
+
+SCHEMA = 1
+COLLECTIVES = ("all_reduce", "reduce_scatter")
+DTYPES = ("bfloat16", "float16")
+_log = logging.getLogger("flashoverlap")
+_reported: set[str] = set()
+_loaded: set[tuple[str, int]] = set()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FLASHOVERLAP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                     "flashoverlap")
+    return Path(root) / f"profiles-v{SCHEMA}"
+
+
+def bundled_dir() -> Path:
+    return Path(__file__).parent / "profiles"
+
+
+def make_key(gpu: str, sms: int, world_size: int, nccl: str, dtype: str) -> dict[str, Any]:
+    return {"gpu": gpu, "sms": int(sms), "world_size": int(world_size), "nccl": nccl, "dtype": dtype}
+
+
+def file_name(key: dict[str, Any]) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", key["gpu"].lower()).strip("-")
+    return f"{slug}-{key['sms']}sm-w{key['world_size']}-nccl{key['nccl']}-{key['dtype']}.json"
+
+
+def empty(key: dict[str, Any], meta: Optional[dict] = None) -> dict[str, Any]:
+    return {"schema": SCHEMA, "key": key, "meta": dict(meta or {}, complete=False), "collectives": [], "gemm": []}
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def validate(data: Any) -> None:
+    """Raises ValueError naming what is wrong with a profile's contents."""
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"schema {data.get('schema')!r}, this flashoverlap reads schema {SCHEMA}")
+    key = data.get("key")
+    if not isinstance(key, dict) or set(key) != {"gpu", "sms", "world_size", "nccl", "dtype"}:
+        raise ValueError("key must have gpu, sms, world_size, nccl and dtype")
+    if key["dtype"] not in DTYPES or not _positive(key["sms"]) or not _positive(key["world_size"]):
+        raise ValueError(f"bad key {key}")
+    for i, c in enumerate(data.get("collectives", [])):
+        b, t = c.get("bytes"), c.get("us")
+        if c.get("collective") not in COLLECTIVES or not isinstance(c.get("overlapped"), bool):
+            raise ValueError(f"collectives[{i}]: collective must be one of {COLLECTIVES}, overlapped a bool")
+        if not isinstance(b, list) or not isinstance(t, list) or len(b) != len(t) or len(b) < 2:
+            raise ValueError(f"collectives[{i}]: bytes and us must be lists of equal length >= 2")
+        if not all(_positive(v) for v in b + t) or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"collectives[{i}]: sizes must increase and times be > 0")
+    for i, g in enumerate(data.get("gemm", [])):
+        if not isinstance(g.get("kernel"), str) or not all(_positive(g.get(f)) for f in ("ctas", "m", "n", "k", "us")):
+            raise ValueError(f"gemm[{i}]: needs kernel, ctas, m, n, k and us > 0")
+        if g["ctas"] > key["sms"]:
+            raise ValueError(f"gemm[{i}]: {g['ctas']} CTAs on a {key['sms']}-SM GPU")
+
+
+def _report_once(path: Path, why: str) -> None:
+    tag = f"{path}:{why}"
+    if tag not in _reported:
+        _reported.add(tag)
+        _log.warning("flashoverlap profile %s ignored: %s", path, why)
+
+
+def read(path: Path) -> Optional[dict[str, Any]]:
+    """The profile in `path`, or None (reported once) where it is missing, unreadable or invalid."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        validate(data)
+        return data
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        _report_once(path, f"{type(e).__name__}: {e}")
+        return None
+
+
+def write(path: Path, data: dict[str, Any]) -> None:
+    """Writes atomically (a reader sees the old file or the new one, never half of one)."""
+    validate(data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def candidates() -> Iterable[Path]:
+    """Every profile file, cache first (it wins over a bundled one of the same key)."""
+    for d in (cache_dir(), bundled_dir()):
+        if d.is_dir():
+            yield from sorted(d.glob("*.json"))
+
+
+def register(data: dict[str, Any], nccl: Optional[str]) -> tuple[int, int]:
+    """Hands a validated profile to the planner: its GEMM times, and its collective curves where
+    `nccl` (this process's NCCL version) is the one they were measured with. Returns (curves,
+    GEMM samples) registered."""
+    key = data["key"]
+    curves = 0
+    if nccl == key["nccl"]:
+        for c in data["collectives"]:
+            _core.register_collective_curve(key["sms"], key["world_size"], c["collective"], c["overlapped"],
+                                            [int(b) for b in c["bytes"]], [float(t) for t in c["us"]])
+            curves += 1
+    for g in data["gemm"]:
+        _core.register_gemm_sample(g["kernel"], key["dtype"], key["sms"], int(g["ctas"]), int(g["m"]), int(g["n"]),
+                                   int(g["k"]), float(g["us"]))
+    return curves, len(data["gemm"])
+
+
+def nccl_version() -> Optional[str]:
+    try:
+        code = _core.nccl_version()
+    except Exception:
+        return None
+    # NCCL_VERSION_CODE: major * 10000 + minor * 100 + patch.
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+
+
+def load_for_device(gpu: str, sms: int, nccl: Optional[str] = None) -> list[Path]:
+    """Registers every profile of this GPU model (once per process): the cache's and the bundled
+    ones, a cache file shadowing a bundled file of the same name. Returns the files used."""
+    if (gpu, sms) in _loaded:
+        return []
+    _loaded.add((gpu, sms))
+    nccl = nccl if nccl is not None else nccl_version()
+    used, seen = [], set()
+    for path in candidates():
+        if path.name in seen:
+            continue
+        data = read(path)
+        if data is None or data["key"]["gpu"] != gpu or data["key"]["sms"] != sms:
+            continue
+        seen.add(path.name)
+        if data["collectives"] and nccl != data["key"]["nccl"]:
+            _report_once(path, f"its collective curves were measured with NCCL {data['key']['nccl']}, "
+                               f"this process has {nccl}; using its GEMM times only")
+        register(data, nccl)
+        used.append(path)
+    if used:
+        _log.info("flashoverlap profiles for %s: %s", gpu, ", ".join(str(p) for p in used))
+    return used
+
+
+def load_for_current_device() -> list[Path]:
+    """load_for_device for torch's current CUDA device (no-op without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return load_for_device(props.name, props.multi_processor_count)
+
+
+def reset() -> None:
+    """Forgets what was registered and loaded (tests; after `tune` wrote new files)."""
+    _core.clear_profiles()
+    _loaded.clear()
+    _reported.clear()

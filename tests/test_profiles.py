@@ -1,0 +1,185 @@
+"""Machine profiles on the CPU: the file format and its checks, what a bad file does (reported
+once, ignored), that a registered profile changes the plans, and the tuner's resumable loop."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+import flashoverlap
+from flashoverlap import _core, cli, profiles, tune
+
+GPU = "Test GPU 9000"
+SMS = 132
+
+
+@pytest.fixture(autouse=True)
+def clean(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHOVERLAP_CACHE_DIR", str(tmp_path))
+    profiles.reset()
+    yield
+    profiles.reset()
+
+
+def make(world=2, nccl="2.99.1", us_scale=1.0, gemm_us=None):
+    key = profiles.make_key(GPU, SMS, world, nccl, "bfloat16")
+    data = profiles.empty(key)
+    sizes = [1 << e for e in range(16, 31)]
+    for overlapped in (True, False):
+        data["collectives"].append({"collective": "all_reduce", "overlapped": overlapped, "max_ctas": 24,
+                                    "bytes": sizes, "us": [us_scale * (20 + b / 150e3) for b in sizes]})
+    if gemm_us is not None:
+        data["gemm"].append({"kernel": "cublas", "ctas": SMS, "m": 4096, "n": 8192, "k": 4096, "us": gemm_us})
+    return data
+
+
+def save(data) -> None:
+    profiles.write(profiles.cache_dir() / profiles.file_name(data["key"]), data)
+
+
+def test_round_trip_and_file_name():
+    data = make(gemm_us=400.0)
+    save(data)
+    path = profiles.cache_dir() / profiles.file_name(data["key"])
+    assert path.name == "test-gpu-9000-132sm-w2-nccl2.99.1-bfloat16.json"
+    assert profiles.read(path) == data
+    assert not list(path.parent.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("mutate,why", [
+    (lambda d: d.update(schema=2), "schema"),
+    (lambda d: d["key"].pop("nccl"), "key"),
+    (lambda d: d["key"].update(dtype="float32"), "bad key"),
+    (lambda d: d["collectives"][0].update(collective="broadcast"), "collectives[0]"),
+    (lambda d: d["collectives"][0]["us"].pop(), "equal length"),
+    (lambda d: d["collectives"][1]["bytes"].reverse(), "sizes must increase"),
+    (lambda d: d["collectives"][0]["us"].__setitem__(3, -1.0), "times be > 0"),
+    (lambda d: d["gemm"][0].update(us=0), "gemm[0]"),
+    (lambda d: d["gemm"][0].update(ctas=SMS + 1), "CTAs"),
+])
+def test_invalid_contents_are_named(mutate, why):
+    data = make(gemm_us=400.0)
+    mutate(data)
+    with pytest.raises(ValueError, match=why.replace("[", r"\[").replace("]", r"\]")):
+        profiles.validate(data)
+
+
+def test_bad_files_are_reported_once_and_ignored(caplog):
+    d = profiles.cache_dir()
+    d.mkdir(parents=True)
+    (d / "corrupt.json").write_text("{not json")
+    (d / "old.json").write_text(json.dumps(dict(make(), schema=0)))
+    save(make())
+    with caplog.at_level(logging.WARNING, logger="flashoverlap"):
+        used = profiles.load_for_device(GPU, SMS, "2.99.1")
+        assert [p.name for p in used] == [profiles.file_name(make()["key"])]
+        profiles._loaded.clear()
+        profiles.load_for_device(GPU, SMS, "2.99.1")
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("corrupt.json" in w for w in warnings) == 1
+    assert sum("old.json" in w and "schema 0" in w for w in warnings) == 1
+    assert _core.profile_counts()[0] == 2
+
+
+def test_other_gpus_and_other_nccl_versions(caplog):
+    save(make(gemm_us=400.0))
+    assert profiles.load_for_device("Another GPU", SMS, "2.99.1") == []
+    assert _core.profile_counts() == (0, 0)
+    with caplog.at_level(logging.WARNING, logger="flashoverlap"):
+        assert len(profiles.load_for_device(GPU, SMS, "2.18.0")) == 1
+    # GEMM times do not depend on NCCL; the curves do.
+    assert _core.profile_counts() == (0, 1)
+    assert any("NCCL 2.99.1" in r.getMessage() for r in caplog.records)
+
+
+def test_a_profile_changes_the_plan():
+    shape = (8192, 8192, 1024)
+
+    def plan():
+        return flashoverlap.plan_gemm_all_reduce(*shape, 2, sms=SMS)
+
+    before = plan()
+    # A collective 50x slower than the constants: overlapping a communication-bound shape
+    # cannot hide it, and the predicted times follow the curve.
+    save(make(us_scale=50.0))
+    profiles.load_for_device(GPU, SMS, "2.99.1")
+    after = plan()
+    assert after.predicted_sequential_us > 10 * before.predicted_sequential_us
+    profiles.reset()
+    assert plan().predicted_sequential_us == before.predicted_sequential_us
+
+
+def test_a_measured_cublas_time_is_the_sequential_gemm():
+    base = flashoverlap.plan_gemm_all_reduce(4096, 8192, 4096, 2, sms=SMS, mode="sequential")
+    save(make(gemm_us=10_000.0))
+    profiles.load_for_device(GPU, SMS, "2.99.1")
+    slow = flashoverlap.plan_gemm_all_reduce(4096, 8192, 4096, 2, sms=SMS, mode="sequential")
+    assert slow.predicted_sequential_us > base.predicted_sequential_us + 9_000
+
+
+def test_presets():
+    world, shapes = tune.preset_shapes("llama-3-70b-tp2")
+    assert world == 2
+    assert (4096, 8192, 4096) in shapes and (16384, 8192, 14336) in shapes
+    assert len(shapes) == 2 * len(tune.PRESET_TOKENS)
+    with pytest.raises(ValueError, match="preset"):
+        tune.preset_shapes("gpt-5-tp2")
+    with pytest.raises(ValueError, match="split"):
+        tune.preset_shapes("llama-3-70b-tp3")
+
+
+def test_tuning_resumes_where_it_stopped(tmp_path):
+    key = profiles.make_key(GPU, SMS, 2, "2.99.1", "bfloat16")
+    items = tune.collective_items(["all_reduce", "gemm"], 2) + tune.gemm_items([(4096, 8192, 4096)], ["sm90_n128"], SMS)
+    assert len(items) == 2 + 1 + len(tune.RESERVATIONS)
+    path = tmp_path / "p.json"
+    measured = []
+
+    class Interrupted(Exception):
+        pass
+
+    stop_at = [4]
+
+    def measure(item):
+        measured.append(item)
+        if len(measured) == stop_at[0]:
+            raise Interrupted
+        if item["kind"] == "gemm":
+            return 100.0 + len(measured)
+        return {"max_ctas": 24, "bytes": [1 << 16, 1 << 20], "us": [20.0, 30.0]}
+
+    profile = tune._start_profile(path, key, fresh=False)
+    with pytest.raises(Interrupted):
+        tune.run_items(profile, items, measure, lambda p: profiles.write(path, p), None)
+    resumed = tune._start_profile(path, key, fresh=False)
+    assert len(resumed["collectives"]) == 2 and len(resumed["gemm"]) == 1
+    measured.clear()
+    stop_at[0] = 0
+    progress = tune.Progress(len(items), sum(tune.item_done(resumed, i) for i in items), stream=open(tmp_path / "log", "w"))
+    tune.run_items(resumed, items, measure, lambda p: profiles.write(path, p), progress)
+    # Only what the interrupted run had not saved: the item it was measuring and the rest.
+    assert len(measured) == len(items) - 3
+    final = profiles.read(path)
+    assert all(tune.item_done(final, i) for i in items)
+    assert "ETA" in progress.line("x") and f"{len(items)}/{len(items)}" in progress.line("x")
+    assert tune._start_profile(path, key, fresh=True)["gemm"] == []
+    assert "sm90_n128" in tune.summary(final)
+
+
+def test_show_prints_the_plan_and_its_profile(capsys):
+    save(make())
+    assert cli.main(["show", "4096x8192x4096", "--gpu", GPU, "--nccl", "2.99.1"]) == 0
+    out = capsys.readouterr().out
+    assert "profile: " in out and "test-gpu-9000" in out
+    profiles.reset()
+    assert cli.main(["show", "4096x8192x4096", "--gpu", ""]) == 0
+    assert "built-in constants" in capsys.readouterr().out
+
+
+def test_show_draws_the_timeline(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "t.png"
+    assert cli.main(["show", "4096x8192x4096", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
