@@ -258,6 +258,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::plan::predictor::FUSED_NORM_CAP;
     use crate::plan::testing::{request, world};
 
     fn assert_consistent(plan: &GemmAllReducePlan) {
@@ -481,7 +482,7 @@ mod tests {
                 y.comm_end_us - y.comm_start_us,
             );
             let rate = if g == last {
-                (12_000.0f64 * 132.0).min(590_000.0)
+                (12_000.0f64 * 132.0).min(FUSED_NORM_CAP)
             } else {
                 12_000.0 * 12.0
             };
@@ -490,7 +491,7 @@ mod tests {
                 "{g}: {tx} {ty}"
             );
         }
-        let whole = (4096 * 8192 * 2) as f64 / (12_000.0f64 * 132.0).min(590_000.0);
+        let whole = (4096 * 8192 * 2) as f64 / (12_000.0f64 * 132.0).min(FUSED_NORM_CAP);
         assert!((b.timeline.sequential_us - a.timeline.sequential_us - whole).abs() < 1e-6);
     }
 

@@ -114,13 +114,12 @@ pub struct HardwareModel {
     pub fused_norm_bytes_per_us_per_sm: f64,
 }
 
-/// The fused add + RMSNorm on H200: alone ~12 K output bytes per us per CTA
-/// on 4 to 32 CTAs and ~590 K on all 132 (HBM-bound), evaluation/
-/// bench_add_rmsnorm.py; beside the GEMM ~7 K per CTA (forced overlap on one
-/// rank, 16 free SMs, 4096 and 16384 x 8192 outputs), which is what a group's
-/// norm gets.
-pub const H200_FUSED_NORM_PER_SM: f64 = 7_000.0;
-pub const FUSED_NORM_CAP: f64 = 590_000.0;
+/// The fused add + RMSNorm on H200 (evaluation/results/bench_add_rmsnorm_h200.txt):
+/// alone ~20 K output bytes per us per CTA on 4 to 16 CTAs and ~800 K on all
+/// 132 (HBM-bound); beside the GEMM (an 8192^3 GEMM on the other SMs) 14 K per
+/// CTA on 16 CTAs and 12 K on 24, which is what a group's norm gets.
+pub const H200_FUSED_NORM_PER_SM: f64 = 12_000.0;
+pub const FUSED_NORM_CAP: f64 = 800_000.0;
 
 impl HardwareModel {
     /// Time of the fused add + RMSNorm over `bytes` of output on `sms` SMs
