@@ -150,6 +150,50 @@ pub(crate) fn hardware_for(
     }
 }
 
+/// Where a call is planned: the device, the backend and SMs left to it.
+pub(crate) struct Machine {
+    pub sms: u32,
+    pub major: i32,
+    pub backend: Backend,
+    pub reserved: u32,
+    pub fused_norm: bool,
+}
+
+impl Machine {
+    /// The predictor's model for `args` on `world` ranks: [`hardware_for`]'s
+    /// constants, with this GPU's profile (measured curves of `kind`, GEMM
+    /// times of `kernel` on the CTAs left to it) where one is registered.
+    pub(crate) fn model(
+        &self,
+        args: &GemmArgs,
+        world: u32,
+        kernel: GemmKernel,
+        kind: CollectiveKind,
+    ) -> HardwareModel {
+        let (sms, reserved) = (self.sms, self.reserved);
+        let constants = hardware_for(
+            sms,
+            self.major,
+            kernel,
+            self.backend,
+            reserved,
+            self.fused_norm,
+        );
+        profile::apply(
+            constants,
+            &profile::Lookup {
+                kernel: &kernel.name(),
+                dtype: args.dtype,
+                ctas: sms.saturating_sub(reserved).max(1),
+                shape: (args.m, args.n, args.k),
+                world,
+                kind,
+                nccl_overlap: self.backend == Backend::Nccl,
+            },
+        )
+    }
+}
+
 fn request(
     args: &GemmArgs,
     world: u32,
@@ -206,18 +250,14 @@ pub fn plan_for(
         let kernel = opts.kernel.unwrap_or_else(|| {
             GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved))
         });
-        let hw = profile::apply(
-            hardware_for(sms, major, kernel, opts.backend, reserved, opts.fused_norm),
-            &profile::Lookup {
-                kernel: &kernel.name(),
-                dtype: args.dtype,
-                ctas: sms.saturating_sub(reserved).max(1),
-                shape: (args.m, args.n, args.k),
-                world,
-                kind: CollectiveKind::AllReduce,
-                nccl_overlap: opts.backend == Backend::Nccl,
-            },
-        );
+        let machine = Machine {
+            sms,
+            major,
+            backend: opts.backend,
+            reserved,
+            fused_norm: opts.fused_norm,
+        };
+        let hw = machine.model(args, world, kernel, CollectiveKind::AllReduce);
         let plan = plan::plan_gemm_all_reduce(&request(args, world, opts, kernel, reserved), &hw)?;
         let faster = |b: &GemmAllReducePlan| plan.timeline.overlap_us < b.timeline.overlap_us;
         if best.as_ref().map_or(true, |(_, b)| faster(b)) {

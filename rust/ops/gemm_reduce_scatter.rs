@@ -12,8 +12,7 @@
 //! library GEMM and then `reduce_scatter`.
 
 use super::gemm::{self, CounterSlots, GemmArgs, Signals};
-use super::gemm_all_reduce::{hardware_for, Backend};
-use super::profile;
+use super::gemm_all_reduce::{Backend, Machine};
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
 use crate::cuda::kernels::GemmKernel;
@@ -52,18 +51,14 @@ pub fn plan_for(
     let kernel = opts.kernel.unwrap_or_else(|| {
         GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved).max(1))
     });
-    let hw = profile::apply(
-        hardware_for(sms, major, kernel, Backend::Nccl, reserved, false),
-        &profile::Lookup {
-            kernel: &kernel.name(),
-            dtype: args.dtype,
-            ctas: sms.saturating_sub(reserved).max(1),
-            shape: (args.m, args.n, args.k),
-            world,
-            kind: CollectiveKind::ReduceScatter,
-            nccl_overlap: true,
-        },
-    );
+    let machine = Machine {
+        sms,
+        major,
+        backend: Backend::Nccl,
+        reserved,
+        fused_norm: false,
+    };
+    let hw = machine.model(args, world, kernel, CollectiveKind::ReduceScatter);
     let req = ReduceScatterRequest {
         m: args.m,
         n: args.n,
