@@ -26,30 +26,38 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+def _plan(args: argparse.Namespace):
+    """The plan the `plan` and `show` arguments describe."""
     import torch
 
     import flashoverlap
 
     m, n, k = args.shape
-    plan = flashoverlap.plan_gemm_all_reduce(m, n, k, args.world_size, dtype=getattr(torch, args.dtype), sms=args.sms,
+    return flashoverlap.plan_gemm_all_reduce(m, n, k, args.world_size, dtype=getattr(torch, args.dtype), sms=args.sms,
                                              mode=args.mode, bands_per_group=args.bands_per_group,
                                              backend=args.backend, order=args.order)
-    print(plan.describe())
+
+
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU (default: H200's 132)")
+    p.add_argument("--mode", default="auto", choices=["auto", "overlap", "sequential"])
+    p.add_argument("--bands-per-group", type=int, default=None)
+    p.add_argument("--backend", default="nccl", choices=["nccl", "copy_engine", "auto"])
+    p.add_argument("--order", default="auto", choices=["auto", "banded", "swizzled"])
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    print(_plan(args).describe())
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    import torch
-
-    import flashoverlap
     from . import profiles
 
-    m, n, k = args.shape
     used = profiles.load_for_device(args.gpu, args.sms, args.nccl) if args.gpu else []
-    plan = flashoverlap.plan_gemm_all_reduce(m, n, k, args.world_size, dtype=getattr(torch, args.dtype), sms=args.sms,
-                                             mode=args.mode, bands_per_group=args.bands_per_group,
-                                             backend=args.backend, order=args.order)
+    plan = _plan(args)
     print(plan.describe())
     print("profile: " + (", ".join(str(p) for p in used) if used else
                          "none (built-in constants; `flashoverlap tune` measures this machine)"))
@@ -69,7 +77,6 @@ def plot_timeline(plan, path: str) -> None:
     except ImportError:
         raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
     fig, ax = plt.subplots(figsize=(10, 2.8))
-    gemm_us = plan.predicted_overlap_us if plan.schedule == "sequential" else None
     groups = plan.groups
     if plan.schedule == "overlap":
         ends = [g["gemm_done_us"] for g in groups]
@@ -79,7 +86,7 @@ def plot_timeline(plan, path: str) -> None:
                     color=("#dd8452", "#c44e52")[i % 2], edgecolor="white")
             ax.axvline(g["gemm_done_us"], color="grey", lw=0.5, ls=":")
     else:
-        ax.barh(2, gemm_us or 0, color="#4c72b0", label="(sequential plan)")
+        ax.barh(2, plan.predicted_overlap_us, color="#4c72b0", label="(sequential plan)")
     ax.barh(0, plan.predicted_sequential_us, color="#8c8c8c", label="sequential GEMM + collective")
     ax.set_yticks([0, 1, 2], ["sequential", "collectives", "GEMM"])
     ax.set_xlabel("predicted time (us)")
@@ -152,27 +159,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     p = sub.add_parser("plan", help="show the plan for a shape (no GPU needed)")
     p.add_argument("shape", type=_shape, nargs="?", default=(4096, 8192, 4096), help="MxNxK (default 4096x8192x4096)")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU (default: H200's 132)")
-    p.add_argument("--mode", default="auto", choices=["auto", "overlap", "sequential"])
-    p.add_argument("--bands-per-group", type=int, default=None)
-    p.add_argument("--backend", default="nccl", choices=["nccl", "copy_engine", "auto"])
-    p.add_argument("--order", default="auto", choices=["auto", "banded", "swizzled"])
+    _add_plan_arguments(p)
     p.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("show", help="the plan for a shape and its predicted timeline, from a GPU's profile if one exists")
     s.add_argument("shape", type=_shape, help="MxNxK")
-    s.add_argument("--world-size", type=int, default=2)
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    s.add_argument("--sms", type=int, default=132, help="multiprocessors of the GPU (default: H200's 132)")
+    _add_plan_arguments(s)
     s.add_argument("--gpu", default="NVIDIA H200", help="GPU model whose profiles to use ('' for none)")
     s.add_argument("--nccl", default=None, help="NCCL version of the collective curves to use (default: the "
                    "version loaded in this process, if any)")
-    s.add_argument("--mode", default="auto", choices=["auto", "overlap", "sequential"])
-    s.add_argument("--bands-per-group", type=int, default=None)
-    s.add_argument("--backend", default="nccl", choices=["nccl", "copy_engine", "auto"])
-    s.add_argument("--order", default="auto", choices=["auto", "banded", "swizzled"])
     s.add_argument("--plot", default=None, help="also draw the timeline to this PNG (needs matplotlib)")
     s.set_defaults(func=cmd_show)
 
