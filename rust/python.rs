@@ -765,6 +765,8 @@ fn add_rmsnorm(
 
 /// GEMM + All-to-All options: (groups, reserved_sms, kernel).
 type A2aOptions = (u32, Option<u32>, Option<String>);
+/// (chosen group count, (groups, predicted us) per candidate, sequential us).
+type A2aPrediction = (u32, Vec<(u32, f64)>, f64);
 
 fn a2a_options(o: &A2aOptions) -> PyResult<ga2a::Options> {
     Ok(ga2a::Options {
@@ -797,6 +799,33 @@ fn all_to_all_tables<'py>(
     let words = ga2a::tables(&plan);
     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
     Ok((PyBytes::new(py, &bytes), plan.send_buffer_rows))
+}
+
+/// The group count the predictor picks for GEMM + All-to-All over the whole
+/// routing (`matrix[p][q]`: rows rank p sends rank q) on a device with
+/// `sms` SMs of compute capability `major`, each candidate's predicted time
+/// in microseconds, and the predicted sequential time (library GEMM, then
+/// one All-to-All). Needs no GPU.
+#[pyfunction]
+#[pyo3(signature = (n, k, matrix, dtype="bfloat16", sms=132, major=9, reserved_sms=None, kernel=None))]
+#[allow(clippy::too_many_arguments)]
+fn plan_all_to_all_groups(
+    n: u32,
+    k: u32,
+    matrix: Vec<Vec<u64>>,
+    dtype: &str,
+    sms: u32,
+    major: i32,
+    reserved_sms: Option<u32>,
+    kernel: Option<String>,
+) -> PyResult<A2aPrediction> {
+    let dtype = self::dtype(dtype)?;
+    let opts = a2a_options(&(1, reserved_sms, kernel))?;
+    let (best, timelines) =
+        ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major).map_err(to_py)?;
+    let sequential = timelines.first().map_or(0.0, |(_, t)| t.sequential_us);
+    let predicted = timelines.iter().map(|(g, t)| (*g, t.overlap_us)).collect();
+    Ok((best, predicted, sequential))
 }
 
 /// Enqueues GEMM + All-to-All; buffers = (send, send_rows, tables,
@@ -836,6 +865,24 @@ fn gemm_all_to_all(
     .map_err(to_py)
 }
 
+/// A plain uniform All-to-All on a communicator: `count` elements from
+/// every rank to every rank (send and recv hold world * count each).
+#[pyfunction]
+fn all_to_all(
+    py: Python<'_>,
+    group_name: &str,
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: &str,
+    stream: usize,
+) -> PyResult<()> {
+    let dtype = self::dtype(dtype)?;
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    py.detach(|| ga2a::all_to_all(&comm, send, recv, count, dtype, stream::from_handle(stream)))
+        .map_err(to_py)
+}
+
 /// A plain ReduceScatter on a communicator (the sequential schedule).
 #[pyfunction]
 fn reduce_scatter(
@@ -866,8 +913,9 @@ fn collective_kind(name: &str) -> PyResult<CollectiveKind> {
     match name {
         "all_reduce" => Ok(CollectiveKind::AllReduce),
         "reduce_scatter" => Ok(CollectiveKind::ReduceScatter),
+        "all_to_all" => Ok(CollectiveKind::AllToAll),
         other => Err(PyValueError::new_err(format!(
-            "collective: expected 'all_reduce' or 'reduce_scatter', got {other:?}"
+            "collective: expected 'all_reduce', 'reduce_scatter' or 'all_to_all', got {other:?}"
         ))),
     }
 }
@@ -944,6 +992,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(profile_counts, m)?)?;
     m.add_function(wrap_pyfunction!(all_to_all_tables, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_all_to_all, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_all_to_all_groups, m)?)?;
+    m.add_function(wrap_pyfunction!(all_to_all, m)?)?;
     m.add_function(wrap_pyfunction!(plan_gemm_all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(load_nvrtc, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_version, m)?)?;

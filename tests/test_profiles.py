@@ -183,3 +183,33 @@ def test_show_draws_the_timeline(tmp_path):
     png = tmp_path / "t.png"
     assert cli.main(["show", "4096x8192x4096", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ranks_with_different_profiles_all_drop_them():
+    """The fingerprint changes with what was loaded; drop_all leaves the built-in constants
+    (the same on every rank) and is reported once."""
+    empty_fp = profiles.fingerprint()
+    save(make(gemm_us=400.0))
+    profiles.load_for_device(GPU, SMS, "2.99.1")
+    assert profiles.fingerprint() != empty_fp
+    assert _core.profile_counts() != (0, 0)
+    profiles.drop_all("test: ranks differ")
+    assert _core.profile_counts() == (0, 0)
+    dropped = profiles.fingerprint()
+    profiles.drop_all("test: ranks differ")
+    assert profiles.fingerprint() == dropped
+
+
+def test_all_to_all_curves_change_the_all_to_all_prediction():
+    matrix = [[8192, 8192], [8192, 8192]]
+    before = flashoverlap.plan_gemm_all_to_all(matrix, 8192, 4096, sms=SMS)
+    data = make()
+    sizes = [1 << e for e in range(16, 31)]
+    for overlapped in (True, False):
+        data["collectives"].append({"collective": "all_to_all", "overlapped": overlapped, "max_ctas": 24,
+                                    "bytes": sizes, "us": [200 + b / 20e3 for b in sizes]})
+    save(data)
+    profiles.load_for_device(GPU, SMS, "2.99.1")
+    after = flashoverlap.plan_gemm_all_to_all(matrix, 8192, 4096, sms=SMS)
+    # A much slower link: every candidate takes longer.
+    assert all(after.predicted_us[g] > before.predicted_us[g] for g in before.predicted_us)

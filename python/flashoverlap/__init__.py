@@ -6,12 +6,13 @@ from ._env import configure_logging as _configure_logging
 from .communicator import Communicator, destroy_communicators, get_communicator
 from .ops import (compile_kernels, gemm, gemm_all_reduce, gemm_all_reduce_rmsnorm, gemm_all_to_all,
                   gemm_reduce_scatter, plan_of, reduce_scatter_plan_of)
-from .planning import plan_gemm_all_reduce
+from .planning import AllToAllPrediction, plan_gemm_all_reduce, plan_gemm_all_to_all
 
 __version__ = _version()
 _configure_logging()
 
 __all__ = [
+    "AllToAllPrediction",
     "Communicator",
     "Plan",
     "compile_kernels",
@@ -23,6 +24,7 @@ __all__ = [
     "gemm_reduce_scatter",
     "get_communicator",
     "plan_gemm_all_reduce",
+    "plan_gemm_all_to_all",
     "plan_of",
     "reduce_scatter_plan_of",
 ]

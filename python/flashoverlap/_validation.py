@@ -63,3 +63,50 @@ def check_gemm_operands(x: object, weight: object, *, devices: bool = True) -> t
         check_device("x", x)
         check_device("weight", weight, x.device)
     return m, n, k
+
+
+def check_splits(name: str, splits, world: int, total: "int | None" = None) -> list:
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    if not isinstance(splits, (list, tuple)):
+        raise TypeError(f"{name}: expected a list of ints, got {type(splits).__name__}")
+    if len(splits) != world:
+        raise ValueError(f"{name}: expected one entry per rank ({world}), got {len(splits)}")
+    for s in splits:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"{name}: expected ints, got {s!r}")
+        if s < 0:
+            raise ValueError(f"{name}: entries must be >= 0, got {list(splits)}")
+    if total is not None and sum(splits) != total:
+        raise ValueError(f"{name}: must sum to the rows of x ({total}), got {sum(splits)}")
+    return list(splits)
+
+
+def check_groups(groups) -> None:
+    if isinstance(groups, bool) or not isinstance(groups, int):
+        raise TypeError(f"groups: expected an int, got {type(groups).__name__}")
+    if not 1 <= groups <= 64:
+        raise ValueError(f"groups: expected 1..64, got {groups}")
+
+
+def check_split_matrix(matrix, world: "int | None" = None, rank: "int | None" = None,
+                       sends: "list | None" = None, recvs: "list | None" = None) -> list:
+    """A routing matrix (matrix[p][q]: rows rank p sends rank q) as a list of lists of ints; with
+    `rank`, its row must be this rank's input splits and its column this rank's output splits."""
+    if isinstance(matrix, torch.Tensor):
+        if matrix.dim() != 2:
+            raise ValueError(f"split_matrix: expected a 2-D [world, world] tensor, got shape {tuple(matrix.shape)}")
+        matrix = matrix.tolist()
+    if not isinstance(matrix, (list, tuple)) or not matrix:
+        raise TypeError(f"split_matrix: expected a [world][world] list of ints, got {type(matrix).__name__}")
+    size = len(matrix) if world is None else world
+    if len(matrix) != size:
+        raise ValueError(f"split_matrix: expected {size} rows (one per rank), got {len(matrix)}")
+    rows = [check_splits(f"split_matrix[{p}]", row, size) for p, row in enumerate(matrix)]
+    if rank is not None:
+        if sends is not None and rows[rank] != list(sends):
+            raise ValueError(f"split_matrix: row {rank} ({rows[rank]}) must equal input_split_sizes ({list(sends)})")
+        column = [row[rank] for row in rows]
+        if recvs is not None and column != list(recvs):
+            raise ValueError(f"split_matrix: column {rank} ({column}) must equal output_split_sizes ({list(recvs)})")
+    return rows

@@ -108,9 +108,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     else:
         world, shapes = args.world_size or 1, args.shapes or [(4096, 8192, 4096)]
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    unknown = set(ops) - {"all_reduce", "reduce_scatter", "gemm"}
+    unknown = set(ops) - {"all_reduce", "reduce_scatter", "all_to_all", "gemm"}
     if unknown:
-        raise SystemExit(f"--ops: unknown {sorted(unknown)}; expected all_reduce, reduce_scatter, gemm")
+        raise SystemExit(f"--ops: unknown {sorted(unknown)}; expected all_reduce, reduce_scatter, all_to_all, gemm")
     path, profile = tune.tune(shapes, world, ops, args.dtype, args.iters, args.out, args.fresh)
     print(tune.summary(profile))
     print(f"written to {path}")
@@ -173,8 +173,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     t = sub.add_parser("tune", help="measure this machine's profile (collective curves, GEMM times) into the cache")
     t.add_argument("--world-size", type=int, default=None, help="ranks (one per GPU; collectives need >= 2)")
-    t.add_argument("--ops", default="all_reduce,reduce_scatter,gemm", help="comma-separated: all_reduce, "
-                   "reduce_scatter, gemm")
+    t.add_argument("--ops", default="all_reduce,reduce_scatter,all_to_all,gemm", help="comma-separated: "
+                   "all_reduce, reduce_scatter, all_to_all, gemm")
     t.add_argument("--shapes", type=_shape, nargs="*", default=None, help="MxNxK of the GEMMs to time")
     t.add_argument("--preset", default=None, help="a model's shapes and TP size, e.g. llama-3-70b-tp2")
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])

@@ -83,6 +83,7 @@ class Communicator:
         _core.create_communicator(self.name, self.world_size, self.rank, box[0][0], device.index, max_ctas)
         _by_name[self.name] = self
         _load_profiles(device)
+        _agree_on_profiles(pg, self.world_size)
         _log.info("created communicator %r: rank %d of %s on %s, NCCL maxCTAs %s", self.name, self.rank,
                   list(self.ranks), device, max_ctas)
 
@@ -137,6 +138,20 @@ def _load_profiles(device: torch.device) -> None:
         profiles.load_for_device(props.name, props.multi_processor_count)
     except Exception as e:  # a profile must never break an op
         _log.warning("flashoverlap profiles not loaded: %s", e)
+
+
+def _agree_on_profiles(pg: ProcessGroup, world: int) -> None:
+    """Ranks must plan with the same profiles: a rank whose cache holds another file than its
+    peers' would size its groups differently, and the collectives of the group would not match.
+    Where the ranks' profiles differ, every rank drops them all (the same decision everywhere,
+    made from the same gathered digests)."""
+    from . import profiles
+
+    digests = [None] * world
+    dist.all_gather_object(digests, profiles.fingerprint(), group=pg)
+    if len(set(digests)) > 1:
+        profiles.drop_all("the ranks of a communicator loaded different profiles (different cache dirs or "
+                          "files?); every rank plans with the built-in constants instead")
 
 
 GroupLike = Union[None, ProcessGroup, str, Communicator]

@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from . import _core, _env, _nvrtc
-from ._validation import check_device, check_gemm_operands, check_tensor, dtype_name
+from ._validation import (check_device, check_gemm_operands, check_groups, check_split_matrix, check_splits,
+                          check_tensor, dtype_name)
 from .communicator import Communicator, GroupLike, resolve_group, communicator_by_name, get_communicator
 
 _MODES = ("auto", "overlap", "sequential")
@@ -33,7 +34,7 @@ _LIB.define("gemm_all_reduce_rmsnorm(Tensor x, Tensor weight, Tensor residual, T
             "str group_name, str mode='auto', int? bands_per_group=None, str? kernel=None, str? backend=None) "
             "-> (Tensor, Tensor)")
 _LIB.define("gemm_all_to_all(Tensor x, Tensor weight, int[] input_split_sizes, int[] output_split_sizes, "
-            "str group_name, int groups=4, str? kernel=None) -> Tensor")
+            "str group_name, int? groups=None, str? kernel=None, int[]? split_matrix=None) -> Tensor")
 _LIB.define("gemm_reduce_scatter(Tensor x, Tensor weight, str group_name, str mode='auto', "
             "int? bands_per_group=None, str? kernel=None) -> Tensor")
 
@@ -252,30 +253,6 @@ def _gemm_reduce_scatter_fake(x: torch.Tensor, weight: torch.Tensor, group_name:
     return x.new_empty((x.shape[0] // world, weight.shape[0]))
 
 
-def _check_splits(name: str, splits, world: int, total: Optional[int] = None) -> list:
-    if isinstance(splits, torch.Tensor):
-        splits = splits.tolist()
-    if not isinstance(splits, (list, tuple)):
-        raise TypeError(f"{name}: expected a list of ints, got {type(splits).__name__}")
-    if len(splits) != world:
-        raise ValueError(f"{name}: expected one entry per rank ({world}), got {len(splits)}")
-    for s in splits:
-        if isinstance(s, bool) or not isinstance(s, int):
-            raise TypeError(f"{name}: expected ints, got {s!r}")
-        if s < 0:
-            raise ValueError(f"{name}: entries must be >= 0, got {list(splits)}")
-    if total is not None and sum(splits) != total:
-        raise ValueError(f"{name}: must sum to the rows of x ({total}), got {sum(splits)}")
-    return list(splits)
-
-
-def _check_groups(groups) -> None:
-    if isinstance(groups, bool) or not isinstance(groups, int):
-        raise TypeError(f"groups: expected an int, got {type(groups).__name__}")
-    if not 1 <= groups <= 64:
-        raise ValueError(f"groups: expected 1..64, got {groups}")
-
-
 class _TableCache:
     """Device copies of the All-to-All tables, per (device, shape, splits, options): calls with the
     same routing reuse them, the `size` most recent are kept, and those a CUDA graph captured are
@@ -308,20 +285,55 @@ class _TableCache:
 _A2A_TABLES = _TableCache()
 
 
+# Group count of gemm_all_to_all when neither groups nor split_matrix is given: ranks only know
+# their own splits then, and must agree without talking.
+DEFAULT_A2A_GROUPS = 4
+_A2A_CHOICES: "OrderedDict[tuple, int]" = OrderedDict()
+
+
+def _a2a_groups(comm: Communicator, flat: list, n: int, k: int, dtype: str, reserved, kernel) -> int:
+    """The predictor's group count for a routing (the same on every rank: same matrix, same model),
+    remembered for the 64 most recent routings."""
+    world = comm.world_size
+    key = (comm.device.index, tuple(flat), n, k, dtype, reserved, kernel)
+    hit = _A2A_CHOICES.pop(key, None)
+    if hit is None:
+        props = torch.cuda.get_device_properties(comm.device)
+        matrix = [flat[p * world:(p + 1) * world] for p in range(world)]
+        hit = _core.plan_all_to_all_groups(n, k, matrix, dtype, props.multi_processor_count, props.major,
+                                           reserved, kernel)[0]
+    _A2A_CHOICES[key] = hit
+    while len(_A2A_CHOICES) > 64:
+        _A2A_CHOICES.popitem(last=False)
+    return hit
+
+
 def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, output_split_sizes,
-                          group_name: str, groups: int = 4, kernel: Optional[str] = None) -> torch.Tensor:
+                          group_name: str, groups: Optional[int] = None, kernel: Optional[str] = None,
+                          split_matrix=None) -> torch.Tensor:
     comm = communicator_by_name(group_name)
     m, n, k = check_gemm_operands(x, weight)
     if x.dim() != 2:
         raise ValueError(f"x: expected [T, K] (rows grouped by destination rank), got shape {tuple(x.shape)}")
-    sends = _check_splits("input_split_sizes", input_split_sizes, comm.world_size, m)
-    recvs = _check_splits("output_split_sizes", output_split_sizes, comm.world_size)
-    _check_groups(groups)
+    world = comm.world_size
+    sends = check_splits("input_split_sizes", input_split_sizes, world, m)
+    recvs = check_splits("output_split_sizes", output_split_sizes, world)
+    flat = None
+    if split_matrix is not None:
+        if len(split_matrix) != world * world:
+            raise ValueError(f"split_matrix: expected {world}x{world} entries, got {len(split_matrix)}")
+        rows = [list(split_matrix[p * world:(p + 1) * world]) for p in range(world)]
+        flat = [v for row in check_split_matrix(rows, world, comm.rank, sends, recvs) for v in row]
+    if groups is not None:
+        check_groups(groups)
     check_device("x", x, comm.device)
     out = torch.empty((sum(recvs), n), dtype=x.dtype, device=x.device)
     _nvrtc.ensure_loaded()
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
-    options = (groups, _env.reserved_sms(), kernel)
+    reserved = _env.reserved_sms()
+    if groups is None:
+        groups = DEFAULT_A2A_GROUPS if flat is None else _a2a_groups(comm, flat, n, k, dtype, reserved, kernel)
+    options = (groups, reserved, kernel)
 
     def upload():
         table_bytes, rows = _core.all_to_all_tables(m, n, k, dtype, x.device.index, sends, recvs, options)
@@ -346,7 +358,8 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
 
 
 def _gemm_all_to_all_fake(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, output_split_sizes,
-                          group_name: str, groups: int = 4, kernel: Optional[str] = None) -> torch.Tensor:
+                          group_name: str, groups: Optional[int] = None, kernel: Optional[str] = None,
+                          split_matrix=None) -> torch.Tensor:
     return x.new_empty((sum(output_split_sizes), weight.shape[0]))
 
 
@@ -541,8 +554,8 @@ def gemm_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: tor
 
 
 def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, output_split_sizes,
-                    group: GroupLike = None, *, communicator=None, groups: int = 4,
-                    kernel: Optional[str] = None) -> torch.Tensor:
+                    group: GroupLike = None, *, communicator=None, groups: Optional[int] = None,
+                    split_matrix=None, kernel: Optional[str] = None) -> torch.Tensor:
     """``torch.distributed.all_to_all_single(out, x @ weight.T, output_split_sizes,
     input_split_sizes)``: the expert-parallel combine. x: [T, K] with its rows grouped by
     destination rank (input_split_sizes[p] rows for rank p, summing to T); returns
@@ -550,14 +563,26 @@ def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, ou
 
     The GEMM computes the same fraction of every destination's rows per wave group, and each
     group's rows go to their peers (one NCCL send/receive per peer and group) while the next group
-    computes. ``groups`` (1..64) must be the same on every rank. Splits are checked (one entry per
-    rank, ints >= 0, input summing to T). Capturable in CUDA graphs once the op has run with the
-    same split sizes outside capture (its tables are made then and kept for the graph)."""
+    computes. Every rank must run the same number of groups:
+      groups: that number (1..64), the same on every rank; or
+      split_matrix: the whole routing, [world][world] ints (or a tensor) with split_matrix[p][q]
+        the rows rank p sends rank q, the same on every rank (its row for this rank must equal
+        input_split_sizes and its column output_split_sizes); the predictor then picks the group
+        count from the slowest rank's GEMM and the busiest rank's links (the same on every rank).
+      With neither, DEFAULT_A2A_GROUPS (4) groups. One group is the GEMM, then the exchange.
+    Splits are checked (one entry per rank, ints >= 0, input summing to T). Capturable in CUDA
+    graphs once the op has run with the same split sizes outside capture (its tables are made then
+    and kept for the graph)."""
     _checked_call(x, weight, group, communicator, "auto", None, kernel, None)
     comm = get_communicator(group, communicator=communicator)
     if x.dim() != 2:
         raise ValueError(f"x: expected [T, K] (rows grouped by destination rank), got shape {tuple(x.shape)}")
-    sends = _check_splits("input_split_sizes", input_split_sizes, comm.world_size, x.shape[0])
-    recvs = _check_splits("output_split_sizes", output_split_sizes, comm.world_size)
-    _check_groups(groups)
-    return torch.ops.flashoverlap.gemm_all_to_all(x, weight, sends, recvs, comm.name, groups, kernel)
+    sends = check_splits("input_split_sizes", input_split_sizes, comm.world_size, x.shape[0])
+    recvs = check_splits("output_split_sizes", output_split_sizes, comm.world_size)
+    flat = None
+    if split_matrix is not None:
+        rows = check_split_matrix(split_matrix, comm.world_size, comm.rank, sends, recvs)
+        flat = [v for row in rows for v in row]
+    if groups is not None:
+        check_groups(groups)
+    return torch.ops.flashoverlap.gemm_all_to_all(x, weight, sends, recvs, comm.name, groups, kernel, flat)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import _core, _env
-from ._validation import dtype_name
+from ._validation import check_split_matrix, dtype_name
 
 
 def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torch.dtype = torch.bfloat16,
@@ -45,3 +45,34 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
     return _core.plan_gemm_all_reduce(m, n, k, world_size, dtype_name(dtype), sms, compute_capability[0], mode,
                                       bands_per_group, reserved_sms, max_groups, kernel, raster_bands, backend,
                                       order)
+
+
+class AllToAllPrediction(NamedTuple):
+    """What the predictor says of a GEMM + All-to-All routing: the group count it picks, the
+    predicted time of every candidate group count, and of the sequential schedule."""
+    groups: int
+    predicted_us: dict
+    sequential_us: float
+
+
+def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = torch.bfloat16, sms: int = 132,
+                         compute_capability: tuple[int, int] = (9, 0), reserved_sms: Optional[int] = None,
+                         kernel: Optional[str] = None) -> AllToAllPrediction:
+    """The group count gemm_all_to_all picks for ``split_matrix`` (matrix[p][q]: rows rank p sends
+    rank q; the same on every rank, so that every rank picks the same count) with weights [n, k],
+    on a device with ``sms`` multiprocessors (default: an H200). The model takes the slowest
+    rank's GEMM and the busiest rank's links for each group. Needs no GPU."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
+    matrix = check_split_matrix(split_matrix)
+    reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
+    for name, value, least in (("n", n, 1), ("k", k, 1), ("sms", sms, 1), ("reserved_sms", reserved_sms, 0)):
+        if value is None and name == "reserved_sms":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        if not least <= value < 2**31:
+            raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
+    best, predicted, sequential = _core.plan_all_to_all_groups(n, k, matrix, dtype_name(dtype), sms,
+                                                               compute_capability[0], reserved_sms, kernel)
+    return AllToAllPrediction(best, dict(predicted), sequential)

@@ -24,6 +24,7 @@ same way (GEMM times do not depend on NCCL). Nothing here ever raises into an op
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -36,11 +37,12 @@ from typing import Any, Iterable, Optional
 from . import _core
 
 SCHEMA = 1
-COLLECTIVES = ("all_reduce", "reduce_scatter")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 DTYPES = ("bfloat16", "float16")
 _log = logging.getLogger("flashoverlap")
 _reported: set[str] = set()
 _loaded: set[tuple[str, int]] = set()
+_digest = hashlib.sha256()
 
 
 def cache_dir() -> Path:
@@ -184,6 +186,8 @@ def load_for_device(gpu: str, sms: int, nccl: Optional[str] = None) -> list[Path
                                f"this process has {nccl}; using its GEMM times only")
         register(data, nccl)
         used.append(path)
+        _digest.update(f"{path.name}:{nccl}:".encode())
+        _digest.update(json.dumps(data, sort_keys=True).encode())
     if used:
         _log.info("flashoverlap profiles for %s: %s", gpu, ", ".join(str(p) for p in used))
     return used
@@ -199,8 +203,28 @@ def load_for_current_device() -> list[Path]:
     return load_for_device(props.name, props.multi_processor_count)
 
 
+def fingerprint() -> str:
+    """A digest of every profile registered in this process: ranks that plan a collective together
+    must hold the same, or their plans (group counts, sizes) could differ and the collectives
+    would not match."""
+    return _digest.hexdigest()
+
+
+def drop_all(why: str) -> None:
+    """Unregisters every profile, for the rest of the process (plans use the built-in constants,
+    which are the same on every rank), reported once."""
+    global _digest
+    _core.clear_profiles()
+    _digest = hashlib.sha256(b"dropped")
+    if why not in _reported:
+        _reported.add(why)
+        _log.warning("flashoverlap profiles dropped: %s", why)
+
+
 def reset() -> None:
     """Forgets what was registered and loaded (tests; after `tune` wrote new files)."""
+    global _digest
     _core.clear_profiles()
     _loaded.clear()
     _reported.clear()
+    _digest = hashlib.sha256()

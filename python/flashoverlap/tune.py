@@ -187,6 +187,7 @@ def _measure_collective(item: dict, dtype, iters: int, comm) -> dict:
     name = "bfloat16" if dtype == torch.bfloat16 else "float16"
     buf = torch.randn(SIZES[-1] // elem, device="cuda", dtype=dtype) * 1e-3
     out = torch.empty(SIZES[-1] // elem // world, device="cuda", dtype=dtype)
+    full = torch.empty(SIZES[-1] // elem, device="cuda", dtype=dtype) if item["collective"] == "all_to_all" else None
     stream = torch.cuda.current_stream().cuda_stream
     us = []
     for size in SIZES:
@@ -195,11 +196,17 @@ def _measure_collective(item: dict, dtype, iters: int, comm) -> dict:
         if item["collective"] == "all_reduce":
             fn = ((lambda i: _core.all_reduce(comm.name, x.data_ptr(), count, name, stream)) if item["overlapped"]
                   else (lambda i: dist.all_reduce(x)))
-        else:
+        elif item["collective"] == "reduce_scatter":
             recv = out[:count // world]
             fn = ((lambda i: _core.reduce_scatter(comm.name, x.data_ptr(), recv.data_ptr(), count // world, name,
                                                   stream)) if item["overlapped"]
                   else (lambda i: dist.reduce_scatter_tensor(recv, x)))
+        else:
+            # Uniform splits: count / world elements to every rank, received into a buffer as large.
+            recv = full[:count // world * world]
+            fn = ((lambda i: _core.all_to_all(comm.name, x.data_ptr(), recv.data_ptr(), count // world, name,
+                                              stream)) if item["overlapped"]
+                  else (lambda i: dist.all_to_all_single(recv, x[:recv.numel()])))
         t = _median_us(fn, iters if size <= 64 << 20 else max(5, iters // 3))
         us.append(_max_over_ranks(t))
     return {"max_ctas": comm.max_ctas, "bytes": SIZES, "us": us}

@@ -12,13 +12,17 @@
 //! keeps for CUDA graphs that captured it).
 
 use super::gemm::{self, GemmArgs, Signals};
-use super::gemm_all_reduce::NCCL_RESERVED_SMS;
+use super::gemm_all_reduce::{Backend, Machine, NCCL_RESERVED_SMS};
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
 use crate::cuda::kernels::GemmKernel;
 use crate::cuda::stream::{self, RawStream};
+use crate::dtype::Dtype;
 use crate::error::{Error, Result};
-use crate::plan::{plan_gemm_all_to_all, AllToAllPlan};
+use crate::plan::{
+    best_all_to_all_groups, plan_gemm_all_to_all, AllToAllPlan, AllToAllShape, CollectiveKind,
+    Timeline,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Options {
@@ -56,6 +60,68 @@ pub fn plan_for(
         opts.groups,
     )?;
     Ok((kernel, plan))
+}
+
+/// The group count the predictor picks for the whole routing
+/// (`matrix[p][q]`: rows rank p sends rank q), with every candidate's
+/// predicted timeline. Each rank passes the same matrix and gets the same
+/// answer: nothing rank-specific enters the model (the kernel and the
+/// profile lookup use the largest rank's rows).
+pub fn choose_groups(
+    n: u32,
+    k: u32,
+    dtype: Dtype,
+    matrix: &[Vec<u64>],
+    opts: &Options,
+    sms: u32,
+    major: i32,
+) -> Result<(u32, Vec<(u32, Timeline)>)> {
+    let rows = matrix
+        .iter()
+        .map(|r| r.iter().sum::<u64>())
+        .max()
+        .unwrap_or(0);
+    let rows = u32::try_from(rows.max(1)).map_err(|_| {
+        Error::Invalid(format!(
+            "split_matrix: a rank sends {rows} rows, more than 2**32"
+        ))
+    })?;
+    let reserved = opts.reserved_sms.unwrap_or(NCCL_RESERVED_SMS);
+    let ctas = sms.saturating_sub(reserved).max(1);
+    let kernel = opts
+        .kernel
+        .unwrap_or_else(|| GemmKernel::default_for(major, rows, n, ctas));
+    let args = GemmArgs {
+        x: 0,
+        weight: 0,
+        out: 0,
+        m: rows,
+        n,
+        k,
+        dtype,
+    };
+    let machine = Machine {
+        sms,
+        major,
+        backend: Backend::Nccl,
+        reserved,
+        fused_norm: false,
+    };
+    let world = matrix.len() as u32;
+    let hw = machine.model(&args, world, kernel, CollectiveKind::AllToAll);
+    let shape = AllToAllShape {
+        matrix,
+        n,
+        k,
+        elem_bytes: dtype.bytes(),
+        tile: gemm::tile_shape(kernel),
+        ctas,
+    };
+    Ok(best_all_to_all_groups(
+        &shape,
+        &hw,
+        crate::plan::MAX_ALL_TO_ALL_GROUPS,
+    )?)
 }
 
 /// The tables the kernel reads, as one block of u32 words for the caller
@@ -172,4 +238,30 @@ pub fn gemm_all_to_all(
         nccl.exchange(&sends, &recvs, args.dtype, comm.comm(), comm_stream.cast())?;
     }
     comm.join.order(comm_stream, caller)
+}
+
+/// A plain uniform All-to-All on the communicator's stream: `count`
+/// elements from every rank to every rank (what `tune` times for the
+/// predictor's curve), ordered after the caller's prior work.
+pub fn all_to_all(
+    comm: &Communicator,
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: Dtype,
+    caller: RawStream,
+) -> Result<()> {
+    if (send == 0 || recv == 0) && count > 0 {
+        return Err(Error::Invalid("tensor: null device pointer".into()));
+    }
+    let bytes = count as u64 * u64::from(dtype.bytes());
+    let part = |base: u64| -> Vec<(u64, usize, i32)> {
+        (0..comm.world)
+            .map(|p| (base + p as u64 * bytes, count, p))
+            .collect()
+    };
+    let (sends, recvs) = (part(send), part(recv));
+    comm.on_comm_stream(caller, |nccl, stream| {
+        nccl.exchange(&sends, &recvs, dtype, comm.comm(), stream.cast())
+    })
 }

@@ -51,7 +51,7 @@ pub struct AllToAllPlan {
 }
 
 /// The start of part g of `rows` split in `groups` near-equal parts.
-fn part(rows: u64, g: u32, groups: u32) -> u64 {
+pub(crate) fn part(rows: u64, g: u32, groups: u32) -> u64 {
     rows * u64::from(g) / u64::from(groups)
 }
 

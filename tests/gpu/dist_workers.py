@@ -693,6 +693,14 @@ def a2a_cases(rank: int, world: int, cases: list) -> dict:
                                                                                          [0] * world), "sum")
     expect_error(ValueError, "output_split_sizes", lambda: flashoverlap.gemm_all_to_all(x, w, [8] + [0] * (world - 1),
                                                                                           [-1] * world))
+    wrong = [[8] + [0] * (world - 1)] * world
+    wrong[rank] = [0] * world
+    expect_error(ValueError, "split_matrix", lambda: flashoverlap.gemm_all_to_all(
+        x, w, [8] + [0] * (world - 1), [8 if rank == 0 else 0] + [0] * (world - 1), split_matrix=wrong))
+
+    def how(groups, matrix):
+        return dict(split_matrix=matrix) if groups == "auto" else dict(groups=groups)
+
     failures = []
     for case in cases:
         matrix, n, k, seed, groups = case["matrix"], case["n"], case["k"], case["seed"], case["groups"]
@@ -701,7 +709,7 @@ def a2a_cases(rank: int, world: int, cases: list) -> dict:
         recvs = [matrix[p][rank] for p in range(world)]
         x, w = make_inputs(seed, rank, (sum(sends),), n, k, dtype, device)
         poison((sum(recvs), n), dtype, device)
-        out = flashoverlap.gemm_all_to_all(x, w, sends, recvs, groups=groups)
+        out = flashoverlap.gemm_all_to_all(x, w, sends, recvs, **how(groups, matrix))
         parts = []
         for p in range(world):
             xp, wp = make_inputs(seed, p, (sum(matrix[p]),), n, k, dtype, device)
@@ -719,11 +727,11 @@ def a2a_cases(rank: int, world: int, cases: list) -> dict:
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        flashoverlap.gemm_all_to_all(static_x, static_w, sends, recvs, groups=groups)
+        flashoverlap.gemm_all_to_all(static_x, static_w, sends, recvs, **how(groups, matrix))
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = flashoverlap.gemm_all_to_all(static_x, static_w, sends, recvs, groups=groups)
+        out = flashoverlap.gemm_all_to_all(static_x, static_w, sends, recvs, **how(groups, matrix))
     for i in range(20):
         seed = case["seed"] + 1 + i
         x, w = make_inputs(seed, rank, (sum(sends),), n, k, dtype, device)

@@ -28,8 +28,9 @@ def matrices(world: int, seed: int) -> list:
 
 
 def a2a_cases(world: int, seed: int) -> list:
+    """groups: a count, "auto" (the whole split matrix given: the predictor picks) or None (the default)."""
     shapes = [(4096, 1024), (8192, 512), (1032, 4104), (4096, 1024), (2056, 256), (8192, 1024)]
-    return [dict(seed=seed * 10 + i, matrix=m, n=n, k=k, dtype=("bf16", "fp16")[i % 2], groups=(4, 1, 3, 8, 2, 4)[i])
+    return [dict(seed=seed * 10 + i, matrix=m, n=n, k=k, dtype=("bf16", "fp16")[i % 2], groups=(4, 1, "auto", 8, None, "auto")[i])
             for i, (m, (n, k)) in enumerate(zip(matrices(world, seed), shapes))]
 
 

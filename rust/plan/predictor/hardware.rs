@@ -11,6 +11,9 @@ use super::curve::Curve;
 pub enum CollectiveKind {
     AllReduce,
     ReduceScatter,
+    /// Uniform splits: each rank sends bytes/world to every rank (itself
+    /// included, which costs no link time).
+    AllToAll,
 }
 
 /// A collective's cost: a measured curve at this world size where there is
@@ -52,7 +55,7 @@ impl CollectiveModel {
 
     /// The collective over `bytes` of input per rank (world 1 -> 0). Ring
     /// traffic per rank: AllReduce 2*(world-1)/world * bytes, ReduceScatter
-    /// (world-1)/world * bytes.
+    /// and AllToAll (world-1)/world * bytes.
     pub fn time_us(&self, bytes: u64, world: u32) -> f64 {
         if world <= 1 {
             return 0.0;
@@ -63,7 +66,7 @@ impl CollectiveModel {
         let world = f64::from(world);
         let passes = match self.kind {
             CollectiveKind::AllReduce => 2.0,
-            CollectiveKind::ReduceScatter => 1.0,
+            CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => 1.0,
         };
         let moved = passes * (world - 1.0) / world * bytes as f64;
         // 1 GB/s moves 1e3 bytes per microsecond.

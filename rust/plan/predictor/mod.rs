@@ -4,12 +4,16 @@
 //! are measured constants, replaced by a machine's profile (measured
 //! collective curves and GEMM rates) where `flashoverlap tune` made one.
 
+mod all_to_all;
 mod cost;
 mod curve;
 mod hardware;
 mod search;
 mod timeline;
 
+pub use all_to_all::{
+    best_all_to_all_groups, predict_all_to_all, AllToAllShape, MAX_ALL_TO_ALL_GROUPS,
+};
 pub use curve::{Curve, CURVE_CAPACITY};
 pub use hardware::{
     CollectiveKind, CollectiveModel, HardwareModel, FUSED_NORM_CAP, H200_FUSED_NORM_PER_SM,
