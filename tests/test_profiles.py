@@ -213,3 +213,16 @@ def test_all_to_all_curves_change_the_all_to_all_prediction():
     after = flashoverlap.plan_gemm_all_to_all(matrix, 8192, 4096, sms=SMS)
     # A much slower link: every candidate takes longer.
     assert all(after.predicted_us[g] > before.predicted_us[g] for g in before.predicted_us)
+
+
+def test_overlapped_curves_of_another_cta_cap_are_skipped(caplog):
+    """make() measures the overlapped curve with NCCL capped to 24 CTAs; a communicator capped to
+    16 gets only the sequential curve, reported once."""
+    save(make())
+    with caplog.at_level(logging.WARNING, logger="flashoverlap"):
+        profiles.load_for_device(GPU, SMS, "2.99.1", max_ctas=16)
+    assert _core.profile_counts()[0] == 1
+    assert sum("capped to 24 CTAs" in r.getMessage() for r in caplog.records) == 1
+    profiles.reset()
+    profiles.load_for_device(GPU, SMS, "2.99.1", max_ctas=24)
+    assert _core.profile_counts()[0] == 2

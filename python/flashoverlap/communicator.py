@@ -82,7 +82,7 @@ class Communicator:
         self.one_node = len(set(hosts)) == 1 and self.world_size <= MAX_PEER_WORLD
         _core.create_communicator(self.name, self.world_size, self.rank, box[0][0], device.index, max_ctas)
         _by_name[self.name] = self
-        _load_profiles(device)
+        _load_profiles(device, max_ctas)
         _agree_on_profiles(pg, self.world_size)
         _log.info("created communicator %r: rank %d of %s on %s, NCCL maxCTAs %s", self.name, self.rank,
                   list(self.ranks), device, max_ctas)
@@ -128,14 +128,14 @@ class Communicator:
         return f"Communicator(name={self.name!r}, rank={self.rank}, world_size={self.world_size}, device={self.device})"
 
 
-def _load_profiles(device: torch.device) -> None:
+def _load_profiles(device: torch.device, max_ctas: Optional[int]) -> None:
     """The machine's measured profiles, for the planner, before this communicator's first op
     (once per process and GPU model; a bad file is reported and skipped, never raised)."""
     from . import profiles
 
     try:
         props = torch.cuda.get_device_properties(device)
-        profiles.load_for_device(props.name, props.multi_processor_count)
+        profiles.load_for_device(props.name, props.multi_processor_count, max_ctas=max_ctas)
     except Exception as e:  # a profile must never break an op
         _log.warning("flashoverlap profiles not loaded: %s", e)
 

@@ -140,14 +140,21 @@ def candidates() -> Iterable[Path]:
             yield from sorted(d.glob("*.json"))
 
 
-def register(data: dict[str, Any], nccl: Optional[str]) -> tuple[int, int]:
+def register(data: dict[str, Any], nccl: Optional[str], max_ctas: Optional[int] = None,
+             path: Optional[Path] = None) -> tuple[int, int]:
     """Hands a validated profile to the planner: its GEMM times, and its collective curves where
-    `nccl` (this process's NCCL version) is the one they were measured with. Returns (curves,
-    GEMM samples) registered."""
+    `nccl` (this process's NCCL version) is the one they were measured with. An overlapped curve
+    measured under another CTA cap than `max_ctas` (the communicator's, when given) times another
+    collective and is skipped (reported once). Returns (curves, GEMM samples) registered."""
     key = data["key"]
     curves = 0
     if nccl == key["nccl"]:
         for c in data["collectives"]:
+            if c["overlapped"] and max_ctas is not None and c.get("max_ctas") not in (None, max_ctas):
+                _report_once(path or Path(file_name(key)),
+                             f"its overlapped {c['collective']} curve was measured with NCCL capped to "
+                             f"{c['max_ctas']} CTAs, this communicator caps to {max_ctas}; not used")
+                continue
             _core.register_collective_curve(key["sms"], key["world_size"], c["collective"], c["overlapped"],
                                             [int(b) for b in c["bytes"]], [float(t) for t in c["us"]])
             curves += 1
@@ -166,9 +173,11 @@ def nccl_version() -> Optional[str]:
     return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
 
 
-def load_for_device(gpu: str, sms: int, nccl: Optional[str] = None) -> list[Path]:
+def load_for_device(gpu: str, sms: int, nccl: Optional[str] = None, max_ctas: Optional[int] = None) -> list[Path]:
     """Registers every profile of this GPU model (once per process): the cache's and the bundled
-    ones, a cache file shadowing a bundled file of the same name. Returns the files used."""
+    ones, a cache file shadowing a bundled file of the same name. `max_ctas`: the NCCL CTA cap of
+    the communicator the overlapped curves are for (the first communicator's, as profiles load
+    once). Returns the files used."""
     if (gpu, sms) in _loaded:
         return []
     _loaded.add((gpu, sms))
@@ -184,9 +193,9 @@ def load_for_device(gpu: str, sms: int, nccl: Optional[str] = None) -> list[Path
         if data["collectives"] and nccl != data["key"]["nccl"]:
             _report_once(path, f"its collective curves were measured with NCCL {data['key']['nccl']}, "
                                f"this process has {nccl}; using its GEMM times only")
-        register(data, nccl)
+        register(data, nccl, max_ctas, path)
         used.append(path)
-        _digest.update(f"{path.name}:{nccl}:".encode())
+        _digest.update(f"{path.name}:{nccl}:{max_ctas}:".encode())
         _digest.update(json.dumps(data, sort_keys=True).encode())
     if used:
         _log.info("flashoverlap profiles for %s: %s", gpu, ", ".join(str(p) for p in used))
