@@ -10,8 +10,8 @@ use crate::error::Error;
 use crate::ops::gemm::GemmArgs;
 use crate::ops::profile;
 use crate::ops::{
-    all_reduce as ar_op, gemm as gemm_op, gemm_all_reduce as gar, gemm_all_to_all as ga2a,
-    gemm_reduce_scatter as grs,
+    all_reduce as ar_op, all_reduce_rmsnorm as arn, gemm as gemm_op, gemm_all_reduce as gar,
+    gemm_all_to_all as ga2a, gemm_reduce_scatter as grs,
 };
 use crate::plan::{
     CollectiveKind, GemmAllReducePlan, ModeRequest, OrderRequest, Partition, Schedule,
@@ -763,10 +763,74 @@ fn add_rmsnorm(
     .map_err(to_py)
 }
 
+/// Bytes each rank's peer buffer needs for an AllReduce + RMSNorm of
+/// `tokens` rows of `hidden` on `world` ranks.
+#[pyfunction]
+fn allreduce_rmsnorm_buffer_bytes(
+    world: usize,
+    tokens: u64,
+    hidden: u32,
+    dtype: &str,
+) -> PyResult<u64> {
+    let dtype = self::dtype(dtype)?;
+    Ok(arn::Layout::new(world, tokens, hidden, dtype)
+        .map_err(to_py)?
+        .bytes)
+}
+
+/// Enqueues the peer-memory AllReduce + residual add + RMSNorm on `stream`:
+/// tensors = (x, residual, weight, out, residual_out) device pointers,
+/// bases = every rank's peer buffer as mapped in this process (zeroed
+/// before first use, `buffer_bytes` each), this rank at `rank`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn allreduce_rmsnorm_launch(
+    py: Python<'_>,
+    device: i32,
+    tensors: (u64, u64, u64, u64, u64),
+    bases: Vec<u64>,
+    buffer_bytes: u64,
+    rank: usize,
+    tokens: u64,
+    hidden: u32,
+    eps: f32,
+    residual_full: bool,
+    dtype: &str,
+    ctas: u32,
+    timeout_ns: u64,
+    stream: usize,
+) -> PyResult<()> {
+    let dtype = self::dtype(dtype)?;
+    let call = arn::Call {
+        x: tensors.0,
+        residual: tensors.1,
+        weight: tensors.2,
+        out: tensors.3,
+        residual_out: tensors.4,
+        bases,
+        rank,
+        tokens,
+        hidden,
+        eps,
+        residual_full,
+        timeout_ns,
+        dtype,
+        buffer_bytes,
+    };
+    py.detach(|| {
+        let dev = driver::bind(device)?;
+        let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype))?;
+        arn::launch(&kernel, &call, ctas, stream::from_handle(stream))
+    })
+    .map_err(to_py)
+}
+
 /// GEMM + All-to-All options: (groups, reserved_sms, kernel).
 type A2aOptions = (u32, Option<u32>, Option<String>);
-/// (chosen group count, (groups, predicted us) per candidate, sequential us).
-type A2aPrediction = (u32, Vec<(u32, f64)>, f64);
+/// (schedule, chosen group count, (groups, predicted us) per candidate,
+/// sequential us); schedule "sequential": the library GEMM, then one
+/// exchange (the group count is then the best overlapped one's).
+type A2aPrediction = (&'static str, u32, Vec<(u32, f64)>, f64);
 
 fn a2a_options(o: &A2aOptions) -> PyResult<ga2a::Options> {
     Ok(ga2a::Options {
@@ -825,7 +889,17 @@ fn plan_all_to_all_groups(
         ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major).map_err(to_py)?;
     let sequential = timelines.first().map_or(0.0, |(_, t)| t.sequential_us);
     let predicted = timelines.iter().map(|(g, t)| (*g, t.overlap_us)).collect();
-    Ok((best, predicted, sequential))
+    // The library GEMM then one exchange, where no group count beats it.
+    let schedule = if best.is_some() {
+        "overlap"
+    } else {
+        "sequential"
+    };
+    let fastest = timelines
+        .iter()
+        .min_by(|a, b| a.1.overlap_us.total_cmp(&b.1.overlap_us))
+        .map_or(1, |(g, _)| *g);
+    Ok((schedule, best.unwrap_or(fastest), predicted, sequential))
 }
 
 /// Enqueues GEMM + All-to-All; buffers = (send, send_rows, tables,
@@ -994,6 +1068,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gemm_all_to_all, m)?)?;
     m.add_function(wrap_pyfunction!(plan_all_to_all_groups, m)?)?;
     m.add_function(wrap_pyfunction!(all_to_all, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_rmsnorm_buffer_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_rmsnorm_launch, m)?)?;
     m.add_function(wrap_pyfunction!(plan_gemm_all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(load_nvrtc, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_version, m)?)?;

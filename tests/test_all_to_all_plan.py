@@ -34,6 +34,7 @@ def test_every_candidate_is_predicted_and_the_best_is_chosen(world) -> None:
     assert sorted(pred.predicted_us) == list(range(1, 65))
     assert all(t > 0 for t in pred.predicted_us.values()) and pred.sequential_us > 0
     assert pred.predicted_us[pred.groups] == min(pred.predicted_us.values())
+    assert pred.schedule in ("overlap", "sequential")
 
 
 def test_large_routings_overlap_and_tiny_ones_do_not() -> None:
@@ -43,6 +44,19 @@ def test_large_routings_overlap_and_tiny_ones_do_not() -> None:
     # A few rows: every extra group only adds an exchange's fixed latency.
     tiny = plan_gemm_all_to_all([[8, 8], [8, 8]], 1024, 1024)
     assert tiny.groups == 1
+
+
+def test_the_schedule_falls_back_where_overlap_cannot_win() -> None:
+    """Sequential exactly where the best group count is predicted slower than cuBLAS + one exchange."""
+    seen = set()
+    for matrix, n, k in (([[8, 8], [8, 8]], 1024, 1024), ([[8192, 8192], [8192, 8192]], 8192, 8192),
+                         ([[4096, 0], [0, 4096]], 8192, 14336), ([[2048, 6144], [2048, 6144]], 8192, 1024)):
+        pred = plan_gemm_all_to_all(matrix, n, k)
+        best = pred.predicted_us[pred.groups]
+        assert pred.schedule == ("overlap" if best < pred.sequential_us else "sequential"), pred
+        seen.add(pred.schedule)
+    # No link traffic at all: nothing to hide, the faster library GEMM wins.
+    assert plan_gemm_all_to_all([[4096, 0], [0, 4096]], 8192, 14336).schedule == "sequential"
 
 
 def test_the_choice_depends_on_the_matrix_not_the_rank() -> None:

@@ -291,9 +291,9 @@ DEFAULT_A2A_GROUPS = 4
 _A2A_CHOICES: "OrderedDict[tuple, int]" = OrderedDict()
 
 
-def _a2a_groups(comm: Communicator, flat: list, n: int, k: int, dtype: str, reserved, kernel) -> int:
-    """The predictor's group count for a routing (the same on every rank: same matrix, same model),
-    remembered for the 64 most recent routings."""
+def _a2a_choice(comm: Communicator, flat: list, n: int, k: int, dtype: str, reserved, kernel) -> tuple[str, int]:
+    """The predictor's (schedule, group count) for a routing (the same on every rank: same matrix,
+    same model), remembered for the 64 most recent routings."""
     world = comm.world_size
     key = (comm.device.index, tuple(flat), n, k, dtype, reserved, kernel)
     hit = _A2A_CHOICES.pop(key, None)
@@ -301,7 +301,7 @@ def _a2a_groups(comm: Communicator, flat: list, n: int, k: int, dtype: str, rese
         props = torch.cuda.get_device_properties(comm.device)
         matrix = [flat[p * world:(p + 1) * world] for p in range(world)]
         hit = _core.plan_all_to_all_groups(n, k, matrix, dtype, props.multi_processor_count, props.major,
-                                           reserved, kernel)[0]
+                                           reserved, kernel)[:2]
     _A2A_CHOICES[key] = hit
     while len(_A2A_CHOICES) > 64:
         _A2A_CHOICES.popitem(last=False)
@@ -332,7 +332,17 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
     reserved = _env.reserved_sms()
     if groups is None:
-        groups = DEFAULT_A2A_GROUPS if flat is None else _a2a_groups(comm, flat, n, k, dtype, reserved, kernel)
+        schedule, groups = ("overlap", DEFAULT_A2A_GROUPS) if flat is None else _a2a_choice(
+            comm, flat, n, k, dtype, reserved, kernel)
+        if schedule == "sequential" and comm.torch_nccl:
+            # The library GEMM, then the group's own NCCL exchange.
+            import torch.distributed as dist
+
+            y = torch.matmul(x, weight.t())
+            dist.all_to_all_single(out, y, recvs, sends, group=comm.group)
+            return out
+        if schedule == "sequential":
+            groups = 1  # without an NCCL ProcessGroup: our GEMM, then one exchange
     options = (groups, reserved, kernel)
 
     def upload():
@@ -568,7 +578,9 @@ def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, ou
       split_matrix: the whole routing, [world][world] ints (or a tensor) with split_matrix[p][q]
         the rows rank p sends rank q, the same on every rank (its row for this rank must equal
         input_split_sizes and its column output_split_sizes); the predictor then picks the group
-        count from the slowest rank's GEMM and the busiest rank's links (the same on every rank).
+        count from the slowest rank's GEMM and the busiest rank's links (the same on every rank),
+        or, where no count is predicted to beat it, runs torch.matmul then the group's
+        all_to_all_single (the sequential schedule; one group where the group is not NCCL).
       With neither, DEFAULT_A2A_GROUPS (4) groups. One group is the GEMM, then the exchange.
     Splits are checked (one entry per rank, ints >= 0, input summing to T). Capturable in CUDA
     graphs once the op has run with the same split sizes outside capture (its tables are made then

@@ -48,8 +48,11 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
 
 
 class AllToAllPrediction(NamedTuple):
-    """What the predictor says of a GEMM + All-to-All routing: the group count it picks, the
-    predicted time of every candidate group count, and of the sequential schedule."""
+    """What the predictor says of a GEMM + All-to-All routing: the schedule ("overlap", or
+    "sequential": the library GEMM then one exchange, where no group count is predicted to beat
+    it), the fastest group count, the predicted time of every candidate group count, and of the
+    sequential schedule."""
+    schedule: str
     groups: int
     predicted_us: dict
     sequential_us: float
@@ -73,6 +76,6 @@ def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = t
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
         if not least <= value < 2**31:
             raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
-    best, predicted, sequential = _core.plan_all_to_all_groups(n, k, matrix, dtype_name(dtype), sms,
-                                                               compute_capability[0], reserved_sms, kernel)
-    return AllToAllPrediction(best, dict(predicted), sequential)
+    schedule, best, predicted, sequential = _core.plan_all_to_all_groups(n, k, matrix, dtype_name(dtype), sms,
+                                                                         compute_capability[0], reserved_sms, kernel)
+    return AllToAllPrediction(schedule, best, dict(predicted), sequential)

@@ -43,6 +43,10 @@ const SOURCES: &[Source] = &[
         name: "add_rmsnorm.cu",
         text: include_str!("../../csrc/add_rmsnorm.cu"),
     },
+    Source {
+        name: "allreduce_rmsnorm.cu",
+        text: include_str!("../../csrc/allreduce_rmsnorm.cu"),
+    },
 ];
 
 /// One compiled variant of one kernel.
@@ -248,6 +252,24 @@ pub fn add_rmsnorm_spec(dtype: Dtype) -> KernelSpec {
     }
 }
 
+/// Threads per block of the peer-memory AllReduce + add + RMSNorm.
+pub const ALLREDUCE_RMSNORM_THREADS: u32 = 512;
+
+/// The peer-memory AllReduce + residual add + RMSNorm (one warp per row,
+/// plain loads, 4 vectors per lane in flight; no shared-memory ring).
+pub fn allreduce_rmsnorm_spec(dtype: Dtype) -> KernelSpec {
+    let bf16 = if dtype == Dtype::Bf16 { "1" } else { "0" }.to_string();
+    KernelSpec {
+        source: "allreduce_rmsnorm.cu",
+        entry: "fo_allreduce_rmsnorm",
+        defines: vec![
+            ("FO_BF16", bf16),
+            ("FO_THREADS", ALLREDUCE_RMSNORM_THREADS.to_string()),
+        ],
+        dynamic_smem: 0,
+    }
+}
+
 /// Every variant the library can launch on `arch`, for the compile check CI
 /// runs (the peer reduction for 2, 4 and 8 ranks, the un-reorder copy
 /// for each GEMM tile, the fused add + RMSNorm).
@@ -273,7 +295,7 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
     let unreorders = widths.into_iter().map(|(bm, bn)| unreorder_spec(bm, bn));
     let norms = [Dtype::Bf16, Dtype::F16]
         .into_iter()
-        .map(add_rmsnorm_spec)
+        .flat_map(|d| [add_rmsnorm_spec(d), allreduce_rmsnorm_spec(d)])
         .filter(move |_| runs);
     gemms
         .chain(reduces.filter(|_| runs))

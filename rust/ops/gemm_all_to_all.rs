@@ -63,7 +63,8 @@ pub fn plan_for(
 }
 
 /// The group count the predictor picks for the whole routing
-/// (`matrix[p][q]`: rows rank p sends rank q), with every candidate's
+/// (`matrix[p][q]`: rows rank p sends rank q), or None where the library
+/// GEMM then one exchange is predicted faster, with every candidate's
 /// predicted timeline. Each rank passes the same matrix and gets the same
 /// answer: nothing rank-specific enters the model (the kernel and the
 /// profile lookup use the largest rank's rows).
@@ -75,7 +76,7 @@ pub fn choose_groups(
     opts: &Options,
     sms: u32,
     major: i32,
-) -> Result<(u32, Vec<(u32, Timeline)>)> {
+) -> Result<(Option<u32>, Vec<(u32, Timeline)>)> {
     let rows = matrix
         .iter()
         .map(|r| r.iter().sum::<u64>())
@@ -117,11 +118,11 @@ pub fn choose_groups(
         tile: gemm::tile_shape(kernel),
         ctas,
     };
-    Ok(best_all_to_all_groups(
-        &shape,
-        &hw,
-        crate::plan::MAX_ALL_TO_ALL_GROUPS,
-    )?)
+    let (best, timelines) =
+        best_all_to_all_groups(&shape, &hw, crate::plan::MAX_ALL_TO_ALL_GROUPS)?;
+    let t = &timelines[best as usize - 1].1;
+    let overlapped = t.overlap_us + if best > 1 { hw.overlap_fixed_us } else { 0.0 };
+    Ok(((overlapped < t.sequential_us).then_some(best), timelines))
 }
 
 /// The tables the kernel reads, as one block of u32 words for the caller

@@ -2,6 +2,7 @@
 //! resets on the caller's stream and the communicator's stream, in order.
 
 pub mod all_reduce;
+pub mod all_reduce_rmsnorm;
 pub mod gemm;
 pub mod gemm_all_reduce;
 pub mod gemm_all_to_all;

@@ -1,0 +1,306 @@
+// AllReduce + residual add + RMSNorm over peer memory (NVLink loads and
+// stores, no multicast), on a few CTAs, with vLLM's fused_add_rms_norm
+// semantics:
+//   s = sum over ranks of x (fp32, rank order, rounded to 16 bits: what an
+//       AllReduce returns);  r = round(s + residual);  residual_out = r;
+//   out = r * rsqrt(mean(r^2) + eps) * weight.
+//
+// Rank `o` owns the rows of slice o (a near-equal split of the tokens), and
+// CTA b of every rank handles chunk b of every slice, so each barrier is
+// between the CTAs b of the ranks only, never grid-wide:
+//   1. push: CTA b copies chunk b of every other owner's slice of its x into
+//      that owner's buffer (slot of this rank), then raises ready[b][rank]
+//      in the owner's buffer;
+//   2. reduce: once ready[b][p] is up for every peer p, CTA b sums its chunk
+//      of this rank's slice (its own x read in place, the peers' from the
+//      slots, all local reads), adds the residual, normalizes, and writes
+//      the rows to its own out and into every peer's out area (and the
+//      residual into theirs, when every rank keeps the full residual), then
+//      raises done[b][rank] in every peer's buffer;
+//   3. gather: once done[b][p] is up for every peer, CTA b copies the rows
+//      peers wrote for chunk b of their slices from its out area to out.
+// The flags hold the call's epoch (a counter in each rank's buffer, bumped
+// by the last CTA to finish), so they never need resetting and CUDA-graph
+// replays work. A wait that lasts longer than `timeout_ns` (0: forever)
+// records an error in the buffer's header and abandons the call.
+#include "ptx.cuh"
+
+#ifndef FO_BF16
+#define FO_BF16 1
+#endif
+#ifndef FO_THREADS
+#define FO_THREADS 512
+#endif
+// Vectors per lane in flight in the row loops, and per thread in the copies.
+#ifndef FO_UNROLL
+#define FO_UNROLL 4
+#endif
+#define FO_MAX_WORLD 8
+
+namespace {
+constexpr int THREADS = FO_THREADS;
+constexpr int WARPS = THREADS / 32;
+constexpr int VEC = 8;
+constexpr int UNROLL = FO_UNROLL;
+
+// Header words of a rank's buffer (u32 indices); keep in step with rust/comm/norm_peer.rs.
+constexpr int EPOCH = 0, FINISHED = 1, ERROR = 2;
+constexpr int MAX_CTAS = 256;
+constexpr int READY = 16;
+constexpr int DONE = READY + MAX_CTAS * FO_MAX_WORLD;
+
+#if FO_BF16
+__device__ __forceinline__ float low(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float high(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+#else
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ float low(unsigned w) { return half_to_float(w & 0xffffu); }
+__device__ __forceinline__ float high(unsigned w) { return half_to_float(w >> 16); }
+#endif
+using fo::pack2;
+__device__ __forceinline__ unsigned& word(uint4& v, int i) { return reinterpret_cast<unsigned*>(&v)[i]; }
+__device__ __forceinline__ unsigned word(const uint4& v, int i) { return reinterpret_cast<const unsigned*>(&v)[i]; }
+
+__device__ __forceinline__ void store_release_sys(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned load_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+}  // namespace
+
+struct Params {
+  const uint4* x;         // [tokens, hidden] this rank's partial
+  const uint4* residual;  // [tokens, hidden]
+  const uint4* weight;    // [hidden]
+  uint4* out;             // [tokens, hidden]
+  uint4* residual_out;    // full: [tokens, hidden]; sharded: this rank's slice rows
+  unsigned long long bases[FO_MAX_WORLD];  // every rank's buffer, as mapped here
+  unsigned long long slot_bytes;           // one source's slot: ceil(tokens / world) rows
+  unsigned long long out_offset;           // the out area: [tokens, hidden]
+  unsigned long long res_offset;           // the residual area (full mode): [tokens, hidden]
+  unsigned long long timeout_ns;
+  int rank, world, tokens, hidden;
+  float eps;
+  int residual_full;
+};
+
+namespace {
+__device__ __forceinline__ unsigned* header(const Params& p, int rank) {
+  return reinterpret_cast<unsigned*>(p.bases[rank]);
+}
+__device__ __forceinline__ char* area(const Params& p, int rank, unsigned long long offset) {
+  return reinterpret_cast<char*>(p.bases[rank]) + offset;
+}
+// Slot of `source` in `owner`'s buffer (after the 64 KiB header).
+__device__ __forceinline__ uint4* slot(const Params& p, int owner, int source) {
+  return reinterpret_cast<uint4*>(area(p, owner, 65536ull + static_cast<unsigned long long>(source) * p.slot_bytes));
+}
+__device__ __forceinline__ int slice_start(const Params& p, int owner) {
+  return static_cast<int>(static_cast<long long>(p.tokens) * owner / p.world);
+}
+// Chunk b of owner's slice: rows [first, last).
+__device__ __forceinline__ void chunk(const Params& p, int owner, int& first, int& last) {
+  const int s0 = slice_start(p, owner), s1 = slice_start(p, owner + 1);
+  const long long rows = s1 - s0;
+  first = s0 + static_cast<int>(rows * blockIdx.x / gridDim.x);
+  last = s0 + static_cast<int>(rows * (blockIdx.x + 1) / gridDim.x);
+}
+
+// Copies `count` vectors, the whole block, UNROLL in flight per thread.
+__device__ __forceinline__ void copy(uint4* __restrict__ to, const uint4* __restrict__ from, long long count) {
+  for (long long i0 = threadIdx.x; i0 < count; i0 += static_cast<long long>(THREADS) * UNROLL) {
+    uint4 v[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const long long i = i0 + static_cast<long long>(u) * THREADS;
+      if (i < count) v[u] = from[i];
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const long long i = i0 + static_cast<long long>(u) * THREADS;
+      if (i < count) to[i] = v[u];
+    }
+  }
+}
+
+// Raises flag[blockIdx.x][rank] in each peer's buffer once every thread's
+// stores are done: the barrier orders them before thread 0's system-scope
+// fence, which makes them visible before the flag.
+__device__ __forceinline__ void raise(const Params& p, int base_word, unsigned epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    for (int i = 1; i < p.world; ++i) {
+      const int peer = (p.rank + i) % p.world;
+      store_release_sys(header(p, peer) + base_word + blockIdx.x * FO_MAX_WORLD + p.rank, epoch);
+    }
+  }
+}
+
+// Waits until every peer raised flag[blockIdx.x][peer] in this rank's
+// buffer to `epoch`; false (and the error recorded) on timeout.
+__device__ __forceinline__ bool wait_all(const Params& p, int base_word, unsigned epoch) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    unsigned* h = header(p, p.rank);
+    const unsigned long long start = p.timeout_ns ? now_ns() : 0;
+    for (int i = 1; i < p.world && ok; ++i) {
+      const int peer = (p.rank + i) % p.world;
+      const unsigned* flag = h + base_word + blockIdx.x * FO_MAX_WORLD + peer;
+      // Signed distance: epochs wrap around without harm.
+      while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0) {
+        if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
+          atomicExch(h + ERROR, 1u + base_word);
+          ok = 0;
+          break;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  return ok;
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Params p) {
+  const int vecs = p.hidden / VEC;
+  unsigned* own = header(p, p.rank);
+  // Every CTA reads the epoch before the last one to finish bumps it.
+  const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own + EPOCH) + 1;
+  int first, last;
+
+  // 1. Push chunk b of every other owner's slice into its slot for this rank.
+  for (int i = 1; i < p.world; ++i) {
+    const int owner = (p.rank + i) % p.world;
+    chunk(p, owner, first, last);
+    const long long offset = static_cast<long long>(first - slice_start(p, owner)) * vecs;
+    copy(slot(p, owner, p.rank) + offset, p.x + static_cast<long long>(first) * vecs,
+         static_cast<long long>(last - first) * vecs);
+  }
+  raise(p, READY, epoch);
+  bool ok = wait_all(p, READY, epoch);
+
+  // 2. Reduce, add, normalize this rank's chunk: one warp per row.
+  chunk(p, p.rank, first, last);
+  const int s0 = slice_start(p, p.rank);
+  const int lane = threadIdx.x % 32;
+  for (int row = first + threadIdx.x / 32; ok && row < last; row += WARPS) {
+    const long long base = static_cast<long long>(row) * vecs;
+    const long long local = static_cast<long long>(row - s0) * vecs;
+    uint4* r_row = p.residual_out + (p.residual_full ? base : local);
+    float squares = 0.f;
+    for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
+      float acc[UNROLL][8];
+      uint4 res[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int v = v0 + 32 * u;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
+        if (v < vecs) res[u] = p.residual[base + v];
+      }
+      // Rank order, so that every rank would get bit-identical sums.
+      for (int src = 0; src < p.world; ++src) {
+        const uint4* from = src == p.rank ? p.x + base : slot(p, p.rank, src) + local;
+        uint4 w[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const int v = v0 + 32 * u;
+          if (v < vecs) w[u] = from[v];
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[u][2 * i] += low(word(w[u], i));
+            acc[u][2 * i + 1] += high(word(w[u], i));
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int v = v0 + 32 * u;
+        if (v >= vecs) continue;
+        uint4 r;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          // The AllReduce's result is 16-bit; the sum with the residual is rounded again.
+          const unsigned s = pack2(acc[u][2 * i], acc[u][2 * i + 1]);
+          const unsigned rw = word(res[u], i);
+          const unsigned t = pack2(low(s) + low(rw), high(s) + high(rw));
+          squares += low(t) * low(t) + high(t) * high(t);
+          word(r, i) = t;
+        }
+        r_row[v] = r;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
+    const float scale = rsqrtf(squares / p.hidden + p.eps);
+    for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
+      uint4 r[UNROLL], g[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int v = v0 + 32 * u;
+        if (v < vecs) {
+          r[u] = r_row[v];  // written by this lane above
+          g[u] = p.weight[v];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int v = v0 + 32 * u;
+        if (v >= vecs) continue;
+        uint4 y;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const unsigned rw = word(r[u], i), gw = word(g[u], i);
+          word(y, i) = pack2(low(rw) * scale * low(gw), high(rw) * scale * high(gw));
+        }
+        p.out[base + v] = y;
+        for (int i = 1; i < p.world; ++i) {
+          const int peer = (p.rank + i) % p.world;
+          reinterpret_cast<uint4*>(area(p, peer, p.out_offset))[base + v] = y;
+          if (p.residual_full) reinterpret_cast<uint4*>(area(p, peer, p.res_offset))[base + v] = r[u];
+        }
+      }
+    }
+  }
+  if (ok) {
+    raise(p, DONE, epoch);
+    ok = wait_all(p, DONE, epoch);
+  }
+
+  // 3. Gather the rows the peers normalized for chunk b of their slices.
+  for (int i = 1; ok && i < p.world; ++i) {
+    const int owner = (p.rank + i) % p.world;
+    chunk(p, owner, first, last);
+    const long long at = static_cast<long long>(first) * vecs, count = static_cast<long long>(last - first) * vecs;
+    copy(p.out + at, reinterpret_cast<const uint4*>(area(p, p.rank, p.out_offset)) + at, count);
+    if (p.residual_full)
+      copy(p.residual_out + at, reinterpret_cast<const uint4*>(area(p, p.rank, p.res_offset)) + at, count);
+  }
+
+  // The last CTA to finish moves this rank to the next epoch.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(own + FINISHED, 1u) == gridDim.x - 1) {
+      own[FINISHED] = 0;
+      atomicAdd(own + EPOCH, 1u);
+    }
+  }
+}

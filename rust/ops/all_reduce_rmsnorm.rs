@@ -1,0 +1,195 @@
+//! AllReduce + residual add + RMSNorm over peer memory (csrc/allreduce_rmsnorm.cu):
+//! each rank pushes the other owners' slices of its partial into their
+//! buffers, reduces and normalizes its own slice, and pushes the normalized
+//! rows back, on a few CTAs, with no NCCL and no multicast.
+//!
+//! Rank R's buffer (mapped into every rank of the node):
+//!   [0, 64 KiB)              header: epoch, finished-CTA count, error,
+//!                            ready[cta][source], done[cta][source] (u32)
+//!   slots                    world slots of ceil(tokens / world) rows: what
+//!                            each source pushed of R's slice
+//!   out area                 [tokens, hidden]: rows other owners normalized
+//!   residual area            [tokens, hidden]: their residual rows (full mode)
+//! The header starts zeroed and is never reset: flags carry epochs.
+
+use std::ffi::c_void;
+
+use crate::cuda::kernels::{Kernel, ALLREDUCE_RMSNORM_THREADS};
+use crate::cuda::stream::RawStream;
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+
+pub const HEADER_BYTES: u64 = 64 * 1024;
+/// Header word where a timed-out wait records itself (non-zero).
+pub const ERROR_WORD: u64 = 2;
+pub const MAX_WORLD: usize = 8;
+pub const MAX_CTAS: u32 = 256;
+pub const MAX_HIDDEN: u32 = 16384;
+
+/// Where the areas of one call lie in every rank's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub slot_bytes: u64,
+    pub out_offset: u64,
+    pub res_offset: u64,
+    /// Bytes a buffer needs for this call.
+    pub bytes: u64,
+}
+
+impl Layout {
+    pub fn new(world: usize, tokens: u64, hidden: u32, dtype: Dtype) -> Result<Self> {
+        if !(1..=MAX_WORLD).contains(&world) {
+            return Err(Error::Invalid(format!(
+                "group: the peer-memory AllReduce + RMSNorm serves 1 to {MAX_WORLD} ranks of one node, got {world}"
+            )));
+        }
+        let row = u64::from(hidden) * u64::from(dtype.bytes());
+        let slot_bytes = tokens.div_ceil(world as u64) * row;
+        let out_offset = HEADER_BYTES + world as u64 * slot_bytes;
+        let res_offset = out_offset + tokens * row;
+        Ok(Self {
+            slot_bytes,
+            out_offset,
+            res_offset,
+            bytes: res_offset + tokens * row,
+        })
+    }
+}
+
+/// Rows [start, end) of `tokens` that `rank` owns (the kernel's split).
+pub fn slice(tokens: u64, world: usize, rank: usize) -> (u64, u64) {
+    let at = |r: usize| tokens * r as u64 / world as u64;
+    (at(rank), at(rank + 1))
+}
+
+/// The kernel's parameters, laid out as its `Params` struct.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct Params {
+    x: u64,
+    residual: u64,
+    weight: u64,
+    out: u64,
+    residual_out: u64,
+    bases: [u64; MAX_WORLD],
+    slot_bytes: u64,
+    out_offset: u64,
+    res_offset: u64,
+    timeout_ns: u64,
+    rank: i32,
+    world: i32,
+    tokens: i32,
+    hidden: i32,
+    eps: f32,
+    residual_full: i32,
+}
+
+/// One call: device pointers of this rank's tensors, every rank's buffer
+/// base as mapped in this process (own at `rank`).
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub x: u64,
+    pub residual: u64,
+    pub weight: u64,
+    pub out: u64,
+    pub residual_out: u64,
+    pub bases: Vec<u64>,
+    pub rank: usize,
+    pub tokens: u64,
+    pub hidden: u32,
+    pub eps: f32,
+    pub residual_full: bool,
+    pub timeout_ns: u64,
+    pub dtype: Dtype,
+    /// Bytes of each rank's buffer (the same on every rank).
+    pub buffer_bytes: u64,
+}
+
+/// Enqueues the kernel on `ctas` CTAs. Every rank enqueues it with the same
+/// tokens, hidden size, CTA count and residual mode.
+pub fn launch(kernel: &Kernel, call: &Call, ctas: u32, stream: RawStream) -> Result<()> {
+    let world = call.bases.len();
+    let layout = Layout::new(world, call.tokens, call.hidden, call.dtype)?;
+    if !(1..=MAX_CTAS).contains(&ctas) {
+        return Err(Error::Invalid(format!(
+            "ctas: expected 1 to {MAX_CTAS}, got {ctas}"
+        )));
+    }
+    if call.hidden == 0 || call.hidden % 8 != 0 || call.hidden > MAX_HIDDEN {
+        return Err(Error::Invalid(format!(
+            "hidden size must be a multiple of 8 in 8..={MAX_HIDDEN}, got {}",
+            call.hidden
+        )));
+    }
+    if call.tokens > i32::MAX as u64 || call.rank >= world {
+        return Err(Error::Invalid(format!(
+            "internal: tokens {} / rank {} of {world}",
+            call.tokens, call.rank
+        )));
+    }
+    if layout.bytes > call.buffer_bytes || call.bases.contains(&0) {
+        return Err(Error::Invalid(format!(
+            "internal: peer buffers of {} bytes, the call needs {}",
+            call.buffer_bytes, layout.bytes
+        )));
+    }
+    if call.tokens == 0 {
+        return Ok(());
+    }
+    let mut bases = [0u64; MAX_WORLD];
+    bases[..world].copy_from_slice(&call.bases);
+    let mut params = Params {
+        x: call.x,
+        residual: call.residual,
+        weight: call.weight,
+        out: call.out,
+        residual_out: call.residual_out,
+        bases,
+        slot_bytes: layout.slot_bytes,
+        out_offset: layout.out_offset,
+        res_offset: layout.res_offset,
+        timeout_ns: call.timeout_ns,
+        rank: call.rank as i32,
+        world: world as i32,
+        tokens: call.tokens as i32,
+        hidden: call.hidden as i32,
+        eps: call.eps,
+        residual_full: i32::from(call.residual_full),
+    };
+    let mut args: [*mut c_void; 1] = [(&mut params as *mut Params).cast()];
+    kernel.launch(ctas, ALLREDUCE_RMSNORM_THREADS, stream, &mut args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_cover_the_tokens_once() {
+        for world in 1..=MAX_WORLD {
+            for tokens in [0u64, 1, 7, 128, 1001] {
+                let mut next = 0;
+                for r in 0..world {
+                    let (a, b) = slice(tokens, world, r);
+                    assert_eq!(a, next);
+                    assert!(b - a <= tokens.div_ceil(world as u64));
+                    next = b;
+                }
+                assert_eq!(next, tokens);
+            }
+        }
+    }
+
+    #[test]
+    fn areas_follow_each_other_and_fit_the_params_struct() {
+        let l = Layout::new(4, 1001, 8192, Dtype::Bf16).unwrap();
+        assert_eq!(l.slot_bytes, 251 * 16384);
+        assert_eq!(l.out_offset, HEADER_BYTES + 4 * l.slot_bytes);
+        assert_eq!(l.res_offset, l.out_offset + 1001 * 16384);
+        assert_eq!(l.bytes, l.res_offset + 1001 * 16384);
+        assert!(Layout::new(0, 1, 8, Dtype::Bf16).is_err());
+        assert!(Layout::new(9, 1, 8, Dtype::Bf16).is_err());
+        // The CUDA struct: 5 pointers, 8 bases, 4 u64, 4 ints, a float, an int.
+        assert_eq!(std::mem::size_of::<Params>(), 160);
+    }
+}

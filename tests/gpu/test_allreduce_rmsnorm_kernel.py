@@ -1,0 +1,145 @@
+"""The peer-memory AllReduce + add + RMSNorm kernel's protocol on one GPU: `world` emulated ranks,
+each with its own "peer" buffer on the same device and its own stream, run concurrently (the
+barriers are between the CTAs of the ranks, so every rank's kernel must be resident: few CTAs).
+Stores to "peers" are plain stores to other buffers, with the same system-scope fences and
+flags as over NVLink. Checked against the fp32 composition on fresh random inputs, over calls
+that change the token count and the CTA count (the epochs must stay in step), in both residual
+modes, and in a CUDA graph replayed with fresh inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashoverlap import _core
+
+pytestmark = pytest.mark.gpus(1)
+
+TIMEOUT_NS = 5_000_000_000
+EPS = 1e-6
+
+
+class Ranks:
+    """`world` emulated ranks sharing one device: zeroed buffers, a stream each."""
+
+    def __init__(self, world: int, max_tokens: int, hidden: int, dtype: torch.dtype):
+        self.world, self.hidden, self.dtype = world, hidden, dtype
+        self.name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+        self.nbytes = _core.allreduce_rmsnorm_buffer_bytes(world, max_tokens, hidden, self.name)
+        self.buffers = [torch.zeros(self.nbytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
+        self.bases = [b.data_ptr() for b in self.buffers]
+        self.streams = [torch.cuda.Stream() for _ in range(world)]
+
+    def launch(self, xs, residual, weight, outs, residual_outs, full: bool, ctas: int) -> None:
+        tokens = xs[0].shape[0]
+        main = torch.cuda.current_stream()
+        for r, s in enumerate(self.streams):
+            s.wait_stream(main)
+            _core.allreduce_rmsnorm_launch(0, (xs[r].data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                                               outs[r].data_ptr(), residual_outs[r].data_ptr()),
+                                           self.bases, self.nbytes, r, tokens, self.hidden, EPS, full, self.name,
+                                           ctas, TIMEOUT_NS, s.cuda_stream)
+        for s in self.streams:
+            main.wait_stream(s)
+
+    def errors(self) -> list[int]:
+        return [int(b[8:12].view(torch.int32).item()) for b in self.buffers]
+
+
+def reference(xs, residual, weight):
+    dtype = xs[0].dtype
+    s = torch.stack([x.float() for x in xs]).sum(0).to(dtype)
+    r = (s.float() + residual.float()).to(dtype)
+    rf = r.float()
+    return rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + EPS) * weight.float(), r
+
+
+def fresh(world, tokens, hidden, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    xs = [torch.randn(tokens, hidden, device="cuda", dtype=dtype, generator=gen) for _ in range(world)]
+    residual = torch.randn(tokens, hidden, device="cuda", dtype=dtype, generator=gen)
+    weight = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype)
+    return xs, residual, weight
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def slice_of(tokens, world, rank):
+    return tokens * rank // world, tokens * (rank + 1) // world
+
+
+def run_and_check(ranks, tokens, full, ctas, seed):
+    world, hidden, dtype = ranks.world, ranks.hidden, ranks.dtype
+    xs, residual, weight = fresh(world, tokens, hidden, dtype, seed)
+    outs = [torch.full((tokens, hidden), float("nan"), device="cuda", dtype=dtype) for _ in range(world)]
+    res_outs = [torch.full((tokens if full else max(1, slice_of(tokens, world, r)[1] - slice_of(tokens, world, r)[0]),
+                            hidden), float("nan"), device="cuda", dtype=dtype) for r in range(world)]
+    ranks.launch(xs, residual, weight, outs, res_outs, full, ctas)
+    torch.cuda.synchronize()
+    assert ranks.errors() == [0] * world, "a wait timed out"
+    out_ref, r_ref = reference(xs, residual, weight)
+    for r in range(world):
+        where = f"world {world} tokens {tokens} hidden {hidden} {dtype} ctas {ctas} full {full} rank {r}"
+        assert rel(outs[r], out_ref) <= 1e-2, where
+        a, b = slice_of(tokens, world, r)
+        assert rel(res_outs[r] if full else res_outs[r][:b - a], r_ref if full else r_ref[a:b]) <= 1e-2, where
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_calls_with_changing_tokens_and_ctas(world, dtype) -> None:
+    hidden = 1032 if dtype == torch.float16 else 8192
+    ranks = Ranks(world, 1031, hidden, dtype)
+    # Epochs advance once per call whatever the CTA count; tokens not divisible by the world
+    # size, fewer tokens than CTAs, a single token.
+    for i, (tokens, ctas, full) in enumerate([(1031, 8, True), (517, 3, False), (5, 16, True), (1, 2, False),
+                                              (1024, 32, True), (999, 1, False)]):
+        run_and_check(ranks, tokens, full, ctas, seed=world * 100 + i)
+
+
+def test_widest_rows() -> None:
+    ranks = Ranks(2, 300, 16384, torch.bfloat16)
+    run_and_check(ranks, 300, True, 4, seed=7)
+    run_and_check(ranks, 129, False, 8, seed=8)
+
+
+def test_graph_replays_with_fresh_inputs() -> None:
+    world, tokens, hidden, dtype = 2, 777, 4096, torch.bfloat16
+    ranks = Ranks(world, tokens, hidden, dtype)
+    xs, residual, weight = fresh(world, tokens, hidden, dtype, 1)
+    outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
+    res_outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
+    ranks.launch(xs, residual, weight, outs, res_outs, True, 8)  # warm: the kernel is loaded
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ranks.launch(xs, residual, weight, outs, res_outs, True, 8)
+    for i in range(200):
+        new_xs, new_res, new_w = fresh(world, tokens, hidden, dtype, 1000 + i)
+        for x, n in zip(xs, new_xs):
+            x.copy_(n)
+        residual.copy_(new_res)
+        weight.copy_(new_w)
+        for o in outs + res_outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        out_ref, r_ref = reference(xs, residual, weight)
+        for r in range(world):
+            assert rel(outs[r], out_ref) <= 1e-2 and rel(res_outs[r], r_ref) <= 1e-2, f"replay {i} rank {r}"
+    assert ranks.errors() == [0] * world
+
+
+def test_a_missing_peer_times_out_instead_of_hanging() -> None:
+    """Rank 1 never runs: rank 0's wait gives up after the timeout and records it."""
+    world, tokens, hidden, dtype = 2, 64, 512, torch.bfloat16
+    ranks = Ranks(world, tokens, hidden, dtype)
+    xs, residual, weight = fresh(world, tokens, hidden, dtype, 3)
+    out = torch.empty(tokens, hidden, device="cuda", dtype=dtype)
+    _core.allreduce_rmsnorm_launch(0, (xs[0].data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                       out.data_ptr()), ranks.bases, ranks.nbytes, 0, tokens, hidden, EPS, True,
+                                   "bfloat16", 2, 200_000_000, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert ranks.errors()[0] != 0
