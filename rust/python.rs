@@ -825,6 +825,114 @@ fn allreduce_rmsnorm_launch(
     .map_err(to_py)
 }
 
+/// A zeroed device buffer of this rank mapped into every rank of a node
+/// through CUDA IPC (the peer-memory AllReduce + RMSNorm's): create it,
+/// exchange `handle()`s, `attach` them; `bases` are then every rank's
+/// buffer as seen from this process. Freed by `close()` or when collected.
+#[pyclass(name = "PeerMemory", module = "flashoverlap._core")]
+struct PyPeerMemory {
+    device: i32,
+    local: Option<crate::cuda::memory::DeviceBuffer>,
+    bases: Vec<u64>,
+    mapped: Vec<u64>,
+}
+
+#[pymethods]
+impl PyPeerMemory {
+    #[new]
+    fn new(device: i32, bytes: u64) -> PyResult<Self> {
+        driver::bind(device).map_err(to_py)?;
+        let words = usize::try_from(bytes.div_ceil(4))
+            .map_err(|_| PyValueError::new_err(format!("bytes: too large ({bytes})")))?;
+        let local = crate::cuda::memory::DeviceBuffer::zeroed_u32(words).map_err(to_py)?;
+        Ok(Self {
+            device,
+            local: Some(local),
+            bases: Vec::new(),
+            mapped: Vec::new(),
+        })
+    }
+
+    /// This buffer's IPC handle (its zeroes settled first).
+    fn handle<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let local = self.live()?;
+        driver::bind(self.device).map_err(to_py)?;
+        let bytes = crate::comm::peer::export(local).map_err(to_py)?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Maps the other ranks' buffers from every rank's handle (rank order).
+    fn attach(&mut self, rank: usize, handles: Vec<Vec<u8>>) -> PyResult<()> {
+        let own = self.live()?.ptr;
+        if rank >= handles.len() || !self.mapped.is_empty() {
+            return Err(PyValueError::new_err(format!(
+                "attach: rank {rank} of {} handles, or attached already",
+                handles.len()
+            )));
+        }
+        driver::bind(self.device).map_err(to_py)?;
+        let (bases, mapped) = crate::comm::peer::open_all(rank, own, &handles).map_err(to_py)?;
+        self.bases = bases;
+        self.mapped = mapped;
+        Ok(())
+    }
+
+    #[getter]
+    fn bases(&self) -> Vec<u64> {
+        self.bases.clone()
+    }
+
+    #[getter]
+    fn bytes(&self) -> u64 {
+        self.local.as_ref().map_or(0, |l| l.bytes as u64)
+    }
+
+    /// Header word `index` of this rank's buffer (read synchronously).
+    fn header_word(&self, index: u64) -> PyResult<u32> {
+        let local = self.live()?;
+        driver::bind(self.device).map_err(to_py)?;
+        let mut word = 0u32;
+        // SAFETY: the buffer is larger than the 64 KiB header; out pointer valid.
+        crate::cuda::driver::check(
+            unsafe {
+                cudarc::driver::sys::cuMemcpyDtoH_v2(
+                    (&mut word as *mut u32).cast(),
+                    local.ptr + 4 * index.min(16383),
+                    4,
+                )
+            },
+            "cuMemcpyDtoH",
+        )
+        .map_err(to_py)?;
+        Ok(word)
+    }
+
+    /// Unmaps the peers' buffers and frees this one (every rank's kernels
+    /// that use them must be done: the caller synchronizes first).
+    fn close(&mut self) {
+        if driver::bind(self.device).is_ok() {
+            crate::comm::peer::close_all(&self.mapped);
+            self.local = None;
+        }
+        self.mapped.clear();
+        self.bases.clear();
+    }
+}
+
+impl PyPeerMemory {
+    fn live(&self) -> PyResult<&crate::cuda::memory::DeviceBuffer> {
+        self.local
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("PeerMemory: closed"))
+    }
+}
+
+impl Drop for PyPeerMemory {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
 /// GEMM + All-to-All options: (groups, reserved_sms, kernel).
 type A2aOptions = (u32, Option<u32>, Option<String>);
 /// (schedule, chosen group count, (groups, predicted us) per candidate,
@@ -1070,6 +1178,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(all_to_all, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_buffer_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_launch, m)?)?;
+    m.add_class::<PyPeerMemory>()?;
+    m.add("ALLREDUCE_RMSNORM_ERROR_WORD", arn::ERROR_WORD)?;
     m.add_function(wrap_pyfunction!(plan_gemm_all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(load_nvrtc, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_version, m)?)?;

@@ -6,6 +6,7 @@ from ._env import configure_logging as _configure_logging
 from .communicator import Communicator, destroy_communicators, get_communicator
 from .ops import (compile_kernels, gemm, gemm_all_reduce, gemm_all_reduce_rmsnorm, gemm_all_to_all,
                   gemm_reduce_scatter, plan_of, reduce_scatter_plan_of)
+from .peer_norm import all_reduce_rmsnorm, destroy_peer_groups
 from .planning import AllToAllPrediction, plan_gemm_all_reduce, plan_gemm_all_to_all
 
 __version__ = _version()
@@ -15,8 +16,10 @@ __all__ = [
     "AllToAllPrediction",
     "Communicator",
     "Plan",
+    "all_reduce_rmsnorm",
     "compile_kernels",
     "destroy_communicators",
+    "destroy_peer_groups",
     "gemm",
     "gemm_all_reduce",
     "gemm_all_reduce_rmsnorm",

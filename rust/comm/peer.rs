@@ -107,21 +107,13 @@ impl PendingPeer {
     pub fn allocate(layout: PeerLayout) -> Result<(Self, Vec<u8>)> {
         let words = (layout.bytes() / 4) as usize;
         let local = DeviceBuffer::zeroed_u32(words)?;
-        let mut handle = sys::CUipcMemHandle_st { reserved: [0; 64] };
-        // SAFETY: the buffer holds FLAG_BYTES; out pointer valid; the context is synchronized
-        // so that the flags are set before any peer can map the buffer.
-        unsafe {
-            check(
-                sys::cuMemsetD32_v2(local.ptr, 1, MAX_PEER_WORLD),
-                "cuMemsetD32",
-            )?;
-            check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
-            check(
-                sys::cuIpcGetMemHandle(&mut handle, local.ptr),
-                "cuIpcGetMemHandle",
-            )?;
-        }
-        let bytes = handle.reserved.iter().map(|&c| c as u8).collect();
+        // SAFETY: the buffer holds FLAG_BYTES; export synchronizes the context
+        // after this, so the flags are set before any peer can map the buffer.
+        check(
+            unsafe { sys::cuMemsetD32_v2(local.ptr, 1, MAX_PEER_WORLD) },
+            "cuMemsetD32",
+        )?;
+        let bytes = export(&local)?;
         Ok((Self { local, layout }, bytes))
     }
 
@@ -134,44 +126,83 @@ impl PendingPeer {
                 handles.len()
             )));
         }
-        let mut peer = PeerBuffers {
+        let (bases, mapped) = open_all(rank, self.local.ptr, handles)?;
+        let peer = PeerBuffers {
             layout: self.layout,
             rank,
-            bases: Vec::with_capacity(handles.len()),
-            mapped: Vec::new(),
+            bases,
+            mapped,
             _local: self.local,
         };
-        for (r, bytes) in handles.iter().enumerate() {
-            if r == rank {
-                peer.bases.push(peer._local.ptr);
-                continue;
-            }
-            if bytes.len() != IPC_HANDLE_BYTES {
-                return Err(Error::Invalid(format!(
-                    "handles: rank {r}'s IPC handle has {} bytes, expected {IPC_HANDLE_BYTES}",
-                    bytes.len()
-                )));
-            }
-            let mut handle = sys::CUipcMemHandle_st { reserved: [0; 64] };
-            for (d, s) in handle.reserved.iter_mut().zip(bytes) {
-                *d = *s as std::ffi::c_char;
-            }
-            let mut ptr: sys::CUdeviceptr = 0;
-            // SAFETY: valid out pointer; the handle came from a live allocation of rank r.
-            check(
-                unsafe {
-                    sys::cuIpcOpenMemHandle_v2(
-                        &mut ptr,
-                        handle,
-                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                    )
-                },
-                "cuIpcOpenMemHandle (are all ranks on one node, with peer access between their GPUs?)",
-            )?;
-            peer.mapped.push(ptr);
-            peer.bases.push(ptr);
-        }
         Ok(peer)
+    }
+}
+
+/// The IPC handle of `local` (its contents settled: the context is
+/// synchronized first, so a peer that maps it sees what was written).
+pub fn export(local: &DeviceBuffer) -> Result<Vec<u8>> {
+    let mut handle = sys::CUipcMemHandle_st { reserved: [0; 64] };
+    // SAFETY: out pointer valid; local is a live cuMemAlloc allocation.
+    unsafe {
+        check(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
+        check(
+            sys::cuIpcGetMemHandle(&mut handle, local.ptr),
+            "cuIpcGetMemHandle",
+        )?;
+    }
+    Ok(handle.reserved.iter().map(|&c| c as u8).collect())
+}
+
+/// Maps every other rank's buffer from all ranks' handles (rank order):
+/// the base of each rank's buffer in this process (`own` at `rank`), and
+/// the mappings to close when done.
+pub fn open_all(rank: usize, own: u64, handles: &[Vec<u8>]) -> Result<(Vec<u64>, Vec<u64>)> {
+    let (mut bases, mut mapped) = (Vec::with_capacity(handles.len()), Vec::new());
+    for (r, bytes) in handles.iter().enumerate() {
+        if r == rank {
+            bases.push(own);
+            continue;
+        }
+        if bytes.len() != IPC_HANDLE_BYTES {
+            close_all(&mapped);
+            return Err(Error::Invalid(format!(
+                "handles: rank {r}'s IPC handle has {} bytes, expected {IPC_HANDLE_BYTES}",
+                bytes.len()
+            )));
+        }
+        let mut handle = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        for (d, s) in handle.reserved.iter_mut().zip(bytes) {
+            *d = *s as std::ffi::c_char;
+        }
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: valid out pointer; the handle came from a live allocation of rank r.
+        let opened = check(
+            unsafe {
+                sys::cuIpcOpenMemHandle_v2(
+                    &mut ptr,
+                    handle,
+                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                )
+            },
+            "cuIpcOpenMemHandle (are all ranks on one node, with peer access between their GPUs?)",
+        );
+        if let Err(e) = opened {
+            close_all(&mapped);
+            return Err(e);
+        }
+        mapped.push(ptr);
+        bases.push(ptr);
+    }
+    Ok((bases, mapped))
+}
+
+/// Closes mappings made by [`open_all`].
+pub fn close_all(mapped: &[u64]) {
+    for &ptr in mapped {
+        // SAFETY: opened by open_all; an error at teardown has no one to report to.
+        unsafe {
+            sys::cuIpcCloseMemHandle(ptr);
+        }
     }
 }
 
@@ -186,12 +217,7 @@ impl PeerBuffers {
 
 impl Drop for PeerBuffers {
     fn drop(&mut self) {
-        for &ptr in &self.mapped {
-            // SAFETY: opened above; an error at teardown has no one to report to.
-            unsafe {
-                sys::cuIpcCloseMemHandle(ptr);
-            }
-        }
+        close_all(&self.mapped);
     }
 }
 

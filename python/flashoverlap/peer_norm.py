@@ -1,0 +1,225 @@
+"""AllReduce + residual add + RMSNorm over NVLink peer memory on a few SMs (TokenWeave's fused
+op, built on peer-to-peer loads and stores instead of NVLink multicast).
+
+Each rank pushes the other ranks' slices of its partial sum into their peer buffers, reduces and
+normalizes its own slice of the tokens, and stores the normalized rows into every rank's buffer;
+each value crosses NVLink once each way. The buffers are made once per ProcessGroup (CUDA IPC
+handles exchanged through the group, so any backend works, gloo included) and grown on demand
+outside CUDA-graph capture. Groups that span nodes, or GPUs without peer access, get the same
+result from torch.distributed's all_reduce and a torch RMSNorm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _core
+from ._validation import check_device, check_tensor, dtype_name
+from .communicator import resolve_group
+from .ops import _LIB, _register
+
+_log = logging.getLogger("flashoverlap")
+
+RESIDUAL_MODES = ("full", "sharded")
+MAX_WORLD = 8
+MAX_HIDDEN = 16384
+# CTAs per call: few enough to leave the SMs to overlapping compute.
+DEFAULT_CTAS = 16
+
+_LIB.define("all_reduce_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps, str group_name, "
+            "str residual_out='full', int? ctas=None) -> (Tensor, Tensor)")
+
+
+def _wait_timeout_ns() -> int:
+    """FLASHOVERLAP_PEER_TIMEOUT_S: give up a peer wait after this many seconds (the call's
+    outputs are then garbage and the error is raised at the next call); unset: wait forever."""
+    raw = os.environ.get("FLASHOVERLAP_PEER_TIMEOUT_S", "").strip()
+    if not raw:
+        return 0
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"FLASHOVERLAP_PEER_TIMEOUT_S: expected seconds, got {raw!r}") from None
+    return max(1, int(seconds * 1e9))
+
+
+class PeerGroup:
+    """The peer buffers of one ProcessGroup on this rank's device. Creation and growth are
+    collective over the group (every rank calls with the same sizes, as the op's callers do)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        self.group, self.device = group, device
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        hosts = [None] * self.world
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        self.peer = len(set(hosts)) == 1 and self.world <= MAX_WORLD
+        self.memory: Optional["_core.PeerMemory"] = None
+
+    def ensure(self, nbytes: int) -> None:
+        if not self.peer or (self.memory is not None and self.memory.bytes >= nbytes):
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"all_reduce_rmsnorm: the peer buffers must grow to {nbytes} bytes, which cannot "
+                             "happen during CUDA graph capture; run the op once with this many tokens first")
+        size = max(16 << 20, 1 << (nbytes - 1).bit_length())
+        # Every rank's kernels on the old buffers must be done before any rank frees its own.
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        if self.memory is not None:
+            self.memory.close()
+            self.memory = None
+        memory = _core.PeerMemory(self.device.index, size)
+        handles = [None] * self.world
+        dist.all_gather_object(handles, memory.handle(), group=self.group)
+        error = None
+        try:
+            memory.attach(self.rank, handles)
+        except Exception as e:  # no peer access: every rank must agree to fall back
+            error = f"{type(e).__name__}: {e}"
+        errors = [None] * self.world
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = [e for e in errors if e is not None]
+        if failed:
+            memory.close()
+            self.peer = False
+            _log.warning("all_reduce_rmsnorm: peer buffers could not be mapped (%s); using torch.distributed "
+                         "all_reduce and a torch RMSNorm for this group", failed[0])
+            return
+        self.memory = memory
+
+    def check_error(self) -> None:
+        if self.memory is not None and self.memory.header_word(_core.ALLREDUCE_RMSNORM_ERROR_WORD):
+            raise RuntimeError("all_reduce_rmsnorm: a peer wait timed out (FLASHOVERLAP_PEER_TIMEOUT_S); the "
+                               "ranks did not call the op together. The group's peer buffers are unusable.")
+
+
+_GROUPS: dict[str, PeerGroup] = {}
+
+
+def _name(group: dist.ProcessGroup, device: torch.device) -> str:
+    return f"pg:{group.group_name}:{device.index}"
+
+
+def _slice(tokens: int, world: int, rank: int) -> tuple[int, int]:
+    return tokens * rank // world, tokens * (rank + 1) // world
+
+
+def _check(x, residual, weight, eps, residual_out, ctas) -> tuple[int, int]:
+    check_tensor("x", x, 2)
+    check_tensor("residual", residual, 2)
+    check_tensor("weight", weight, 1)
+    tokens, hidden = x.shape
+    if residual.shape != x.shape:
+        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if weight.shape[0] != hidden:
+        raise ValueError(f"weight: expected [{hidden}] (the hidden size of x), got {tuple(weight.shape)}")
+    for name, t in (("residual", residual), ("weight", weight)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name}: expected {x.dtype} like x, got {t.dtype}")
+    if hidden % 8 != 0 or not 8 <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"x: the hidden size must be a multiple of 8 in 8..{MAX_HIDDEN}, got {hidden}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps: expected a float > 0, got {eps!r}")
+    if residual_out not in RESIDUAL_MODES:
+        raise ValueError(f"residual_out: expected one of {RESIDUAL_MODES}, got {residual_out!r}")
+    if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or not 1 <= ctas <= 256):
+        raise ValueError(f"ctas: expected an int in 1..256, got {ctas!r}")
+    return tokens, hidden
+
+
+def _torch_fallback(x, residual, weight, eps, group, residual_out, world, rank):
+    s = x.clone()
+    dist.all_reduce(s, group=group)
+    r = (s.float() + residual.float()).to(x.dtype)
+    rf = r.float()
+    out = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    if residual_out == "sharded":
+        a, b = _slice(x.shape[0], world, rank)
+        r = r[a:b].clone()
+    return out, r
+
+
+def _impl(x, residual, weight, eps: float, group_name: str, residual_out: str = "full",
+          ctas: Optional[int] = None):
+    tokens, hidden = _check(x, residual, weight, eps, residual_out, ctas)
+    state = _GROUPS.get(group_name)
+    if state is None:
+        raise ValueError(f"group_name: no flashoverlap peer group {group_name!r}; call "
+                         "flashoverlap.all_reduce_rmsnorm(...) with the ProcessGroup first")
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        check_device(name, t, state.device)
+    world, rank = state.world, state.rank
+    if not state.peer:
+        return _torch_fallback(x, residual, weight, float(eps), state.group, residual_out, world, rank)
+    dtype = dtype_name(x.dtype)
+    state.ensure(_core.allreduce_rmsnorm_buffer_bytes(world, tokens, hidden, dtype))
+    if not state.peer:  # mapping failed on some rank
+        return _torch_fallback(x, residual, weight, float(eps), state.group, residual_out, world, rank)
+    a, b = _slice(tokens, world, rank)
+    out = torch.empty_like(x)
+    res = torch.empty_like(x) if residual_out == "full" else x.new_empty((b - a, hidden))
+    sms = torch.cuda.get_device_properties(state.device).multi_processor_count
+    _core.allreduce_rmsnorm_launch(state.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                                                        out.data_ptr(), res.data_ptr()),
+                                   state.memory.bases, state.memory.bytes, rank, tokens, hidden, float(eps),
+                                   residual_out == "full", dtype, min(ctas or DEFAULT_CTAS, sms), _wait_timeout_ns(),
+                                   torch.cuda.current_stream(state.device).cuda_stream)
+    return out, res
+
+
+def _fake(x, residual, weight, eps: float, group_name: str, residual_out: str = "full",
+          ctas: Optional[int] = None):
+    if residual_out == "full":
+        return x.new_empty(x.shape), x.new_empty(x.shape)
+    state = _GROUPS[group_name]
+    a, b = _slice(x.shape[0], state.world, state.rank)
+    return x.new_empty(x.shape), x.new_empty((b - a, x.shape[1]))
+
+
+_register("all_reduce_rmsnorm", _impl, _fake)
+
+
+def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                       group: Optional[dist.ProcessGroup] = None, *, residual_out: str = "full",
+                       ctas: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's fused_add_rms_norm after an AllReduce of x over ``group``:
+    ``r = all_reduce(x) + residual; out = r * rsqrt(mean(r^2) + eps) * weight``; returns (out, r).
+
+    x, residual: [tokens, hidden] (bf16 or fp16, hidden a multiple of 8 up to 16384), residual the
+    same on every rank (as in tensor parallelism); weight: [hidden]. residual_out: "full" (every
+    rank gets all of r) or "sharded" (each rank gets only its slice of the tokens,
+    rows tokens*rank//world .. tokens*(rank+1)//world - 1: less traffic, for callers whose next
+    fused call uses the same slicing). ctas: CTAs of the kernel (default 16), the SMs it takes from
+    concurrent work.
+
+    Every rank of the group calls it with the same shapes. The first call for a group, and the
+    first with more tokens than before, are collective host calls (the peer buffers are made or
+    grown: not during CUDA graph capture). Groups spanning nodes or without peer access compute
+    the same with torch.distributed.all_reduce and torch ops."""
+    tokens, hidden = _check(x, residual, weight, eps, residual_out, ctas)
+    pg = resolve_group(group)
+    device = x.device
+    if device.type != "cuda":
+        raise ValueError(f"x: expected a CUDA tensor, got a tensor on {device}")
+    name = _name(pg, device)
+    if name not in _GROUPS:
+        _GROUPS[name] = PeerGroup(pg, device)
+    else:
+        _GROUPS[name].check_error()
+    return torch.ops.flashoverlap.all_reduce_rmsnorm(x, residual, weight, float(eps), name, residual_out, ctas)
+
+
+def destroy_peer_groups() -> None:
+    """Frees every peer buffer (after synchronizing: no kernel may still use them)."""
+    if _GROUPS and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for state in _GROUPS.values():
+        if state.memory is not None:
+            state.memory.close()
+    _GROUPS.clear()

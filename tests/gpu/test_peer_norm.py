@@ -1,0 +1,129 @@
+"""flashoverlap.all_reduce_rmsnorm across processes: IPC peer buffers exchanged through a gloo
+ProcessGroup, the kernel on every rank, against the fp32 composition. Ranks share the GPUs
+round-robin, so two ranks run on one GPU when only one is present (CUDA IPC works between
+processes on one device; the kernels' barriers need both resident, which few CTAs allow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.gpus(1)
+
+EPS = 1e-6
+CASES = [
+    # tokens, hidden, dtype, residual_out, ctas
+    (1024, 8192, "bfloat16", "full", 16),
+    (1023, 8192, "bfloat16", "sharded", 8),
+    (7, 4096, "float16", "full", 32),
+    (1, 1024, "bfloat16", "sharded", 2),
+    (2051, 16384, "float16", "sharded", 4),
+    (4096, 2048, "bfloat16", "full", 3),
+]
+
+
+def _inputs(seed, rank, tokens, hidden, dtype, device):
+    gen = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+    shared = torch.Generator(device=device).manual_seed(seed)
+    residual = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=shared)
+    weight = (torch.rand(hidden, device=device, generator=shared) + 0.5).to(dtype)
+    return x, residual, weight
+
+
+def _reference(seed, world, tokens, hidden, dtype, device):
+    xs = [_inputs(seed, p, tokens, hidden, dtype, device)[0] for p in range(world)]
+    _, residual, weight = _inputs(seed, 0, tokens, hidden, dtype, device)
+    r = (torch.stack([x.float() for x in xs]).sum(0) + residual.float())
+    return r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + EPS) * weight.float(), r
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def _worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    import flashoverlap
+
+    failures = []
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        for i, (tokens, hidden, dtype_name, mode, ctas) in enumerate(CASES):
+            dtype = getattr(torch, dtype_name)
+            seed = 17 + i
+            x, residual, weight = _inputs(seed, rank, tokens, hidden, dtype, device)
+            out, r = flashoverlap.all_reduce_rmsnorm(x, residual, weight, EPS, residual_out=mode, ctas=ctas)
+            torch.cuda.synchronize()
+            out_ref, r_ref = _reference(seed, world, tokens, hidden, dtype, device)
+            a, b = tokens * rank // world, tokens * (rank + 1) // world
+            if mode == "sharded":
+                r_ref = r_ref[a:b]
+            errors = (_rel(out, out_ref), _rel(r, r_ref) if r.numel() else 0.0)
+            if max(errors) > 1e-2 or tuple(r.shape) != tuple(r_ref.shape):
+                failures.append(f"rank {rank} case {i}: errors {errors}, residual shape {tuple(r.shape)}")
+        # A CUDA graph of one call, replayed on fresh inputs (the flags' epochs advance on the device).
+        tokens, hidden, dtype = 777, 4096, torch.bfloat16
+        sx, sres, sw = _inputs(5, rank, tokens, hidden, dtype, device)
+        flashoverlap.all_reduce_rmsnorm(sx, sres, sw, EPS)  # buffers sized outside capture
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gout, gr = flashoverlap.all_reduce_rmsnorm(sx, sres, sw, EPS)
+        for j in range(100):
+            seed = 500 + j
+            x, residual, weight = _inputs(seed, rank, tokens, hidden, dtype, device)
+            sx.copy_(x)
+            sres.copy_(residual)
+            sw.copy_(weight)
+            gout.fill_(float("nan"))
+            gr.fill_(float("nan"))
+            torch.cuda.synchronize()
+            dist.barrier()  # no rank replays before every rank's inputs are in place
+            graph.replay()
+            torch.cuda.synchronize()
+            out_ref, r_ref = _reference(seed, world, tokens, hidden, dtype, device)
+            if max(_rel(gout, out_ref), _rel(gr, r_ref)) > 1e-2:
+                failures.append(f"rank {rank} replay {j}: {_rel(gout, out_ref)}, {_rel(gr, r_ref)}")
+                break
+        # Bad input: a clear error before anything is launched, and the group stays usable.
+        try:
+            flashoverlap.all_reduce_rmsnorm(sx, sres[:, :8], sw, EPS)
+            failures.append(f"rank {rank}: a residual of another shape was accepted")
+        except ValueError as e:
+            if "residual" not in str(e):
+                failures.append(f"rank {rank}: unclear error {e}")
+        out, r = flashoverlap.all_reduce_rmsnorm(sx, sres, sw, EPS)
+        torch.cuda.synchronize()
+        flashoverlap.destroy_peer_groups()
+        dist.destroy_process_group()
+    except Exception:
+        failures.append(f"rank {rank}: {traceback.format_exc()}")
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(failures))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_matches_fp32_composition(tmp_path: Path, world: int) -> None:
+    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                       "NVSHMEM_DISABLE_NVLS": "1", "FLASHOVERLAP_PEER_TIMEOUT_S": "30"})
+    mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True,
+                       start_method="spawn")
+    failures = [f for r in range(world) for f in json.loads(Path(tmp_path, f"rank{r}.json").read_text())]
+    assert not failures, "\n".join(failures[:10])
