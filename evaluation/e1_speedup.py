@@ -3,6 +3,7 @@ CSVs under evaluation/results/ (each measured with its baselines in the same run
 
   AllReduce          bench_gemm_ar_<gpu>x<world>_<dtype>.csv        (python evaluation/bench_gemm_ar.py)
   ReduceScatter      bench_gemm_rs_<gpu>x<world>_<dtype>.csv        (python evaluation/bench_gemm_rs.py)
+  All-to-All         bench_gemm_a2a_<gpu>x<world>_<dtype>.csv       (python evaluation/bench_gemm_a2a.py)
   AllReduce+RMSNorm  bench_gemm_ar_rmsnorm_<gpu>x<world>_<dtype>.csv (python evaluation/bench_gemm_ar_rmsnorm.py)
 
 For each primitive, world size and baseline: the geometric mean, and the min-max, over shapes
@@ -31,6 +32,8 @@ PRIMITIVES = [
                                         ("flashoverlap vs decomposition", "fo_vs_decomp"),
                                         ("flashoverlap vs torch Async-TP", "fo_vs_async_tp"),
                                         ("reference: cuBLAS || unrelated NCCL vs sequential", "concurrent_vs_seq")]),
+    ("All-to-All", "bench_gemm_a2a", [("flashoverlap vs sequential cuBLAS + NCCL all_to_all_single", "fo_vs_seq"),
+                                      ("flashoverlap vs decomposition", "fo_vs_decomp")]),
     ("AllReduce+RMSNorm", "bench_gemm_ar_rmsnorm", [
         ("flashoverlap vs sequential cuBLAS + NCCL + torch add-RMSNorm", "fo_vs_seq"),
         ("flashoverlap vs sequential cuBLAS + NCCL + one-kernel add-RMSNorm", "fo_vs_seq_fused"),

@@ -62,6 +62,9 @@ pub fn plan_for(
     Ok((kernel, plan))
 }
 
+/// The chosen group count (None: sequential) and every candidate's timeline.
+pub type GroupChoice = (Option<u32>, Vec<(u32, Timeline)>);
+
 /// The group count the predictor picks for the whole routing
 /// (`matrix[p][q]`: rows rank p sends rank q), or None where the library
 /// GEMM then one exchange is predicted faster, with every candidate's
@@ -76,7 +79,7 @@ pub fn choose_groups(
     opts: &Options,
     sms: u32,
     major: i32,
-) -> Result<(Option<u32>, Vec<(u32, Timeline)>)> {
+) -> Result<GroupChoice> {
     let rows = matrix
         .iter()
         .map(|r| r.iter().sum::<u64>())
