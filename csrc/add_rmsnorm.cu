@@ -49,21 +49,10 @@ constexpr int UNROLL = FO_UNROLL;
 
 // One 32-bit word = two 16-bit values, the low half first; packing rounds
 // both with one instruction (fo::pack2).
-#if FO_BF16
-__device__ __forceinline__ float low(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float high(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-#else
-__device__ __forceinline__ float half_to_float(unsigned short h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-__device__ __forceinline__ float low(unsigned w) { return half_to_float(w & 0xffffu); }
-__device__ __forceinline__ float high(unsigned w) { return half_to_float(w >> 16); }
-#endif
+using fo::high;
+using fo::low;
 using fo::pack2;
-__device__ __forceinline__ unsigned& word(uint4& v, int i) { return reinterpret_cast<unsigned*>(&v)[i]; }
-__device__ __forceinline__ unsigned word(const uint4& v, int i) { return reinterpret_cast<const unsigned*>(&v)[i]; }
+using fo::word;
 }  // namespace
 
 // The ring slot of (stage, tensor 0 = x / 1 = residual_in, vector u) of this thread.

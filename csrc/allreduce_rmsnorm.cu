@@ -43,27 +43,16 @@ constexpr int WARPS = THREADS / 32;
 constexpr int VEC = 8;
 constexpr int UNROLL = FO_UNROLL;
 
-// Header words of a rank's buffer (u32 indices); keep in step with rust/comm/norm_peer.rs.
+// Header words of a rank's buffer (u32 indices); keep in step with rust/ops/all_reduce_rmsnorm.rs.
 constexpr int EPOCH = 0, FINISHED = 1, ERROR = 2;
 constexpr int MAX_CTAS = 256;
 constexpr int READY = 16;
 constexpr int DONE = READY + MAX_CTAS * FO_MAX_WORLD;
 
-#if FO_BF16
-__device__ __forceinline__ float low(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float high(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-#else
-__device__ __forceinline__ float half_to_float(unsigned short h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-__device__ __forceinline__ float low(unsigned w) { return half_to_float(w & 0xffffu); }
-__device__ __forceinline__ float high(unsigned w) { return half_to_float(w >> 16); }
-#endif
+using fo::high;
+using fo::low;
 using fo::pack2;
-__device__ __forceinline__ unsigned& word(uint4& v, int i) { return reinterpret_cast<unsigned*>(&v)[i]; }
-__device__ __forceinline__ unsigned word(const uint4& v, int i) { return reinterpret_cast<const unsigned*>(&v)[i]; }
+using fo::word;
 
 __device__ __forceinline__ void store_release_sys(unsigned* p, unsigned v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");

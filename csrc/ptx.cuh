@@ -54,6 +54,23 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   return r;
 }
 
+// The two 16-bit values of a 32-bit word as floats, the low half first
+// (FO_BF16 selects the type), and the words of a 16-byte vector.
+#if FO_BF16
+__device__ __forceinline__ float low(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float high(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+#else
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ float low(unsigned w) { return half_to_float(w & 0xffffu); }
+__device__ __forceinline__ float high(unsigned w) { return half_to_float(w >> 16); }
+#endif
+__device__ __forceinline__ unsigned& word(uint4& v, int i) { return reinterpret_cast<unsigned*>(&v)[i]; }
+__device__ __forceinline__ unsigned word(const uint4& v, int i) { return reinterpret_cast<const unsigned*>(&v)[i]; }
+
 // The signal: a release at GPU scope, so every store the block made before
 // the preceding __syncthreads() is visible to whoever observes the count.
 __device__ __forceinline__ void signal_add(unsigned* counter, unsigned v) {
