@@ -993,21 +993,17 @@ fn plan_all_to_all_groups(
 ) -> PyResult<A2aPrediction> {
     let dtype = self::dtype(dtype)?;
     let opts = a2a_options(&(1, reserved_sms, kernel))?;
-    let (best, timelines) =
-        ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major).map_err(to_py)?;
+    let choice = ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major).map_err(to_py)?;
+    let timelines = &choice.timelines;
     let sequential = timelines.first().map_or(0.0, |(_, t)| t.sequential_us);
     let predicted = timelines.iter().map(|(g, t)| (*g, t.overlap_us)).collect();
     // The library GEMM then one exchange, where no group count beats it.
-    let schedule = if best.is_some() {
-        "overlap"
-    } else {
+    let schedule = if choice.sequential {
         "sequential"
+    } else {
+        "overlap"
     };
-    let fastest = timelines
-        .iter()
-        .min_by(|a, b| a.1.overlap_us.total_cmp(&b.1.overlap_us))
-        .map_or(1, |(g, _)| *g);
-    Ok((schedule, best.unwrap_or(fastest), predicted, sequential))
+    Ok((schedule, choice.groups, predicted, sequential))
 }
 
 /// Enqueues GEMM + All-to-All; buffers = (send, send_rows, tables,

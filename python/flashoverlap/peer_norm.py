@@ -61,9 +61,10 @@ class PeerGroup:
         self.peer = len(set(hosts)) == 1 and self.world <= MAX_WORLD
         self.memory: Optional["_core.PeerMemory"] = None
 
-    def ensure(self, nbytes: int) -> None:
+    def ensure(self, nbytes: int) -> bool:
+        """Whether the peer path serves this call: its buffers then hold `nbytes`."""
         if not self.peer or (self.memory is not None and self.memory.bytes >= nbytes):
-            return
+            return self.peer
         if torch.cuda.is_current_stream_capturing():
             raise ValueError(f"all_reduce_rmsnorm: the peer buffers must grow to {nbytes} bytes, which cannot "
                              "happen during CUDA graph capture; run the op once with this many tokens first")
@@ -90,8 +91,9 @@ class PeerGroup:
             self.peer = False
             _log.warning("all_reduce_rmsnorm: peer buffers could not be mapped (%s); using torch.distributed "
                          "all_reduce and a torch RMSNorm for this group", failed[0])
-            return
+            return False
         self.memory = memory
+        return True
 
     def check_error(self) -> None:
         if self.memory is not None and self.memory.header_word(_core.ALLREDUCE_RMSNORM_ERROR_WORD):
@@ -155,11 +157,10 @@ def _impl(x, residual, weight, eps: float, group_name: str, residual_out: str = 
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):
         check_device(name, t, state.device)
     world, rank = state.world, state.rank
-    if not state.peer:
-        return _torch_fallback(x, residual, weight, float(eps), state.group, residual_out, world, rank)
     dtype = dtype_name(x.dtype)
-    state.ensure(_core.allreduce_rmsnorm_buffer_bytes(world, tokens, hidden, dtype))
-    if not state.peer:  # mapping failed on some rank
+    # Off-node, or the mapping failed on some rank: the same result from torch.distributed.
+    # (The buffer size is asked only of peer groups: those have at most MAX_WORLD ranks.)
+    if not (state.peer and state.ensure(_core.allreduce_rmsnorm_buffer_bytes(world, tokens, hidden, dtype))):
         return _torch_fallback(x, residual, weight, float(eps), state.group, residual_out, world, rank)
     a, b = _slice(tokens, world, rank)
     out = torch.empty_like(x)

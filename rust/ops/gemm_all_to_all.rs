@@ -62,13 +62,18 @@ pub fn plan_for(
     Ok((kernel, plan))
 }
 
-/// The chosen group count (None: sequential) and every candidate's timeline.
-pub type GroupChoice = (Option<u32>, Vec<(u32, Timeline)>);
+/// What the predictor picks for a routing: the fastest group count, whether
+/// the library GEMM then one exchange beats it, and every candidate's timeline.
+#[derive(Debug, Clone)]
+pub struct GroupChoice {
+    pub groups: u32,
+    pub sequential: bool,
+    pub timelines: Vec<(u32, Timeline)>,
+}
 
 /// The group count the predictor picks for the whole routing
-/// (`matrix[p][q]`: rows rank p sends rank q), or None where the library
-/// GEMM then one exchange is predicted faster, with every candidate's
-/// predicted timeline. Each rank passes the same matrix and gets the same
+/// (`matrix[p][q]`: rows rank p sends rank q), and whether the sequential
+/// schedule is predicted faster than it. Each rank passes the same matrix and gets the same
 /// answer: nothing rank-specific enters the model (the kernel and the
 /// profile lookup use the largest rank's rows).
 pub fn choose_groups(
@@ -121,11 +126,15 @@ pub fn choose_groups(
         tile: gemm::tile_shape(kernel),
         ctas,
     };
-    let (best, timelines) =
+    let (groups, timelines) =
         best_all_to_all_groups(&shape, &hw, crate::plan::MAX_ALL_TO_ALL_GROUPS)?;
-    let t = &timelines[best as usize - 1].1;
-    let overlapped = t.overlap_us + if best > 1 { hw.overlap_fixed_us } else { 0.0 };
-    Ok(((overlapped < t.sequential_us).then_some(best), timelines))
+    let t = &timelines[groups as usize - 1].1;
+    let overlapped = t.overlap_us + if groups > 1 { hw.overlap_fixed_us } else { 0.0 };
+    Ok(GroupChoice {
+        groups,
+        sequential: overlapped >= t.sequential_us,
+        timelines,
+    })
 }
 
 /// The tables the kernel reads, as one block of u32 words for the caller
