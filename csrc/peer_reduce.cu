@@ -1,5 +1,7 @@
-// Sums the partials peers copied into this rank's staging slots into the
-// rank's own partial, in place: out[i] += stage_0[i] + ... + stage_{s-1}[i].
+// Sums this rank's own partial and the partials peers copied into its
+// staging slots: out[i] = mine[i] + stage_0[i] + ... + stage_{s-1}[i]. The
+// AllReduce sums in place (mine == out); the ReduceScatter reads its own
+// chunk from the GEMM's send buffer and writes the output rows.
 //
 // The copy-engine AllReduce moves bytes with no SM; this kernel is the only
 // SM work it does, so it runs on the few SMs the GEMM leaves free and must
@@ -61,10 +63,10 @@ __device__ __forceinline__ V4 pack8(const float (&a)[8]) {
   return V4{fo::pack2(a[0], a[1]), fo::pack2(a[2], a[3]), fo::pack2(a[4], a[5]), fo::pack2(a[6], a[7])};
 }
 
-// The partial of rank `p` in rank order: this rank's own (out) at `own`,
+// The partial of rank `p` in rank order: this rank's own (mine) at `own`,
 // the peers' staging slots (in rank order, without this rank) elsewhere.
-__device__ __forceinline__ const V4* partial(const V4* out, const Sources& src, int own, int p) {
-  return p == own ? out : src.stage[p < own ? p : p - 1];
+__device__ __forceinline__ const V4* partial(const V4* mine, const Sources& src, int own, int p) {
+  return p == own ? mine : src.stage[p < own ? p : p - 1];
 }
 
 }  // namespace
@@ -80,12 +82,12 @@ __device__ __forceinline__ const V4* partial(const V4* out, const Sources& src, 
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return fo::smem_addr(p); }
 
-__device__ __forceinline__ void issue_tile(V4* ring, int stage, const V4* out, const Sources& src, int own,
+__device__ __forceinline__ void issue_tile(V4* ring, int stage, const V4* mine, const Sources& src, int own,
                                            long long tile, long long vectors) {
   const long long first = tile * FO_TILE + threadIdx.x;
 #pragma unroll
   for (int p = 0; p < FO_RANKS; ++p) {
-    const V4* from = partial(out, src, own, p);
+    const V4* from = partial(mine, src, own, p);
 #pragma unroll
     for (int u = 0; u < FO_VPT; ++u) {
       const long long i = first + u * FO_THREADS;
@@ -99,22 +101,23 @@ __device__ __forceinline__ void issue_tile(V4* ring, int stage, const V4* out, c
 
 // `vectors` 16-byte vectors of 8 values each; FO_RANKS partials in all (this
 // rank's, number `own`, and FO_RANKS - 1 staged ones). Every rank adds the
-// partials in rank order, so that all ranks get bit-identical sums.
-extern "C" __global__ void __launch_bounds__(FO_THREADS, 1) fo_peer_reduce(V4* out, Sources src, int own,
-                                                                           long long vectors) {
+// partials in rank order, so that all ranks get bit-identical sums. `mine`
+// and `out` are equal or do not overlap.
+extern "C" __global__ void __launch_bounds__(FO_THREADS, 1) fo_peer_reduce(V4* out, const V4* mine, Sources src,
+                                                                           int own, long long vectors) {
   extern __shared__ V4 ring[];  // [FO_STAGES][FO_RANKS][FO_VPT][FO_THREADS]
   const long long tiles = (vectors + FO_TILE - 1) / FO_TILE;
   long long next = blockIdx.x;
 #pragma unroll
   for (int s = 0; s < FO_STAGES - 1; ++s) {
-    if (next < tiles) issue_tile(ring, s, out, src, own, next, vectors);
+    if (next < tiles) issue_tile(ring, s, mine, src, own, next, vectors);
     fo::cp_async_commit();
     next += gridDim.x;
   }
   int stage = 0;
   for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     // Keep FO_STAGES - 1 tiles in flight behind the one about to be summed.
-    if (next < tiles) issue_tile(ring, (stage + FO_STAGES - 1) % FO_STAGES, out, src, own, next, vectors);
+    if (next < tiles) issue_tile(ring, (stage + FO_STAGES - 1) % FO_STAGES, mine, src, own, next, vectors);
     fo::cp_async_commit();
     next += gridDim.x;
     fo::cp_async_wait<FO_STAGES - 1>();

@@ -371,6 +371,8 @@ fn new_unique_id(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
     Ok(PyBytes::new(py, &id))
 }
 
+/// `unique_id`: the NCCL unique id rank 0 made (broadcast by the caller), or
+/// None for a communicator without NCCL (copy-engine backend only).
 #[pyfunction]
 #[pyo3(signature = (name, world_size, rank, unique_id, device, max_ctas=None))]
 fn create_communicator(
@@ -378,13 +380,21 @@ fn create_communicator(
     name: &str,
     world_size: i32,
     rank: i32,
-    unique_id: &[u8],
+    unique_id: Option<Vec<u8>>,
     device: i32,
     max_ctas: Option<i32>,
 ) -> PyResult<()> {
-    let id = unique_id.to_vec();
-    py.detach(|| communicator::create(name, world_size, rank, &id, device, max_ctas))
-        .map_err(to_py)
+    py.detach(|| {
+        communicator::create(
+            name,
+            world_size,
+            rank,
+            unique_id.as_deref(),
+            device,
+            max_ctas,
+        )
+    })
+    .map_err(to_py)
 }
 
 #[pyfunction]
@@ -620,8 +630,15 @@ fn communicator_plan(
 }
 
 /// GEMM + ReduceScatter options as Python passes them: (mode,
-/// bands_per_group, reserved_sms, max_groups, kernel).
-type RsOptions = (String, Option<u32>, Option<u32>, u32, Option<String>);
+/// bands_per_group, reserved_sms, max_groups, kernel, backend).
+type RsOptions = (
+    String,
+    Option<u32>,
+    Option<u32>,
+    u32,
+    Option<String>,
+    String,
+);
 
 fn rs_call(
     group_name: &str,
@@ -642,6 +659,7 @@ fn rs_call(
         reserved_sms: o.2,
         max_groups: o.3,
         kernel: gemm_kernel(o.4.as_deref())?,
+        backend: backend(&o.5)?,
     };
     let comm = communicator::get(group_name).map_err(to_py)?;
     Ok((comm, args, opts))

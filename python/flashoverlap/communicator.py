@@ -47,10 +47,13 @@ class Communicator:
     Creation is collective: every rank of ``group`` must create it, in the same order.
     ``max_ctas`` caps the CTAs NCCL uses per collective (default: FLASHOVERLAP_NCCL_MAX_CTAS,
     else the SMs reserved for communication, FLASHOVERLAP_RESERVED_SMS).
+    ``nccl=False`` makes one without NCCL: the ops then run only on the copy-engine backend
+    (every rank on one node), and their sequential schedules use ``group``'s own collectives.
+    Its ranks may share a GPU, which NCCL refuses (tests run two ranks on one device this way).
     """
 
     def __init__(self, group: Optional[ProcessGroup] = None, *, name: Optional[str] = None,
-                 max_ctas: Optional[int] = None, device: Optional[torch.device] = None):
+                 max_ctas: Optional[int] = None, device: Optional[torch.device] = None, nccl: bool = True):
         pg = resolve_group(group)
         self.group = pg
         self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(pg))
@@ -70,22 +73,27 @@ class Communicator:
             max_ctas = _env.nccl_max_ctas() or (_core.NCCL_RESERVED_SMS if reserved is None else reserved) or None
         self.max_ctas = max_ctas
         self._peer = False
+        self.nccl = bool(nccl)
         # The sequential schedule runs the group's own NCCL AllReduce where it
-        # has one: torch's communicator is not capped to the reserved SMs.
-        self.torch_nccl = "nccl" in str(dist.get_backend(pg)).lower()
-        uid = _core.new_unique_id() if self.rank == 0 else bytes(128)
+        # has one (torch's communicator is not capped to the reserved SMs), and
+        # the group's collectives, whatever its backend, where this one has no NCCL.
+        self.torch_collectives = "nccl" in str(dist.get_backend(pg)).lower() or not self.nccl
+        uid = (_core.new_unique_id() if self.rank == 0 else bytes(128)) if self.nccl else None
         box = [(uid, socket.gethostname())]
         hosts = [None] * self.world_size
         dist.all_gather_object(hosts, box[0][1], group=pg)
         dist.broadcast_object_list(box, src=self.ranks[0], group=pg)
         # The copy-engine backend maps peers' memory: every rank on one host.
         self.one_node = len(set(hosts)) == 1 and self.world_size <= MAX_PEER_WORLD
+        if not self.nccl and not self.one_node:
+            raise ValueError(f"nccl: a communicator without NCCL needs every rank on one node (at most "
+                             f"{MAX_PEER_WORLD}), got {self.world_size} ranks on {len(set(hosts))} hosts")
         _core.create_communicator(self.name, self.world_size, self.rank, box[0][0], device.index, max_ctas)
         _by_name[self.name] = self
         _load_profiles(device, max_ctas)
         _agree_on_profiles(pg, self.world_size)
-        _log.info("created communicator %r: rank %d of %s on %s, NCCL maxCTAs %s", self.name, self.rank,
-                  list(self.ranks), device, max_ctas)
+        _log.info("created communicator %r: rank %d of %s on %s, %s", self.name, self.rank, list(self.ranks),
+                  device, f"NCCL maxCTAs {max_ctas}" if self.nccl else "no NCCL")
 
     def ensure_peer_buffers(self, slot_bytes: int) -> None:
         """Collective: makes the copy-engine staging slots hold at least ``slot_bytes`` (grown
@@ -125,7 +133,8 @@ class Communicator:
             _core.destroy_communicator(self.name)
 
     def __repr__(self) -> str:
-        return f"Communicator(name={self.name!r}, rank={self.rank}, world_size={self.world_size}, device={self.device})"
+        return (f"Communicator(name={self.name!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"device={self.device}, nccl={self.nccl})")
 
 
 def _load_profiles(device: torch.device, max_ctas: Optional[int]) -> None:

@@ -36,7 +36,7 @@ _LIB.define("gemm_all_reduce_rmsnorm(Tensor x, Tensor weight, Tensor residual, T
 _LIB.define("gemm_all_to_all(Tensor x, Tensor weight, int[] input_split_sizes, int[] output_split_sizes, "
             "str group_name, int? groups=None, str? kernel=None, int[]? split_matrix=None) -> Tensor")
 _LIB.define("gemm_reduce_scatter(Tensor x, Tensor weight, str group_name, str mode='auto', "
-            "int? bands_per_group=None, str? kernel=None) -> Tensor")
+            "int? bands_per_group=None, str? kernel=None, str? backend=None) -> Tensor")
 
 
 def _register(name: str, impl, fake) -> None:
@@ -72,6 +72,9 @@ def _resolve_backend(comm: Communicator, backend: Optional[str]) -> str:
     _check_backend(backend)
     if backend == "auto":
         return "copy_engine" if comm.one_node else "nccl"
+    if backend == "nccl" and not comm.nccl:
+        raise ValueError(f"backend: communicator {comm.name!r} was made without NCCL (nccl=False); "
+                         "use backend='copy_engine' or 'auto'")
     return backend
 
 
@@ -93,9 +96,9 @@ def _op_options(mode, bands_per_group, kernel, backend, order, fused_norm: bool)
     return (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, None, backend, order, fused_norm)
 
 
-def _rs_options(mode, bands_per_group, kernel) -> tuple:
+def _rs_options(mode, bands_per_group, kernel, backend: str) -> tuple:
     """The options tuple the core takes for GEMM + ReduceScatter (environment settings included)."""
-    return (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel)
+    return (mode, bands_per_group, _env.reserved_sms(), _env.max_groups(), kernel, backend)
 
 
 def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, backend, order, norm=None):
@@ -136,7 +139,7 @@ def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, b
         # Overlap does not pay here (or was not asked for): exactly the unfused
         # composition, torch's library GEMM (cuBLAS) then one AllReduce.
         torch.matmul(x, weight.t(), out=out)
-        if comm.torch_nccl:
+        if comm.torch_collectives:
             torch.distributed.all_reduce(out, group=comm.group)
         else:
             _core.all_reduce(comm.name, out.data_ptr(), out.numel(), dtype, stream)
@@ -213,10 +216,12 @@ def _rs_shape(x: torch.Tensor, weight: torch.Tensor, world: int) -> tuple[int, i
 
 
 def _gemm_reduce_scatter_impl(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
-                              bands_per_group: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
+                              bands_per_group: Optional[int] = None, kernel: Optional[str] = None,
+                              backend: Optional[str] = None) -> torch.Tensor:
     comm = communicator_by_name(group_name)
     m, n, k = _rs_shape(x, weight, comm.world_size)
     _check_mode(mode, bands_per_group)
+    backend = _resolve_backend(comm, backend)
     check_device("x", x, comm.device)
     shard = m // comm.world_size
     if m == 0:
@@ -225,9 +230,13 @@ def _gemm_reduce_scatter_impl(x: torch.Tensor, weight: torch.Tensor, group_name:
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
-    options = _rs_options(mode, bands_per_group, kernel)
+    options = _rs_options(mode, bands_per_group, kernel, backend)
     plan = _core.communicator_rs_plan(comm.name, m, n, k, dtype, stream, options)
     if plan["schedule"] == "overlap":
+        if backend == "copy_engine":
+            # Each peer's slot holds what it sends of every output row (every rank plans alike,
+            # so all grow their slots together).
+            comm.ensure_peer_buffers(plan["out_rows"] * n * x.element_size())
         # Whole bands of output (the caller sees the first M / world rows) and the send buffer the
         # GEMM stores into, both from torch's allocator on this stream: the op's last use of them
         # is ordered before whatever this stream runs after it.
@@ -240,7 +249,11 @@ def _gemm_reduce_scatter_impl(x: torch.Tensor, weight: torch.Tensor, group_name:
     # Exactly the unfused composition: the library GEMM, then one ReduceScatter.
     full = torch.matmul(x, weight.t())
     out = torch.empty((shard, n), dtype=x.dtype, device=x.device)
-    if comm.torch_nccl:
+    if not comm.nccl:
+        # The group's own collectives, whatever its backend: an AllReduce every backend has.
+        torch.distributed.all_reduce(full, group=comm.group)
+        out.copy_(full[comm.rank * shard:(comm.rank + 1) * shard])
+    elif comm.torch_collectives:
         torch.distributed.reduce_scatter_tensor(out, full, group=comm.group)
     else:
         _core.reduce_scatter(comm.name, full.data_ptr(), out.data_ptr(), out.numel(), dtype, stream)
@@ -248,7 +261,8 @@ def _gemm_reduce_scatter_impl(x: torch.Tensor, weight: torch.Tensor, group_name:
 
 
 def _gemm_reduce_scatter_fake(x: torch.Tensor, weight: torch.Tensor, group_name: str, mode: str = "auto",
-                              bands_per_group: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
+                              bands_per_group: Optional[int] = None, kernel: Optional[str] = None,
+                              backend: Optional[str] = None) -> torch.Tensor:
     world = communicator_by_name(group_name).world_size
     return x.new_empty((x.shape[0] // world, weight.shape[0]))
 
@@ -331,11 +345,13 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
     _nvrtc.ensure_loaded()
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
     reserved = _env.reserved_sms()
-    if groups is None:
+    if groups is None or not comm.nccl:
         schedule, groups = ("overlap", DEFAULT_A2A_GROUPS) if flat is None else _a2a_choice(
             comm, flat, n, k, dtype, reserved, kernel)
-        if schedule == "sequential" and comm.torch_nccl:
-            # The library GEMM, then the group's own NCCL exchange.
+        if not comm.nccl:
+            schedule = "sequential"  # the exchanges are NCCL's: none on this communicator
+        if schedule == "sequential" and comm.torch_collectives:
+            # The library GEMM, then the group's own exchange.
             import torch.distributed as dist
 
             y = torch.matmul(x, weight.t())
@@ -506,34 +522,36 @@ def compile_kernels(arch: str) -> "list[tuple[str, str, int]]":
 
 def gemm_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
                         mode: str = "auto", bands_per_group: Optional[int] = None,
-                        kernel: Optional[str] = None) -> torch.Tensor:
+                        kernel: Optional[str] = None, backend: Optional[str] = None) -> torch.Tensor:
     """``torch.distributed.reduce_scatter_tensor`` of ``x @ weight.T`` (sum): rank r gets rows
     r*M/world .. (r+1)*M/world - 1, as [M / world, N]. The ReduceScatter of each finished wave
     group of the GEMM overlaps the rest of the GEMM and receives straight into the output rows
     (the GEMM stores its tiles where the collective wants them).
 
     x: [M, K] with M divisible by the world size; weight: [N, K]; both bfloat16 or both float16.
-    group, communicator, mode, bands_per_group (local row bands of every shard per group), kernel:
-    as for :func:`gemm_all_reduce`. The collectives are NCCL's (24 SMs left free for them)."""
-    comm = _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel)
-    return torch.ops.flashoverlap.gemm_reduce_scatter(x, weight, comm.name, mode, bands_per_group, kernel)
+    group, communicator, mode, bands_per_group (local row bands of every shard per group), kernel,
+    backend: as for :func:`gemm_all_reduce`. With the copy engines each group's chunks go straight
+    into their owners' staging slots and each rank sums its own on the SMs the GEMM leaves free;
+    with NCCL, one ncclReduceScatter per group (24 SMs left free for it)."""
+    comm = _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
+    return torch.ops.flashoverlap.gemm_reduce_scatter(x, weight, comm.name, mode, bands_per_group, kernel, backend)
 
 
 def reduce_scatter_plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
                            mode: str = "auto", bands_per_group: Optional[int] = None,
-                           kernel: Optional[str] = None) -> dict:
+                           kernel: Optional[str] = None, backend: Optional[str] = None) -> dict:
     """The plan ``gemm_reduce_scatter`` runs for these arguments, as a dict (schedule, ctas, waves,
     buffers, predicted times, and one dict per wave group)."""
-    comm = _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel)
+    comm = _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
     m, n, k = _rs_shape(x, weight, comm.world_size)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
-    options = _rs_options(mode, bands_per_group, kernel)
+    options = _rs_options(mode, bands_per_group, kernel, _resolve_backend(comm, backend))
     return _core.communicator_rs_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), options)
 
 
-def _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel):
-    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, None)
+def _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend):
+    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
     _rs_shape(x, weight, comm.world_size)
     return comm
 
@@ -582,6 +600,7 @@ def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, ou
         or, where no count is predicted to beat it, runs torch.matmul then the group's
         all_to_all_single (the sequential schedule; one group where the group is not NCCL).
       With neither, DEFAULT_A2A_GROUPS (4) groups. One group is the GEMM, then the exchange.
+      A communicator made without NCCL always runs torch.matmul then all_to_all_single.
     Splits are checked (one entry per rank, ints >= 0, input summing to T). Capturable in CUDA
     graphs once the op has run with the same split sizes outside capture (its tables are made then
     and kept for the graph)."""

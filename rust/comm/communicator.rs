@@ -1,5 +1,6 @@
-//! A communicator: one NCCL communicator plus the communication stream and
-//! the per-shape state the overlapped ops keep, registered by name.
+//! A communicator: one NCCL communicator (or none, for the copy-engine
+//! backend alone) plus the communication streams and the per-shape state the
+//! overlapped ops keep, registered by name.
 
 use super::nccl::{self, Comm, UniqueId};
 use super::peer::{PeerBuffers, PeerLayout, PendingPeer};
@@ -18,7 +19,9 @@ pub struct Communicator {
     pub world: i32,
     pub device: DeviceInfo,
     pub max_ctas: Option<i32>,
-    comm: Comm,
+    /// None: made without NCCL (copy-engine backend only; its ranks may
+    /// even share a GPU, which NCCL refuses).
+    comm: Option<Comm>,
     /// High-priority stream on which every collective of this communicator runs.
     pub stream: OwnedStream,
     /// Orders the caller's stream before the comm stream (fork)...
@@ -89,22 +92,27 @@ impl Communicator {
     pub fn on_comm_stream(
         &self,
         caller: stream::RawStream,
-        enqueue: impl FnOnce(&nccl::Nccl, stream::RawStream) -> Result<()>,
+        enqueue: impl FnOnce(&nccl::Nccl, Comm, stream::RawStream) -> Result<()>,
     ) -> Result<()> {
         driver::bind(self.device.ordinal)?;
-        let nccl = self.nccl()?;
+        let (nccl, comm) = self.nccl()?;
         let _order = self.enqueue.lock().unwrap_or_else(|p| p.into_inner());
         self.fork.order(caller, self.stream.0)?;
-        enqueue(nccl, self.stream.0)?;
+        enqueue(nccl, comm, self.stream.0)?;
         self.join.order(self.stream.0, caller)
     }
 
-    pub fn comm(&self) -> Comm {
-        self.comm
-    }
-
-    pub fn nccl(&self) -> Result<&'static nccl::Nccl> {
-        nccl::get()
+    /// The NCCL library and this communicator's NCCL communicator, or an
+    /// error naming the communicator where it was made without NCCL.
+    pub fn nccl(&self) -> Result<(&'static nccl::Nccl, Comm)> {
+        let comm = self.comm.ok_or_else(|| {
+            Error::Invalid(format!(
+                "backend: communicator {:?} was made without NCCL (copy-engine backend only); \
+                 use backend='copy_engine' or a communicator made with NCCL",
+                self.name
+            ))
+        })?;
+        Ok((nccl::get()?, comm))
     }
 
     /// The attached peer buffers, if any.
@@ -171,8 +179,8 @@ impl Drop for Communicator {
         if driver::bind(self.device.ordinal).is_ok() {
             let _ = stream::synchronize(self.stream.0);
             let _ = stream::synchronize(self.reduce_stream.0);
-            if let Ok(n) = nccl::get() {
-                let _ = n.destroy(self.comm);
+            if let (Some(comm), Ok(n)) = (self.comm, nccl::get()) {
+                let _ = n.destroy(comm);
             }
         }
     }
@@ -193,12 +201,13 @@ pub fn new_unique_id() -> Result<Vec<u8>> {
 
 /// Creates and registers a communicator; collective over the `world` ranks.
 /// Every NCCL kernel the ops use is launched once here, so that none is first
-/// loaded while a stream waits on a GEMM counter.
+/// loaded while a stream waits on a GEMM counter. `id`: the NCCL unique id
+/// (broadcast by the caller), or None for a communicator without NCCL.
 pub fn create(
     name: &str,
     world: i32,
     rank: i32,
-    id: &[u8],
+    id: Option<&[u8]>,
     ordinal: i32,
     max_ctas: Option<i32>,
 ) -> Result<()> {
@@ -207,7 +216,7 @@ pub fn create(
             "name: a communicator named {name:?} already exists"
         )));
     }
-    if id.len() != nccl::UNIQUE_ID_BYTES {
+    if let Some(id) = id.filter(|id| id.len() != nccl::UNIQUE_ID_BYTES) {
         return Err(Error::Invalid(format!(
             "unique_id: expected {} bytes, got {}",
             nccl::UNIQUE_ID_BYTES,
@@ -220,14 +229,18 @@ pub fn create(
         )));
     }
     let device = driver::bind(ordinal)?;
-    let nccl = nccl::get()?;
-    let mut unique = UniqueId {
-        internal: [0; nccl::UNIQUE_ID_BYTES],
+    let comm = match id {
+        Some(id) => {
+            let mut unique = UniqueId {
+                internal: [0; nccl::UNIQUE_ID_BYTES],
+            };
+            for (d, s) in unique.internal.iter_mut().zip(id) {
+                *d = *s as std::ffi::c_char;
+            }
+            Some(nccl::get()?.init_rank(world, unique, rank, max_ctas)?)
+        }
+        None => None,
     };
-    for (d, s) in unique.internal.iter_mut().zip(id) {
-        *d = *s as std::ffi::c_char;
-    }
-    let comm = nccl.init_rank(world, unique, rank, max_ctas)?;
     let communicator = Communicator {
         name: name.to_string(),
         rank,
@@ -246,16 +259,15 @@ pub fn create(
         enqueue: Mutex::new(()),
         prepared: Mutex::new(HashMap::new()),
     };
-    let scratch = DeviceBuffer::zeroed_u32(256)?;
-    for dtype in [Dtype::Bf16, Dtype::F16] {
-        nccl.all_reduce_in_place(scratch.ptr, 256, dtype, comm, communicator.stream.0.cast())?;
+    if let Some(comm) = comm {
+        let nccl = nccl::get()?;
+        let scratch = DeviceBuffer::zeroed_u32(256)?;
+        for dtype in [Dtype::Bf16, Dtype::F16] {
+            nccl.all_reduce_in_place(scratch.ptr, 256, dtype, comm, communicator.stream.0.cast())?;
+        }
+        stream::synchronize(communicator.stream.0)?;
+        nccl.async_error(comm)?;
     }
-    // SAFETY: live stream.
-    driver::check(
-        unsafe { cudarc::driver::sys::cuStreamSynchronize(communicator.stream.0) },
-        "cuStreamSynchronize",
-    )?;
-    nccl.async_error(comm)?;
     with_registry(|r| r.insert(name.to_string(), Arc::new(communicator)));
     Ok(())
 }

@@ -17,7 +17,7 @@ pub fn all_reduce(
     if ptr == 0 && count > 0 {
         return Err(Error::Invalid("tensor: null device pointer".into()));
     }
-    comm.on_comm_stream(caller, |nccl, stream| {
-        nccl.all_reduce_in_place(ptr, count, dtype, comm.comm(), stream.cast())
+    comm.on_comm_stream(caller, |nccl, nccl_comm, stream| {
+        nccl.all_reduce_in_place(ptr, count, dtype, nccl_comm, stream.cast())
     })
 }

@@ -9,25 +9,19 @@
 //! group the kernel walks tiles in the plan's L2-friendly raster order.
 //!
 //! With the copy-engine backend (`Backend::CopyEngine`, ranks of one node)
-//! no SM moves a byte: per group the comm stream copies the group's partial
-//! into every peer's staging slot (copy engines) and flags it there with a
-//! stream memory write; a second stream waits for the peers' flags and sums
-//! the staged partials into the output with a small kernel on the SMs the
-//! GEMM leaves free:
-//!
-//! Comm stream C:   wait(free) wait(c0) copy(g0 -> peers) flag(peers) [e0] wait(c1) copy(g1) ...
-//! Reduce stream R: [wait e0] wait(ready g0 from peers) reduce(g0) [wait e1] ... set(free at peers)
+//! no SM moves a byte: each group goes to every peer by copy engine and is
+//! summed on the few SMs the GEMM leaves free (ops/copy_engine.rs).
 //!
 //! Where the plan says overlap does not pay, nothing is enqueued here: the
 //! caller runs its library GEMM (cuBLAS, faster than ours today) and then
 //! `all_reduce::all_reduce`.
 
+use super::copy_engine::{self, Exchange};
 use super::gemm::{self, CounterSlots, GemmArgs, Signals};
 use super::profile;
 use crate::comm::communicator::Communicator;
-use crate::comm::peer::{PeerBuffers, MAX_PEER_GROUPS};
 use crate::cuda::driver;
-use crate::cuda::kernels::{self, GemmKernel, Kernel, PEER_REDUCE_THREADS};
+use crate::cuda::kernels::{self, GemmKernel, Kernel};
 use crate::cuda::memory::DeviceBuffer;
 use crate::cuda::stream::{self, RawStream};
 use crate::error::{Error, Result};
@@ -225,6 +219,21 @@ pub const NCCL_RESERVED_SMS: u32 = 24;
 /// costs more than a slower reduction that stays hidden.
 const COPY_ENGINE_RESERVED_SMS: [u32; 3] = [4, 8, 16];
 
+/// The SM reservations a plan tries: the caller's, else the backend's
+/// candidates (all below `sms`, unless there is only one).
+pub(crate) fn reserved_candidates(reserved: Option<u32>, backend: Backend, sms: u32) -> Vec<u32> {
+    let candidates: Vec<u32> = match (reserved, backend) {
+        (Some(r), _) => vec![r],
+        (None, Backend::Nccl) => vec![NCCL_RESERVED_SMS],
+        (None, Backend::CopyEngine) => COPY_ENGINE_RESERVED_SMS.to_vec(),
+    };
+    let single = candidates.len() == 1;
+    candidates
+        .into_iter()
+        .filter(|&r| r < sms || single)
+        .collect()
+}
+
 /// The kernel and plan of a call on a device with `sms` SMs of compute
 /// capability `major` (no GPU needed): the kernel is the caller's or the
 /// device's default for the CTAs the overlap leaves the GEMM; where the SMs
@@ -237,16 +246,8 @@ pub fn plan_for(
     sms: u32,
     major: i32,
 ) -> Result<(GemmKernel, GemmAllReducePlan)> {
-    let candidates: Vec<u32> = match (opts.reserved_sms, opts.backend) {
-        (Some(r), _) => vec![r],
-        (None, Backend::Nccl) => vec![NCCL_RESERVED_SMS],
-        (None, Backend::CopyEngine) => COPY_ENGINE_RESERVED_SMS.to_vec(),
-    };
     let mut best: Option<(GemmKernel, GemmAllReducePlan)> = None;
-    for &reserved in candidates
-        .iter()
-        .filter(|&&r| r < sms || candidates.len() == 1)
-    {
+    for reserved in reserved_candidates(opts.reserved_sms, opts.backend, sms) {
         let kernel = opts.kernel.unwrap_or_else(|| {
             GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved))
         });
@@ -286,32 +287,17 @@ fn prepare(
             comm.device.major,
         )?;
         let groups = plan.partition.len().max(1);
+        let collectives = plan.partition.collectives();
         if opts.backend == Backend::CopyEngine {
-            if groups > MAX_PEER_GROUPS {
-                return Err(Error::Invalid(format!(
-                    "bands_per_group: the copy-engine backend signals at most {MAX_PEER_GROUPS} groups, the plan has {groups}"
-                )));
-            }
-            // The reduction moves 16-byte vectors: N % 8 == 0 makes every
-            // group's rows start and end on one.
-            let elem = args.dtype.bytes() as u64;
-            if let Some(group) = plan
-                .partition
-                .collectives()
-                .into_iter()
-                .find(|g| (g.slice.offset * elem) % 16 != 0 || (g.slice.count * elem) % 16 != 0)
-            {
-                return Err(Error::Invalid(format!(
-                    "internal: group slice {:?} is not 16-byte aligned",
-                    group.slice
-                )));
-            }
+            // Offsets only (no buffers yet): N % 8 == 0 keeps every group's
+            // rows on 16-byte vectors.
+            copy_engine::check_groups(&exchanges(&collectives, 0, args.dtype.bytes() as u64))?;
             comm.ensure_group_events(groups)?;
         }
         Ok(Prepared {
             kernel,
             tile_order: gemm::order_table(&plan.order)?,
-            collectives: plan.partition.collectives(),
+            collectives,
             tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
             counters: CounterSlots::new(groups)?,
             plan,
@@ -530,7 +516,7 @@ fn enqueue_nccl(
     kernel: &gemm::LoadedGemm,
     caller: RawStream,
 ) -> Result<()> {
-    let nccl = comm.nccl()?;
+    let (nccl, nccl_comm) = comm.nccl()?;
     let comm_stream = comm.stream.0;
     let elem = run.args.dtype.bytes() as u64;
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
@@ -547,7 +533,7 @@ fn enqueue_nccl(
             run.base() + group.slice.offset * elem,
             group.slice.count as usize,
             run.args.dtype,
-            comm.comm(),
+            nccl_comm,
             comm_stream.cast(),
         )?;
         run.unreorder(group, comm_stream)?;
@@ -556,54 +542,20 @@ fn enqueue_nccl(
     comm.join.order(comm_stream, caller)
 }
 
-/// The peer buffers, checked to hold what the collectives reduce (the
-/// output, or the staging buffer) in every slot.
-fn peer_buffers(comm: &Communicator, run: &Run) -> Result<Arc<PeerBuffers>> {
-    let args = run.args;
-    let bytes = match run.plan.staging_elems() {
-        0 => u64::from(args.m) * u64::from(args.n),
-        staged => staged,
-    } * args.dtype.bytes() as u64;
-    match comm.peer() {
-        Some(p) if p.layout.slot_bytes >= bytes => Ok(p),
-        _ => Err(Error::Invalid(format!(
-            "backend: the copy-engine buffers of communicator {:?} hold {} bytes per rank, this output needs {bytes};              flashoverlap.gemm_all_reduce grows them (collectively) before the call",
-            comm.name,
-            comm.peer_slot_bytes()
-        ))),
-    }
-}
-
-/// Launches the reduction of `bytes` at `offset` of the output: the
-/// partials staged by every peer plus this rank's own, in rank order.
-fn reduce(
-    reducer: &Kernel,
-    peer: &PeerBuffers,
-    out: u64,
-    offset: u64,
-    bytes: u64,
-    ctas: u32,
-    stream: RawStream,
-) -> Result<()> {
-    let me = peer.rank;
-    let mut sources = [0u64; 7];
-    for (i, source) in (0..peer.layout.world).filter(|&s| s != me).enumerate() {
-        sources[i] = peer.layout.slot(peer.bases[me], me, source) + offset;
-    }
-    let mut out = out + offset;
-    let mut own = me as i32;
-    let mut vectors = (bytes / 16) as i64;
-    let blocks = (vectors as u64)
-        .div_ceil(u64::from(PEER_REDUCE_THREADS))
-        .max(1);
-    let grid = u64::from(ctas.max(1)).min(blocks) as u32;
-    let mut params: [*mut c_void; 4] = [
-        (&mut out as *mut u64).cast(),
-        (&mut sources as *mut [u64; 7]).cast(),
-        (&mut own as *mut i32).cast(),
-        (&mut vectors as *mut i64).cast(),
-    ];
-    reducer.launch(grid, PEER_REDUCE_THREADS, stream, &mut params)
+/// Each group's AllReduce as a copy-engine exchange over `base` (the
+/// output, or the staging buffer): every peer gets the whole group, summed in place.
+fn exchanges(collectives: &[Collective], base: u64, elem: u64) -> Vec<Exchange> {
+    collectives
+        .iter()
+        .map(|c| Exchange {
+            tiles: c.tiles,
+            src: base + c.slice.offset * elem,
+            src_stride: 0,
+            bytes: c.slice.count * elem,
+            slot_offset: c.slice.offset * elem,
+            out: base + c.slice.offset * elem,
+        })
+        .collect()
 }
 
 fn enqueue_copy_engine(
@@ -613,67 +565,27 @@ fn enqueue_copy_engine(
     caller: RawStream,
 ) -> Result<()> {
     let args = run.args;
-    let peer = peer_buffers(comm, run)?;
-    let layout = peer.layout;
-    let me = peer.rank;
-    let elem = args.dtype.bytes() as u64;
-    let base = run.base();
-    let reducer = (layout.world > 1)
-        .then(|| {
-            kernels::load(
-                &comm.device,
-                &kernels::peer_reduce_spec(args.dtype, layout.world as u32, comm.device.major),
-            )
-        })
-        .transpose()?;
-    let (copies, reduces) = (comm.stream.0, comm.reduce_stream.0);
-    let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
-    let events = comm.group_events.lock().unwrap_or_else(|p| p.into_inner());
-    if events.len() < run.collectives.len() {
-        return Err(Error::Invalid("internal: group events not made".into()));
-    }
-    comm.fork.order_all(caller, &[copies, reduces])?;
-    gemm::launch(kernel, args, &run.signals, run.plan.ctas, caller)?;
-    // This rank's slot in each peer may be written once that peer reduced
-    // the previous call (the flag starts set).
-    for p in peer.peers() {
-        let free = layout.free_flag(peer.bases[me], p);
-        stream::wait_geq(copies, free, 1)?;
-        stream::write(copies, free, 0)?;
-    }
-    for (g, group) in run.collectives.iter().enumerate() {
-        let counter = run.signals.counter(g);
-        stream::wait_geq(copies, counter, group.tiles)?;
-        stream::write(copies, counter, 0)?;
-        let (offset, bytes) = (group.slice.offset * elem, group.slice.count * elem);
-        for p in peer.peers() {
-            let dst = layout.slot(peer.bases[p], p, me) + offset;
-            stream::copy(copies, dst, base + offset, bytes as usize)?;
-            // A stream write is fenced after the copy before it: the peer
-            // sees the flag only once the bytes are there.
-            stream::write(copies, layout.ready_flag(peer.bases[p], g, me), 1)?;
-        }
-        // The reduction rewrites this group's block in place, so it also
-        // waits for this rank's own copies of it.
-        events[g].order(copies, reduces)?;
-        for p in peer.peers() {
-            let ready = layout.ready_flag(peer.bases[me], g, p);
-            stream::wait_geq(reduces, ready, 1)?;
-            stream::write(reduces, ready, 0)?;
-        }
-        if let Some(reducer) = &reducer {
-            let ctas = run.plan.request.reserved_sms;
-            reduce(reducer, &peer, base, offset, bytes, ctas, reduces)?;
-        }
-        run.unreorder(group, reduces)?;
-        run.norm(group, reduces, comm.device.sms)?;
-    }
-    // Every staged partial of this call is summed: the peers may write again.
-    for p in peer.peers() {
-        stream::write(reduces, layout.free_flag(peer.bases[p], me), 1)?;
-    }
-    comm.join.order(copies, caller)?;
-    comm.reduce_join.order(reduces, caller)
+    let exchanges = exchanges(run.collectives, run.base(), args.dtype.bytes() as u64);
+    let peer = copy_engine::peer_buffers(comm, &exchanges)?;
+    let reducer = copy_engine::load_reducer(comm, args.dtype, peer.layout.world)?;
+    let call = copy_engine::Call {
+        peer: &peer,
+        reducer: reducer.as_ref(),
+        signals: &run.signals,
+        exchanges: &exchanges,
+        reduce_ctas: run.plan.request.reserved_sms,
+    };
+    copy_engine::enqueue(
+        comm,
+        &call,
+        caller,
+        || gemm::launch(kernel, args, &run.signals, run.plan.ctas, caller),
+        |g, stream| {
+            let group = &run.collectives[g];
+            run.unreorder(group, stream)?;
+            run.norm(group, stream, comm.device.sms)
+        },
+    )
 }
 
 #[cfg(test)]

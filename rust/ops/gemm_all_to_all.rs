@@ -200,7 +200,7 @@ pub fn gemm_all_to_all(
         )));
     }
     let loaded = gemm::load(&comm.device, args.dtype, kernel)?;
-    let nccl = comm.nccl()?;
+    let (nccl, nccl_comm) = comm.nccl()?;
     let row_bytes = u64::from(args.n) * args.dtype.bytes() as u64;
     let comm_stream = comm.stream.0;
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
@@ -248,7 +248,7 @@ pub fn gemm_all_to_all(
                 )
             })
             .collect();
-        nccl.exchange(&sends, &recvs, args.dtype, comm.comm(), comm_stream.cast())?;
+        nccl.exchange(&sends, &recvs, args.dtype, nccl_comm, comm_stream.cast())?;
     }
     comm.join.order(comm_stream, caller)
 }
@@ -274,7 +274,7 @@ pub fn all_to_all(
             .collect()
     };
     let (sends, recvs) = (part(send), part(recv));
-    comm.on_comm_stream(caller, |nccl, stream| {
-        nccl.exchange(&sends, &recvs, dtype, comm.comm(), stream.cast())
+    comm.on_comm_stream(caller, |nccl, nccl_comm, stream| {
+        nccl.exchange(&sends, &recvs, dtype, nccl_comm, stream.cast())
     })
 }

@@ -1,8 +1,12 @@
 //! GEMM + ReduceScatter with the ReduceScatter of each finished wave group
-//! running while the rest of the GEMM computes (NCCL backend).
+//! running while the rest of the GEMM computes.
 //!
 //! Caller's stream S: [fork] GEMM (stores into the send buffer, signals)  [wait join]
 //! Comm stream C:     [wait fork] wait(c0) c0=0 RS(g0 -> out rows of g0) wait(c1) ... [join]
+//!
+//! With the copy-engine backend each group's chunk p goes to rank p's
+//! staging slot by copy engine and the chunks are summed into the output
+//! rows on the SMs the GEMM leaves free (ops/copy_engine.rs).
 //!
 //! The plan (plan/reduce_scatter.rs) tiles each rank's shard separately and
 //! gives every position the row of x it reads and the row of the send
@@ -11,8 +15,9 @@
 //! Where overlap does not pay nothing is enqueued here: the caller runs its
 //! library GEMM and then `reduce_scatter`.
 
+use super::copy_engine::{self, Exchange};
 use super::gemm::{self, CounterSlots, GemmArgs, Signals};
-use super::gemm_all_reduce::{Backend, Machine};
+use super::gemm_all_reduce::{reserved_candidates, Backend, Machine};
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
 use crate::cuda::kernels::GemmKernel;
@@ -31,13 +36,17 @@ pub struct Options {
     pub kernel: Option<GemmKernel>,
     pub mode: ModeRequest,
     pub bands_per_group: Option<u32>,
-    /// SMs left free of GEMM CTAs for NCCL; None: NCCL_RESERVED_SMS.
+    /// SMs left free of GEMM CTAs for the collectives; None: the
+    /// backend's default (NCCL: 24; copy engines: chosen per shape).
     pub reserved_sms: Option<u32>,
     pub max_groups: u32,
+    pub backend: Backend,
 }
 
 /// The kernel and plan of a call on a device with `sms` SMs of compute
-/// capability `major` (no GPU needed).
+/// capability `major` (no GPU needed): where the SMs to reserve are not
+/// given, the copy-engine backend tries each candidate and keeps the plan
+/// predicted fastest.
 pub fn plan_for(
     args: &GemmArgs,
     world: u32,
@@ -45,16 +54,38 @@ pub fn plan_for(
     sms: u32,
     major: i32,
 ) -> Result<(GemmKernel, ReduceScatterPlan)> {
-    let reserved = opts
-        .reserved_sms
-        .unwrap_or(super::gemm_all_reduce::NCCL_RESERVED_SMS);
+    let mut best: Option<(GemmKernel, ReduceScatterPlan)> = None;
+    for reserved in reserved_candidates(opts.reserved_sms, opts.backend, sms) {
+        let plan = plan_reserving(args, world, opts, sms, major, reserved)?;
+        if best
+            .as_ref()
+            .map_or(true, |(_, b)| plan.1.timeline.overlap_us < b.timeline.overlap_us)
+        {
+            best = Some(plan);
+        }
+    }
+    best.ok_or_else(|| {
+        Error::Invalid(format!(
+            "reserved_sms: every candidate leaves no SM to the GEMM on a device with {sms} SMs"
+        ))
+    })
+}
+
+fn plan_reserving(
+    args: &GemmArgs,
+    world: u32,
+    opts: &Options,
+    sms: u32,
+    major: i32,
+    reserved: u32,
+) -> Result<(GemmKernel, ReduceScatterPlan)> {
     let kernel = opts.kernel.unwrap_or_else(|| {
         GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved).max(1))
     });
     let machine = Machine {
         sms,
         major,
-        backend: Backend::Nccl,
+        backend: opts.backend,
         reserved,
         fused_norm: false,
     };
@@ -104,6 +135,11 @@ fn prepare(
                 plan.send_rows()
             )));
         }
+        if opts.backend == Backend::CopyEngine && plan.schedule == Schedule::Overlap {
+            // Offsets only (no buffers yet).
+            copy_engine::check_groups(&exchanges(&plan, args, 0, 0))?;
+            comm.ensure_group_events(plan.groups.len())?;
+        }
         Ok(Prepared {
             kernel,
             tile_order: DeviceBuffer::from_u32(&plan.tile_order)?,
@@ -152,7 +188,6 @@ pub fn gemm_reduce_scatter(
         )));
     }
     let kernel = gemm::load(&comm.device, args.dtype, prepared.kernel)?;
-    let nccl = comm.nccl()?;
     let signals = Signals {
         tile_order: prepared.tile_order.ptr,
         tile_group: prepared.tile_group.ptr,
@@ -163,11 +198,62 @@ pub fn gemm_reduce_scatter(
         tile_count: plan.tile_order.len() as u32,
         ..Signals::default()
     };
+    let launch = || gemm::launch(&kernel, args, &signals, plan.ctas, caller);
+    match opts.backend {
+        Backend::Nccl => enqueue_nccl(comm, plan, args, send, &signals, caller, launch)?,
+        Backend::CopyEngine => {
+            let exchanges = exchanges(plan, args, send, args.out);
+            let peer = copy_engine::peer_buffers(comm, &exchanges)?;
+            let reducer = copy_engine::load_reducer(comm, args.dtype, peer.layout.world)?;
+            let call = copy_engine::Call {
+                peer: &peer,
+                reducer: reducer.as_ref(),
+                signals: &signals,
+                exchanges: &exchanges,
+                reduce_ctas: plan.request.reserved_sms,
+            };
+            copy_engine::enqueue(comm, &call, caller, launch, |_, _| Ok(()))?;
+        }
+    }
+    Ok(Schedule::Overlap)
+}
+
+/// Each group's ReduceScatter as a copy-engine exchange: rank p's part is
+/// the group's chunk p of the send buffer; the sum of this rank's chunk
+/// goes to the group's output rows (`out`), the parts land at the same rows
+/// of the receivers' slots.
+fn exchanges(plan: &ReduceScatterPlan, args: &GemmArgs, send: u64, out: u64) -> Vec<Exchange> {
+    let elem = args.dtype.bytes() as u64;
+    let row_bytes = u64::from(args.n) * elem;
+    plan.groups
+        .iter()
+        .map(|g| Exchange {
+            tiles: g.tiles,
+            src: send + g.send_row * row_bytes,
+            src_stride: g.recv_count * elem,
+            bytes: g.recv_count * elem,
+            slot_offset: g.recv_row * row_bytes,
+            out: out + g.recv_row * row_bytes,
+        })
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn enqueue_nccl(
+    comm: &Communicator,
+    plan: &ReduceScatterPlan,
+    args: &GemmArgs,
+    send: u64,
+    signals: &Signals,
+    caller: RawStream,
+    launch_gemm: impl FnOnce() -> Result<()>,
+) -> Result<()> {
+    let (nccl, nccl_comm) = comm.nccl()?;
     let row_bytes = u64::from(args.n) * args.dtype.bytes() as u64;
     let comm_stream = comm.stream.0;
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     comm.fork.order(caller, comm_stream)?;
-    gemm::launch(&kernel, args, &signals, plan.ctas, caller)?;
+    launch_gemm()?;
     for (g, group) in plan.groups.iter().enumerate() {
         let counter = signals.counter(g);
         stream::wait_geq(comm_stream, counter, group.tiles)?;
@@ -177,12 +263,11 @@ pub fn gemm_reduce_scatter(
             args.out + group.recv_row * row_bytes,
             group.recv_count as usize,
             args.dtype,
-            comm.comm(),
+            nccl_comm,
             comm_stream.cast(),
         )?;
     }
-    comm.join.order(comm_stream, caller)?;
-    Ok(Schedule::Overlap)
+    comm.join.order(comm_stream, caller)
 }
 
 /// A plain ReduceScatter on the communicator's stream, ordered after the
@@ -198,7 +283,7 @@ pub fn reduce_scatter(
     if (send == 0 || recv == 0) && recv_count > 0 {
         return Err(Error::Invalid("tensor: null device pointer".into()));
     }
-    comm.on_comm_stream(caller, |nccl, stream| {
-        nccl.reduce_scatter(send, recv, recv_count, dtype, comm.comm(), stream.cast())
+    comm.on_comm_stream(caller, |nccl, nccl_comm, stream| {
+        nccl.reduce_scatter(send, recv, recv_count, dtype, nccl_comm, stream.cast())
     })
 }

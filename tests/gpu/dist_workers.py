@@ -2,7 +2,9 @@
 
 test_gemm_all_reduce.py spawns one process per GPU (torch.multiprocessing,
 start method "spawn") with ``entry`` as target. Each process joins an NCCL
-process group, runs one of the TARGETS below and writes its outcome to
+process group (or, with ``shared=True``, a gloo group with the ranks sharing
+the GPUs round-robin and a flashoverlap communicator made without NCCL: the
+copy-engine backend across processes on one device), runs one of the TARGETS below and writes its outcome to
 ``<outdir>/rank<r>.json`` (success) or ``<outdir>/rank<r>.error`` (the
 traceback), which the parent reads. Each rank draws its own inputs from a
 per-rank seed; the reference, the fp32 sum over ranks of x_r @ w_r^T, is
@@ -39,15 +41,17 @@ def entry(target: str, rank: int, world: int, init_method: str, outdir: str, par
 
         import flashoverlap
 
-        torch.cuda.set_device(rank)
-        dist.init_process_group(
-            "nccl",
-            init_method=init_method,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=240),
-            device_id=torch.device("cuda", rank),
-        )
+        shared = params.pop("shared", False)
+        device = device_of(rank)
+        torch.cuda.set_device(device)
+        if shared:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=240))
+            # NCCL refuses two ranks on one GPU; the copy engines do not need it.
+            flashoverlap.Communicator(nccl=False)
+        else:
+            dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=240), device_id=device)
         result = TARGETS[target](rank, world, **params)
         torch.cuda.synchronize()
         flashoverlap.destroy_communicators()
@@ -60,6 +64,13 @@ def entry(target: str, rank: int, world: int, init_method: str, outdir: str, par
 
 
 # Helpers (torch is imported inside: the module is imported by the parent too).
+
+def device_of(rank: int):
+    """The GPU of a rank: its own where there are enough, else shared round-robin."""
+    import torch
+
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
 
 def dtype_of(name: str):
     import torch
@@ -128,11 +139,9 @@ def expect_error(exc_types, argument: str, fn, *words: str) -> str:
 
 def run_case(rank: int, world: int, case: dict, **call) -> dict:
     """One gemm_all_reduce call on fresh inputs, checked against the reference."""
-    import torch
-
     import flashoverlap
 
-    device = torch.device("cuda", rank)
+    device = device_of(rank)
     dtype = dtype_of(case["dtype"])
     lead, n, k, seed = tuple(case["lead"]), case["n"], case["k"], case["seed"]
     mode, bands = case.get("mode", "auto"), case.get("bands")
@@ -154,7 +163,7 @@ def cases(rank: int, world: int, cases: list, backend=None, order=None) -> dict:
 
     import flashoverlap
 
-    device = torch.device("cuda", rank)
+    device = device_of(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     # The regenerated inputs of other ranks must be the ones they used.
     first = cases[0]
@@ -217,13 +226,14 @@ def cases(rank: int, world: int, cases: list, backend=None, order=None) -> dict:
 
 
 def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed: int, backend=None,
-               order="banded") -> dict:
-    """Captures gemm_all_reduce once and replays it on fresh inputs."""
+               order="banded", sequential_graph: bool = True) -> dict:
+    """Captures gemm_all_reduce once and replays it on fresh inputs (and, with `sequential_graph`,
+    its sequential schedule: not where the group's collectives are gloo's, which no graph captures)."""
     import torch
 
     import flashoverlap
 
-    device = torch.device("cuda", rank)
+    device = device_of(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     dtype = torch.bfloat16
     # Banded: one group per row band (the most signals); swizzled: the planned waves.
@@ -272,27 +282,28 @@ def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed
     if failures:
         raise AssertionError("\n".join(failures[:20]))
 
-    # The sequential schedule (library GEMM, then one AllReduce) is capturable too.
-    seq = dict(mode="sequential", backend=backend)
-    with torch.cuda.stream(side):
-        flashoverlap.gemm_all_reduce(static_x, static_w, **seq)
-    torch.cuda.current_stream(device).wait_stream(side)
-    seq_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(seq_graph):
-        seq_out = flashoverlap.gemm_all_reduce(static_x, static_w, **seq)
-    for i in range(20):
-        replay_seed = seed + 1000 + i
-        x, w = make_inputs(replay_seed, rank, (m,), n, k, dtype, device)
-        static_x.copy_(x)
-        static_w.copy_(w)
-        seq_out.fill_(float("nan"))
-        seq_graph.replay()
-        error = mismatch(seq_out, reference(replay_seed, world, (m,), n, k, dtype, device),
-                         f"sequential replay {i}")
-        if error:
-            failures.append(error)
-    if failures:
-        raise AssertionError("\n".join(failures[:20]))
+    if sequential_graph:
+        # The sequential schedule (library GEMM, then one AllReduce) is capturable too.
+        seq = dict(mode="sequential", backend=backend)
+        with torch.cuda.stream(side):
+            flashoverlap.gemm_all_reduce(static_x, static_w, **seq)
+        torch.cuda.current_stream(device).wait_stream(side)
+        seq_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(seq_graph):
+            seq_out = flashoverlap.gemm_all_reduce(static_x, static_w, **seq)
+        for i in range(20):
+            replay_seed = seed + 1000 + i
+            x, w = make_inputs(replay_seed, rank, (m,), n, k, dtype, device)
+            static_x.copy_(x)
+            static_w.copy_(w)
+            seq_out.fill_(float("nan"))
+            seq_graph.replay()
+            error = mismatch(seq_out, reference(replay_seed, world, (m,), n, k, dtype, device),
+                             f"sequential replay {i}")
+            if error:
+                failures.append(error)
+        if failures:
+            raise AssertionError("\n".join(failures[:20]))
 
     # A shape first seen under capture is refused with a clear error.
     fresh_x, fresh_w = make_inputs(seed, rank, (77,), 1024, 1024, dtype, device)
@@ -318,7 +329,7 @@ def backends_agree(rank: int, world: int, seed: int, shapes: list) -> dict:
 
     import flashoverlap
 
-    device = torch.device("cuda", rank)
+    device = device_of(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     failures = []
     for i, (m, n, k) in enumerate(shapes):
@@ -350,7 +361,7 @@ def bad_inputs(rank: int, world: int, seed: int) -> dict:
 
     import flashoverlap
 
-    device = torch.device("cuda", rank)
+    device = device_of(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     good = dict(seed=seed, lead=[1000], n=4096, k=1024, dtype="bf16", mode="overlap", bands=2)
 
@@ -469,7 +480,7 @@ def communicators(rank: int, world: int, seed: int) -> dict:
 
     import flashoverlap
 
-    device = torch.device("cuda", rank)
+    device = device_of(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     case = dict(seed=seed, lead=[2, 300], n=1024, k=4096, dtype="fp16", mode="overlap", bands=1)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -534,14 +545,14 @@ def communicators(rank: int, world: int, seed: int) -> dict:
     return {"ok": True}
 
 
-def rs_cases(rank: int, world: int, cases: list, replays: int = 0) -> dict:
+def rs_cases(rank: int, world: int, cases: list, replays: int = 0, backend=None) -> dict:
     """gemm_reduce_scatter on each case (fresh inputs, poisoned memory) against rank `rank`'s rows
     of the fp32 sum; then, if `replays`, a CUDA graph of the first case replayed on fresh inputs."""
     import torch
 
     import flashoverlap
 
-    device = torch.device("cuda", rank)
+    device = device_of(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     failures, records = [], []
 
@@ -559,7 +570,7 @@ def rs_cases(rank: int, world: int, cases: list, replays: int = 0) -> dict:
     for case in cases:
         m, n, k, seed = case["m"], case["n"], case["k"], case["seed"]
         dtype = dtype_of(case["dtype"])
-        call = dict(mode=case["mode"], bands_per_group=case["bands"])
+        call = dict(mode=case["mode"], bands_per_group=case["bands"], backend=backend)
         x, w = make_inputs(seed, rank, (m,), n, k, dtype, device)
         poison((m // world + 256, n), dtype, device)
         poison(((m // world + 256) * world, n), dtype, device)
@@ -579,7 +590,7 @@ def rs_cases(rank: int, world: int, cases: list, replays: int = 0) -> dict:
     if replays and cases:
         case = cases[0]
         m, n, k, dtype = case["m"], case["n"], case["k"], dtype_of(case["dtype"])
-        call = dict(mode="overlap", bands_per_group=case["bands"])
+        call = dict(mode="overlap", bands_per_group=case["bands"], backend=backend)
         static_x, static_w = make_inputs(case["seed"], rank, (m,), n, k, dtype, device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -612,7 +623,7 @@ def rmsnorm_cases(rank: int, world: int, cases: list, replays: int = 0, backend=
 
     import flashoverlap
 
-    device = torch.device("cuda", rank)
+    device = device_of(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     failures, records = [], []
 
@@ -684,7 +695,7 @@ def a2a_cases(rank: int, world: int, cases: list) -> dict:
 
     import flashoverlap
 
-    device = torch.device("cuda", rank)
+    device = device_of(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     x, w = make_inputs(1, rank, (8,), 64, 64, torch.bfloat16, device)
     expect_error(ValueError, "input_split_sizes", lambda: flashoverlap.gemm_all_to_all(x, w, [8] * (world + 1),
@@ -752,7 +763,50 @@ def a2a_cases(rank: int, world: int, cases: list) -> dict:
     return {"cases": len(cases)}
 
 
+def without_nccl(rank: int, world: int, seed: int) -> dict:
+    """On a communicator made without NCCL: asking for the NCCL backend is refused before anything
+    runs; the sequential schedules use the group's own collectives; the copy engines still work."""
+    import torch
+
+    import flashoverlap
+
+    device = device_of(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    m, n, k = 256 * world, 1024, 512
+    x, w = make_inputs(seed, rank, (m,), n, k, torch.bfloat16, device)
+    message = expect_error(ValueError, "backend", lambda: flashoverlap.gemm_all_reduce(x, w, backend="nccl"),
+                           "without NCCL")
+    expect_error(ValueError, "backend", lambda: flashoverlap.gemm_reduce_scatter(x, w, backend="nccl"),
+                 "without NCCL")
+    ref = reference(seed, world, (m,), n, k, torch.bfloat16, device)
+    shard = ref[rank * (m // world):(rank + 1) * (m // world)]
+    failures = []
+    for what, out, expected in (
+            ("sequential all-reduce", flashoverlap.gemm_all_reduce(x, w, mode="sequential"), ref),
+            ("overlapped all-reduce", flashoverlap.gemm_all_reduce(x, w, mode="overlap", bands_per_group=1), ref),
+            ("sequential reduce-scatter", flashoverlap.gemm_reduce_scatter(x, w, mode="sequential"), shard),
+            ("overlapped reduce-scatter",
+             flashoverlap.gemm_reduce_scatter(x, w, mode="overlap", bands_per_group=1, backend="copy_engine"),
+             shard)):
+        error = mismatch(out, expected, f"rank {rank} {what}")
+        if error:
+            failures.append(error)
+    # All-to-All has no copy-engine path yet: the GEMM, then the group's exchange.
+    splits = [m // world] * world
+    out = flashoverlap.gemm_all_to_all(x, w, splits, splits, groups=2)
+    # Rank p's block of the output: rows rank*shard.. of x_p @ w_p^T.
+    expected = torch.cat([reference(seed, world, (m,), n, k, torch.bfloat16, device, ranks=[p])
+                          [rank * (m // world):(rank + 1) * (m // world)] for p in range(world)])
+    error = mismatch(out, expected, f"rank {rank} all-to-all")
+    if error:
+        failures.append(error)
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return {"refused": message}
+
+
 TARGETS = {
+    "without_nccl": without_nccl,
     "a2a_cases": a2a_cases,
     "rmsnorm_cases": rmsnorm_cases,
     "rs_cases": rs_cases,

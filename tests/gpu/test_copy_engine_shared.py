@@ -1,0 +1,59 @@
+"""The copy-engine backend across processes that share one GPU: ranks in a gloo group, each
+with a flashoverlap communicator made without NCCL (NCCL refuses two ranks on one device), so
+that the peer buffers, the copies, the cross-process flags and the reductions of gemm_all_reduce,
+gemm_reduce_scatter and gemm_all_reduce_rmsnorm are checked against the fp32 composition on a
+machine with a single GPU. The ranks' kernels time-slice the device: correctness, not speed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from test_gemm_all_reduce import main_cases, run_workers
+from test_gemm_all_reduce_rmsnorm import norm_cases
+from test_gemm_reduce_scatter import rs_cases
+
+pytestmark = pytest.mark.gpus(1)
+
+SEED = 4242
+CE = dict(backend="copy_engine", shared=True)
+
+
+def _some(cases: list, count: int) -> list:
+    """Every few cases of a list, the empty ones kept: fewer calls, the same variety."""
+    step = max(1, len(cases) // count)
+    return [c for i, c in enumerate(cases) if i % step == 0 or 0 in c.get("lead", [c.get("m")])]
+
+
+@pytest.mark.parametrize("order", ["banded", "swizzled"])
+def test_gemm_all_reduce(tmp_path: Path, order: str) -> None:
+    results = run_workers(tmp_path, "cases", 2, cases=_some(main_cases(SEED), 24), order=order, **CE)
+    records = results[0]["records"]
+    assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in records), records
+    assert results[1]["records"] == records
+
+
+def test_gemm_all_reduce_graph(tmp_path: Path) -> None:
+    (result, _) = run_workers(tmp_path, "cuda_graph", 2, m=1000, n=4096, k=1024, replays=30, seed=SEED + 1,
+                              sequential_graph=False, **CE)
+    assert result["replays"] == 30
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gemm_reduce_scatter(tmp_path: Path, world: int) -> None:
+    results = run_workers(tmp_path, "rs_cases", world, cases=_some(rs_cases(world, SEED + 2), 10), replays=20,
+                          **CE)
+    records = results[0]["records"]
+    assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in records), records
+    assert all(other["records"] == records for other in results[1:])
+
+
+def test_gemm_all_reduce_rmsnorm(tmp_path: Path) -> None:
+    results = run_workers(tmp_path, "rmsnorm_cases", 2, cases=_some(norm_cases(SEED + 3), 10), replays=20, **CE)
+    assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in results[0]["records"])
+
+
+def test_without_nccl(tmp_path: Path) -> None:
+    (result, _) = run_workers(tmp_path, "without_nccl", 2, seed=SEED + 4, shared=True)
+    assert "without NCCL" in result["refused"]
