@@ -96,7 +96,11 @@ class PeerGroup:
         return True
 
     def check_error(self) -> None:
-        if self.memory is not None and self.memory.header_word(_core.ALLREDUCE_RMSNORM_ERROR_WORD):
+        # Only a bounded wait can record an error, and reading the word waits for the device:
+        # calls without FLASHOVERLAP_PEER_TIMEOUT_S never pay that host round trip.
+        if not _wait_timeout_ns() or self.memory is None:
+            return
+        if self.memory.header_word(_core.ALLREDUCE_RMSNORM_ERROR_WORD):
             raise RuntimeError("all_reduce_rmsnorm: a peer wait timed out (FLASHOVERLAP_PEER_TIMEOUT_S); the "
                                "ranks did not call the op together. The group's peer buffers are unusable.")
 
