@@ -10,8 +10,8 @@ use crate::error::Error;
 use crate::ops::gemm::GemmArgs;
 use crate::ops::profile;
 use crate::ops::{
-    all_reduce as ar_op, all_reduce_rmsnorm as arn, gemm as gemm_op, gemm_all_reduce as gar,
-    gemm_all_to_all as ga2a, gemm_reduce_scatter as grs,
+    all_reduce as ar_op, all_reduce_rmsnorm as arn, copy_engine, gemm as gemm_op,
+    gemm_all_reduce as gar, gemm_all_to_all as ga2a, gemm_reduce_scatter as grs,
 };
 use crate::plan::{
     CollectiveKind, GemmAllReducePlan, ModeRequest, OrderRequest, Partition, Schedule,
@@ -951,8 +951,8 @@ impl Drop for PyPeerMemory {
     }
 }
 
-/// GEMM + All-to-All options: (groups, reserved_sms, kernel).
-type A2aOptions = (u32, Option<u32>, Option<String>);
+/// GEMM + All-to-All options: (groups, reserved_sms, kernel, backend).
+type A2aOptions = (u32, Option<u32>, Option<String>, String);
 /// (schedule, chosen group count, (groups, predicted us) per candidate,
 /// sequential us); schedule "sequential": the library GEMM, then one
 /// exchange (the group count is then the best overlapped one's).
@@ -963,6 +963,7 @@ fn a2a_options(o: &A2aOptions) -> PyResult<ga2a::Options> {
         groups: o.0,
         reserved_sms: o.1,
         kernel: gemm_kernel(o.2.as_deref())?,
+        backend: backend(&o.3)?,
     })
 }
 
@@ -997,7 +998,7 @@ fn all_to_all_tables<'py>(
 /// in microseconds, and the predicted sequential time (library GEMM, then
 /// one All-to-All). Needs no GPU.
 #[pyfunction]
-#[pyo3(signature = (n, k, matrix, dtype="bfloat16", sms=132, major=9, reserved_sms=None, kernel=None))]
+#[pyo3(signature = (n, k, matrix, dtype="bfloat16", sms=132, major=9, reserved_sms=None, kernel=None, backend="nccl"))]
 #[allow(clippy::too_many_arguments)]
 fn plan_all_to_all_groups(
     n: u32,
@@ -1008,9 +1009,10 @@ fn plan_all_to_all_groups(
     major: i32,
     reserved_sms: Option<u32>,
     kernel: Option<String>,
+    backend: &str,
 ) -> PyResult<A2aPrediction> {
     let dtype = self::dtype(dtype)?;
-    let opts = a2a_options(&(1, reserved_sms, kernel))?;
+    let opts = a2a_options(&(1, reserved_sms, kernel, backend.to_string()))?;
     let choice = ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major).map_err(to_py)?;
     let timelines = &choice.timelines;
     let sequential = timelines.first().map_or(0.0, |(_, t)| t.sequential_us);
@@ -1105,6 +1107,49 @@ fn reduce_scatter(
     .map_err(to_py)
 }
 
+/// A plain AllReduce ("all_reduce": `out` = the sum of every rank's `src`,
+/// `bytes` each) or ReduceScatter ("reduce_scatter": `out` = the sum of
+/// every rank's block `rank` of `src`, `bytes` the whole input) on the copy
+/// engines, its sums on `ctas` CTAs, ordered with the caller's `stream`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn copy_engine_collective(
+    py: Python<'_>,
+    group_name: &str,
+    kind: &str,
+    src: u64,
+    out: u64,
+    bytes: u64,
+    dtype: &str,
+    ctas: u32,
+    stream: usize,
+) -> PyResult<()> {
+    let kind = match kind {
+        "all_reduce" => copy_engine::Plain::AllReduce,
+        "reduce_scatter" => copy_engine::Plain::ReduceScatter,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "kind: expected 'all_reduce' or 'reduce_scatter', got {other:?}"
+            )))
+        }
+    };
+    let dtype = self::dtype(dtype)?;
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    py.detach(|| {
+        copy_engine::plain(
+            &comm,
+            kind,
+            src,
+            out,
+            bytes,
+            dtype,
+            ctas,
+            stream::from_handle(stream),
+        )
+    })
+    .map_err(to_py)
+}
+
 fn collective_kind(name: &str) -> PyResult<CollectiveKind> {
     match name {
         "all_reduce" => Ok(CollectiveKind::AllReduce),
@@ -1181,6 +1226,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(communicator_rs_plan, m)?)?;
     m.add_function(wrap_pyfunction!(gemm_reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(reduce_scatter, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_engine_collective, m)?)?;
     m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;
     m.add_function(wrap_pyfunction!(register_collective_curve, m)?)?;
     m.add_function(wrap_pyfunction!(register_gemm_sample, m)?)?;

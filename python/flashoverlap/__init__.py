@@ -3,6 +3,7 @@ collective on each finished group overlaps the rest of the GEMM."""
 
 from ._core import Plan, version as _version
 from ._env import configure_logging as _configure_logging
+from .collectives import all_reduce, reduce_scatter
 from .communicator import Communicator, destroy_communicators, get_communicator
 from .ops import (compile_kernels, gemm, gemm_all_reduce, gemm_all_reduce_rmsnorm, gemm_all_to_all,
                   gemm_reduce_scatter, plan_of, reduce_scatter_plan_of)
@@ -16,6 +17,7 @@ __all__ = [
     "AllToAllPrediction",
     "Communicator",
     "Plan",
+    "all_reduce",
     "all_reduce_rmsnorm",
     "compile_kernels",
     "destroy_communicators",
@@ -29,5 +31,6 @@ __all__ = [
     "plan_gemm_all_reduce",
     "plan_gemm_all_to_all",
     "plan_of",
+    "reduce_scatter",
     "reduce_scatter_plan_of",
 ]

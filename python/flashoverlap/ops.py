@@ -34,7 +34,8 @@ _LIB.define("gemm_all_reduce_rmsnorm(Tensor x, Tensor weight, Tensor residual, T
             "str group_name, str mode='auto', int? bands_per_group=None, str? kernel=None, str? backend=None) "
             "-> (Tensor, Tensor)")
 _LIB.define("gemm_all_to_all(Tensor x, Tensor weight, int[] input_split_sizes, int[] output_split_sizes, "
-            "str group_name, int? groups=None, str? kernel=None, int[]? split_matrix=None) -> Tensor")
+            "str group_name, int? groups=None, str? kernel=None, int[]? split_matrix=None, str? backend=None) "
+            "-> Tensor")
 _LIB.define("gemm_reduce_scatter(Tensor x, Tensor weight, str group_name, str mode='auto', "
             "int? bands_per_group=None, str? kernel=None, str? backend=None) -> Tensor")
 
@@ -305,17 +306,18 @@ DEFAULT_A2A_GROUPS = 4
 _A2A_CHOICES: "OrderedDict[tuple, int]" = OrderedDict()
 
 
-def _a2a_choice(comm: Communicator, flat: list, n: int, k: int, dtype: str, reserved, kernel) -> tuple[str, int]:
+def _a2a_choice(comm: Communicator, flat: list, n: int, k: int, dtype: str, reserved, kernel,
+                backend: str) -> tuple[str, int]:
     """The predictor's (schedule, group count) for a routing (the same on every rank: same matrix,
     same model), remembered for the 64 most recent routings."""
     world = comm.world_size
-    key = (comm.device.index, tuple(flat), n, k, dtype, reserved, kernel)
+    key = (comm.device.index, tuple(flat), n, k, dtype, reserved, kernel, backend)
     hit = _A2A_CHOICES.pop(key, None)
     if hit is None:
         props = torch.cuda.get_device_properties(comm.device)
         matrix = [flat[p * world:(p + 1) * world] for p in range(world)]
         hit = _core.plan_all_to_all_groups(n, k, matrix, dtype, props.multi_processor_count, props.major,
-                                           reserved, kernel)[:2]
+                                           reserved, kernel, backend)[:2]
     _A2A_CHOICES[key] = hit
     while len(_A2A_CHOICES) > 64:
         _A2A_CHOICES.popitem(last=False)
@@ -324,7 +326,7 @@ def _a2a_choice(comm: Communicator, flat: list, n: int, k: int, dtype: str, rese
 
 def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, output_split_sizes,
                           group_name: str, groups: Optional[int] = None, kernel: Optional[str] = None,
-                          split_matrix=None) -> torch.Tensor:
+                          split_matrix=None, backend: Optional[str] = None) -> torch.Tensor:
     comm = communicator_by_name(group_name)
     m, n, k = check_gemm_operands(x, weight)
     if x.dim() != 2:
@@ -340,16 +342,25 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
         flat = [v for row in check_split_matrix(rows, world, comm.rank, sends, recvs) for v in row]
     if groups is not None:
         check_groups(groups)
+    explicit = backend not in (None, "auto")
+    backend = _resolve_backend(comm, backend)
+    if backend == "copy_engine" and flat is None:
+        # Every rank must size the staging slots alike: only the whole matrix says how.
+        if explicit:
+            raise ValueError("backend: the copy-engine All-to-All needs split_matrix (every rank sizes its "
+                             "staging slots from the whole routing)")
+        backend = "nccl"
     check_device("x", x, comm.device)
     out = torch.empty((sum(recvs), n), dtype=x.dtype, device=x.device)
     _nvrtc.ensure_loaded()
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
     reserved = _env.reserved_sms()
-    if groups is None or not comm.nccl:
+    no_exchange = backend == "nccl" and not comm.nccl
+    if groups is None or no_exchange:
         schedule, groups = ("overlap", DEFAULT_A2A_GROUPS) if flat is None else _a2a_choice(
-            comm, flat, n, k, dtype, reserved, kernel)
-        if not comm.nccl:
-            schedule = "sequential"  # the exchanges are NCCL's: none on this communicator
+            comm, flat, n, k, dtype, reserved, kernel, backend)
+        if no_exchange:
+            schedule = "sequential"  # no NCCL here, and no matrix for the copy engines
         if schedule == "sequential" and comm.torch_collectives:
             # The library GEMM, then the group's own exchange.
             import torch.distributed as dist
@@ -359,7 +370,12 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
             return out
         if schedule == "sequential":
             groups = 1  # without an NCCL ProcessGroup: our GEMM, then one exchange
-    options = (groups, reserved, kernel)
+    options = (groups, reserved, kernel, backend)
+    if backend == "copy_engine":
+        # Each slot holds every row one rank sends another (the same size on every rank: the
+        # same matrix).
+        most = max((v for i, v in enumerate(flat) if i // world != i % world), default=0)
+        comm.ensure_peer_buffers(max(most, 1) * n * x.element_size())
 
     def upload():
         table_bytes, rows = _core.all_to_all_tables(m, n, k, dtype, x.device.index, sends, recvs, options)
@@ -385,7 +401,7 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
 
 def _gemm_all_to_all_fake(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, output_split_sizes,
                           group_name: str, groups: Optional[int] = None, kernel: Optional[str] = None,
-                          split_matrix=None) -> torch.Tensor:
+                          split_matrix=None, backend: Optional[str] = None) -> torch.Tensor:
     return x.new_empty((sum(output_split_sizes), weight.shape[0]))
 
 
@@ -583,14 +599,14 @@ def gemm_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: tor
 
 def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, output_split_sizes,
                     group: GroupLike = None, *, communicator=None, groups: Optional[int] = None,
-                    split_matrix=None, kernel: Optional[str] = None) -> torch.Tensor:
+                    split_matrix=None, kernel: Optional[str] = None, backend: Optional[str] = None) -> torch.Tensor:
     """``torch.distributed.all_to_all_single(out, x @ weight.T, output_split_sizes,
     input_split_sizes)``: the expert-parallel combine. x: [T, K] with its rows grouped by
     destination rank (input_split_sizes[p] rows for rank p, summing to T); returns
     [sum(output_split_sizes), N], the rows from rank p at offset sum(output_split_sizes[:p]).
 
     The GEMM computes the same fraction of every destination's rows per wave group, and each
-    group's rows go to their peers (one NCCL send/receive per peer and group) while the next group
+    group's rows go to their peers while the next group
     computes. Every rank must run the same number of groups:
       groups: that number (1..64), the same on every rank; or
       split_matrix: the whole routing, [world][world] ints (or a tensor) with split_matrix[p][q]
@@ -600,11 +616,16 @@ def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, ou
         or, where no count is predicted to beat it, runs torch.matmul then the group's
         all_to_all_single (the sequential schedule; one group where the group is not NCCL).
       With neither, DEFAULT_A2A_GROUPS (4) groups. One group is the GEMM, then the exchange.
-      A communicator made without NCCL always runs torch.matmul then all_to_all_single.
+    backend: "copy_engine" (each group's rows copied into their receivers' staging slots, and from
+      there into the output, all on the copy engines: the GEMM keeps every SM; needs split_matrix,
+      from which every rank sizes the slots alike), "nccl" (send/receive per peer), or "auto"
+      (default, FLASHOVERLAP_BACKEND: the copy engines where every rank is on one node and
+      split_matrix is given, else NCCL). Without NCCL (a communicator made with nccl=False) and
+      without split_matrix: torch.matmul then all_to_all_single.
     Splits are checked (one entry per rank, ints >= 0, input summing to T). Capturable in CUDA
     graphs once the op has run with the same split sizes outside capture (its tables are made then
     and kept for the graph)."""
-    _checked_call(x, weight, group, communicator, "auto", None, kernel, None)
+    _checked_call(x, weight, group, communicator, "auto", None, kernel, backend)
     comm = get_communicator(group, communicator=communicator)
     if x.dim() != 2:
         raise ValueError(f"x: expected [T, K] (rows grouped by destination rank), got shape {tuple(x.shape)}")
@@ -616,4 +637,4 @@ def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, ou
         flat = [v for row in rows for v in row]
     if groups is not None:
         check_groups(groups)
-    return torch.ops.flashoverlap.gemm_all_to_all(x, weight, sends, recvs, comm.name, groups, kernel, flat)
+    return torch.ops.flashoverlap.gemm_all_to_all(x, weight, sends, recvs, comm.name, groups, kernel, flat, backend)

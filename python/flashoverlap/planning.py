@@ -60,13 +60,16 @@ class AllToAllPrediction(NamedTuple):
 
 def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = torch.bfloat16, sms: int = 132,
                          compute_capability: tuple[int, int] = (9, 0), reserved_sms: Optional[int] = None,
-                         kernel: Optional[str] = None) -> AllToAllPrediction:
+                         kernel: Optional[str] = None, backend: str = "nccl") -> AllToAllPrediction:
     """The group count gemm_all_to_all picks for ``split_matrix`` (matrix[p][q]: rows rank p sends
     rank q; the same on every rank, so that every rank picks the same count) with weights [n, k],
     on a device with ``sms`` multiprocessors (default: an H200). The model takes the slowest
-    rank's GEMM and the busiest rank's links for each group. Needs no GPU."""
+    rank's GEMM and the busiest rank's links for each group. backend: "nccl" or "copy_engine"
+    (which leaves the GEMM every SM unless reserved_sms says otherwise). Needs no GPU."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
+    if backend not in ("nccl", "copy_engine"):
+        raise ValueError(f"backend: expected 'nccl' or 'copy_engine', got {backend!r}")
     matrix = check_split_matrix(split_matrix)
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
     for name, value, least in (("n", n, 1), ("k", k, 1), ("sms", sms, 1), ("reserved_sms", reserved_sms, 0)):
@@ -77,5 +80,6 @@ def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = t
         if not least <= value < 2**31:
             raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
     schedule, best, predicted, sequential = _core.plan_all_to_all_groups(n, k, matrix, dtype_name(dtype), sms,
-                                                                         compute_capability[0], reserved_sms, kernel)
+                                                                         compute_capability[0], reserved_sms, kernel,
+                                                                         backend)
     return AllToAllPrediction(schedule, best, dict(predicted), sequential)

@@ -14,7 +14,9 @@
 //! AllReduce: every peer gets the whole group (its part is the same bytes)
 //! and the sum is written in place. ReduceScatter: peer p gets the group's
 //! chunk p of the send buffer, and the sum of chunk `rank` goes to this
-//! rank's output rows.
+//! rank's output rows. All-to-All: peer p gets the group's rows for p, and
+//! the reduce stream copies what each peer staged into the output rows
+//! where it belongs (copy engines again: no sum, no SM).
 
 use super::gemm::Signals;
 use crate::comm::communicator::Communicator;
@@ -49,21 +51,83 @@ impl Exchange {
     }
 }
 
+/// `bytes` at `addr` of one rank's memory, and where they lie in a staging slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// The receiver (in a send) or the source (in a landing).
+    pub rank: usize,
+    pub addr: u64,
+    pub bytes: u64,
+    pub slot_offset: u64,
+}
+
+/// One wave group's All-to-All: pieces sent into peers' slots, pieces that
+/// land from this rank's slots into the output, and this rank's own rows
+/// (send buffer to output, never leaving the GPU).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Moves {
+    pub tiles: u32,
+    pub sends: Vec<Piece>,
+    pub lands: Vec<Piece>,
+    /// (from, to, bytes).
+    pub own: (u64, u64, u64),
+}
+
+/// One wave group's exchange on the copy engines.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Group {
+    Sum(Exchange),
+    Move(Moves),
+}
+
+impl Group {
+    fn tiles(&self) -> u32 {
+        match self {
+            Group::Sum(e) => e.tiles,
+            Group::Move(m) => m.tiles,
+        }
+    }
+
+    /// Bytes of the slots this group writes into (and, on the receivers,
+    /// reads from).
+    fn slot_end(&self) -> u64 {
+        match self {
+            Group::Sum(e) => e.slot_offset + e.bytes,
+            Group::Move(m) => m
+                .sends
+                .iter()
+                .chain(&m.lands)
+                .map(|p| p.slot_offset + p.bytes)
+                .max()
+                .unwrap_or(0),
+        }
+    }
+}
+
+/// Sums for every group (AllReduce, ReduceScatter).
+pub fn sums(exchanges: Vec<Exchange>) -> Vec<Group> {
+    exchanges.into_iter().map(Group::Sum).collect()
+}
+
 /// Checks what the backend needs of the groups before a plan is kept:
-/// few enough for the ready flags, and 16-byte aligned for the reduction.
-pub fn check_groups(exchanges: &[Exchange]) -> Result<()> {
-    if exchanges.len() > MAX_PEER_GROUPS {
+/// few enough for the ready flags, and 16-byte aligned sums.
+pub fn check_groups(groups: &[Group]) -> Result<()> {
+    if groups.len() > MAX_PEER_GROUPS {
         return Err(Error::Invalid(format!(
             "bands_per_group: the copy-engine backend signals at most {MAX_PEER_GROUPS} groups, the plan has {}",
-            exchanges.len()
+            groups.len()
         )));
     }
-    let aligned = |e: &Exchange| {
+    let aligned = |e: &&Exchange| {
         [e.src, e.src_stride, e.bytes, e.slot_offset, e.out]
             .iter()
             .all(|v| v % 16 == 0)
     };
-    match exchanges.iter().find(|e| !aligned(e)) {
+    let mut sums = groups.iter().filter_map(|g| match g {
+        Group::Sum(e) => Some(e),
+        Group::Move(_) => None,
+    });
+    match sums.find(|e| !aligned(e)) {
         Some(e) => Err(Error::Invalid(format!(
             "internal: copy-engine group {e:?} is not 16-byte aligned"
         ))),
@@ -72,12 +136,8 @@ pub fn check_groups(exchanges: &[Exchange]) -> Result<()> {
 }
 
 /// The attached peer buffers, checked to hold every group's parts.
-pub fn peer_buffers(comm: &Communicator, exchanges: &[Exchange]) -> Result<Arc<PeerBuffers>> {
-    let bytes = exchanges
-        .iter()
-        .map(|e| e.slot_offset + e.bytes)
-        .max()
-        .unwrap_or(0);
+pub fn peer_buffers(comm: &Communicator, groups: &[Group]) -> Result<Arc<PeerBuffers>> {
+    let bytes = groups.iter().map(Group::slot_end).max().unwrap_or(0);
     match comm.peer() {
         Some(p) if p.layout.slot_bytes >= bytes => Ok(p),
         _ => Err(Error::Invalid(format!(
@@ -133,13 +193,15 @@ fn reduce(
     reducer.launch(grid, PEER_REDUCE_THREADS, stream, &mut params)
 }
 
-/// What one overlapped call enqueues on the copy-engine backend.
+/// What one call enqueues on the copy-engine backend.
 pub struct Call<'a> {
     pub peer: &'a PeerBuffers,
     /// Loaded before anything is enqueued (None for one rank).
     pub reducer: Option<&'a Kernel>,
-    pub signals: &'a Signals,
-    pub exchanges: &'a [Exchange],
+    /// The GEMM's group counters each exchange waits for; None: the data is
+    /// ready when the caller's stream reaches the call (a plain collective).
+    pub signals: Option<&'a Signals>,
+    pub groups: &'a [Group],
     /// CTAs of each reduction (the SMs the GEMM leaves free).
     pub reduce_ctas: u32,
 }
@@ -161,7 +223,7 @@ pub fn enqueue(
     let (copies, reduces) = (comm.stream.0, comm.reduce_stream.0);
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     let events = comm.group_events.lock().unwrap_or_else(|p| p.into_inner());
-    if events.len() < call.exchanges.len() {
+    if events.len() < call.groups.len() {
         return Err(Error::Invalid("internal: group events not made".into()));
     }
     comm.fork.order_all(caller, &[copies, reduces])?;
@@ -173,17 +235,41 @@ pub fn enqueue(
         stream::wait_geq(copies, free, 1)?;
         stream::write(copies, free, 0)?;
     }
-    for (g, e) in call.exchanges.iter().enumerate() {
-        let counter = call.signals.counter(g);
-        stream::wait_geq(copies, counter, e.tiles)?;
-        // Every tile of the group has counted, so the reset races with nothing.
-        stream::write(copies, counter, 0)?;
-        for p in peer.peers() {
-            let dst = layout.slot(peer.bases[p], p, me) + e.slot_offset;
-            stream::copy(copies, dst, e.part(p), e.bytes as usize)?;
+    for (g, group) in call.groups.iter().enumerate() {
+        if let Some(signals) = call.signals {
+            let counter = signals.counter(g);
+            stream::wait_geq(copies, counter, group.tiles())?;
+            // Every tile of the group has counted, so the reset races with nothing.
+            stream::write(copies, counter, 0)?;
+        }
+        let send = |p: usize, src: u64, bytes: u64, slot_offset: u64| -> Result<()> {
+            if bytes > 0 {
+                let dst = layout.slot(peer.bases[p], p, me) + slot_offset;
+                stream::copy(copies, dst, src, bytes as usize)?;
+            }
             // A stream write is fenced after the copy before it: the peer
-            // sees the flag only once the bytes are there.
-            stream::write(copies, layout.ready_flag(peer.bases[p], g, me), 1)?;
+            // sees the flag only once the bytes are there. Every peer gets
+            // one per group, bytes or not.
+            stream::write(copies, layout.ready_flag(peer.bases[p], g, me), 1)
+        };
+        match group {
+            Group::Sum(e) => {
+                for p in peer.peers() {
+                    send(p, e.part(p), e.bytes, e.slot_offset)?;
+                }
+            }
+            Group::Move(m) => {
+                for p in peer.peers() {
+                    match m.sends.iter().find(|s| s.rank == p) {
+                        Some(s) => send(p, s.addr, s.bytes, s.slot_offset)?,
+                        None => send(p, 0, 0, 0)?,
+                    }
+                }
+                let (from, to, bytes) = m.own;
+                if bytes > 0 {
+                    stream::copy(copies, to, from, bytes as usize)?;
+                }
+            }
         }
         // The sum may rewrite the group's parts in place (AllReduce), so it
         // also waits for this rank's own copies of them.
@@ -193,11 +279,19 @@ pub fn enqueue(
             stream::wait_geq(reduces, ready, 1)?;
             stream::write(reduces, ready, 0)?;
         }
-        match call.reducer {
-            Some(reducer) => reduce(reducer, peer, e, call.reduce_ctas, reduces)?,
+        match (group, call.reducer) {
+            (Group::Sum(e), Some(reducer)) => reduce(reducer, peer, e, call.reduce_ctas, reduces)?,
             // One rank: the sum is its own part.
-            None if e.out != e.part(me) => stream::copy(reduces, e.out, e.part(me), e.bytes as usize)?,
-            None => {}
+            (Group::Sum(e), None) if e.out != e.part(me) => {
+                stream::copy(reduces, e.out, e.part(me), e.bytes as usize)?
+            }
+            (Group::Sum(_), None) => {}
+            (Group::Move(m), _) => {
+                for l in m.lands.iter().filter(|l| l.bytes > 0) {
+                    let from = layout.slot(peer.bases[me], me, l.rank) + l.slot_offset;
+                    stream::copy(reduces, l.addr, from, l.bytes as usize)?;
+                }
+            }
         }
         after(g, reduces)?;
     }
@@ -207,6 +301,111 @@ pub fn enqueue(
     }
     comm.join.order(copies, caller)?;
     comm.reduce_join.order(reduces, caller)
+}
+
+/// A plain collective on the copy engines (no GEMM).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plain {
+    /// `out` = the sum over ranks of `src` (`bytes` each; `out` may be `src`).
+    AllReduce,
+    /// `out` = the sum over ranks of block `rank` of `src` (`bytes` = the
+    /// whole input, `world` blocks).
+    ReduceScatter,
+}
+
+/// Chunks a plain collective is cut into, so that the copies of one chunk
+/// overlap the sum of the previous: ~4 MiB each, at most 8.
+pub const PLAIN_CHUNK_BYTES: u64 = 4 << 20;
+pub const MAX_PLAIN_CHUNKS: u64 = 8;
+
+/// The exchanges of a plain collective of `bytes` (a multiple of 16, and of
+/// 16 * world for ReduceScatter) over `world` ranks.
+pub fn plain_exchanges(
+    kind: Plain,
+    src: u64,
+    out: u64,
+    bytes: u64,
+    world: usize,
+) -> Result<Vec<Exchange>> {
+    let unit = match kind {
+        Plain::AllReduce => 16,
+        Plain::ReduceScatter => 16 * world as u64,
+    };
+    if bytes % unit != 0 {
+        return Err(Error::Invalid(format!(
+            "tensor: the copy-engine {kind:?} moves 16-byte vectors; {bytes} bytes are not a multiple of {unit}"
+        )));
+    }
+    let part = match kind {
+        Plain::AllReduce => bytes,
+        Plain::ReduceScatter => bytes / world as u64,
+    };
+    let vectors = part / 16;
+    let chunks = part
+        .div_ceil(PLAIN_CHUNK_BYTES)
+        .clamp(1, MAX_PLAIN_CHUNKS)
+        .min(vectors.max(1));
+    let stride = match kind {
+        Plain::AllReduce => 0,
+        Plain::ReduceScatter => part,
+    };
+    Ok((0..chunks)
+        .map(|c| {
+            let (first, last) = (vectors * c / chunks, vectors * (c + 1) / chunks);
+            Exchange {
+                tiles: 0,
+                src: src + first * 16,
+                src_stride: stride,
+                bytes: (last - first) * 16,
+                slot_offset: first * 16,
+                out: out + first * 16,
+            }
+        })
+        .filter(|e| e.bytes > 0)
+        .collect())
+}
+
+/// Enqueues a plain collective on the copy engines, ordered after the
+/// caller's prior work and before its later work; its sums run on `ctas`
+/// CTAs. The peer buffers must hold `bytes` (AllReduce) or `bytes / world`
+/// (ReduceScatter) per slot: the Python op grows them first.
+#[allow(clippy::too_many_arguments)]
+pub fn plain(
+    comm: &Communicator,
+    kind: Plain,
+    src: u64,
+    out: u64,
+    bytes: u64,
+    dtype: Dtype,
+    ctas: u32,
+    caller: RawStream,
+) -> Result<()> {
+    if (src == 0 || out == 0) && bytes > 0 {
+        return Err(Error::Invalid("tensor: null device pointer".into()));
+    }
+    if src % 16 != 0 || out % 16 != 0 {
+        return Err(Error::Invalid(format!(
+            "tensor: the copy engines need 16-byte aligned tensors, got {src:#x} and {out:#x}"
+        )));
+    }
+    crate::cuda::driver::bind(comm.device.ordinal)?;
+    let world = comm.world as usize;
+    let exchanges = plain_exchanges(kind, src, out, bytes, world)?;
+    if exchanges.is_empty() {
+        return Ok(());
+    }
+    comm.ensure_group_events(exchanges.len())?;
+    let groups = sums(exchanges);
+    let peer = peer_buffers(comm, &groups)?;
+    let reducer = load_reducer(comm, dtype, peer.layout.world)?;
+    let call = Call {
+        peer: &peer,
+        reducer: reducer.as_ref(),
+        signals: None,
+        groups: &groups,
+        reduce_ctas: ctas,
+    };
+    enqueue(comm, &call, caller, || Ok(()), |_, _| Ok(()))
 }
 
 #[cfg(test)]
@@ -226,15 +425,48 @@ mod tests {
 
     #[test]
     fn groups_must_be_aligned_and_few_enough() {
-        assert!(check_groups(&[exchange(0), exchange(1024)]).is_ok());
-        assert!(check_groups(&[exchange(8)]).is_err());
+        assert!(check_groups(&sums(vec![exchange(0), exchange(1024)])).is_ok());
+        assert!(check_groups(&sums(vec![exchange(8)])).is_err());
         let stride = Exchange {
             src_stride: 24,
             ..exchange(0)
         };
-        assert!(check_groups(&[stride]).is_err());
-        assert!(check_groups(&vec![exchange(0); MAX_PEER_GROUPS]).is_ok());
-        assert!(check_groups(&vec![exchange(0); MAX_PEER_GROUPS + 1]).is_err());
+        assert!(check_groups(&sums(vec![stride])).is_err());
+        assert!(check_groups(&sums(vec![exchange(0); MAX_PEER_GROUPS])).is_ok());
+        assert!(check_groups(&sums(vec![exchange(0); MAX_PEER_GROUPS + 1])).is_err());
+    }
+
+    #[test]
+    fn plain_chunks_cover_the_data_in_order() {
+        for world in [1usize, 2, 3, 8] {
+            for bytes in [16 * 24u64, 1 << 20, 64 << 20, (100 << 20) + 16 * 24] {
+                for kind in [Plain::AllReduce, Plain::ReduceScatter] {
+                    let bytes = bytes - bytes % (16 * world as u64);
+                    let ex = plain_exchanges(kind, 1 << 40, 1 << 41, bytes, world).unwrap();
+                    let part = if kind == Plain::AllReduce {
+                        bytes
+                    } else {
+                        bytes / world as u64
+                    };
+                    assert!(!ex.is_empty() && ex.len() as u64 <= MAX_PLAIN_CHUNKS);
+                    assert!(check_groups(&sums(ex.clone())).is_ok());
+                    let mut at = 0;
+                    for e in &ex {
+                        assert_eq!(e.slot_offset, at);
+                        assert_eq!(e.src, (1 << 40) + at);
+                        assert_eq!(e.out, (1 << 41) + at);
+                        at += e.bytes;
+                    }
+                    assert_eq!(at, part, "{kind:?} world {world} bytes {bytes}");
+                    // Rank r's ReduceScatter part is block r of the input.
+                    if kind == Plain::ReduceScatter {
+                        assert!(ex.iter().all(|e| e.src_stride == part));
+                    }
+                }
+            }
+        }
+        assert!(plain_exchanges(Plain::AllReduce, 0, 0, 24, 2).is_err());
+        assert!(plain_exchanges(Plain::ReduceScatter, 0, 0, 16 * 3, 2).is_err());
     }
 
     #[test]
@@ -242,10 +474,7 @@ mod tests {
         let e = exchange(0);
         assert_eq!(e.part(0), 4096);
         assert_eq!(e.part(3), 4096 + 3 * 1024);
-        let all_reduce = Exchange {
-            src_stride: 0,
-            ..e
-        };
+        let all_reduce = Exchange { src_stride: 0, ..e };
         assert_eq!(all_reduce.part(5), all_reduce.src);
     }
 }

@@ -95,6 +95,7 @@ pub(crate) fn hardware_for(
     backend: Backend,
     reserved: u32,
     fused_norm: bool,
+    kind: CollectiveKind,
 ) -> HardwareModel {
     if major == 9 && sms == 132 {
         // bf16 on H200, random data, all SMs (evaluation/results/gemm_kernel_h200.txt):
@@ -115,11 +116,15 @@ pub(crate) fn hardware_for(
             // Its cost per group is small (memops and a copy per peer), but
             // each call pays ~40 us that no group shows: a 30 us latency per
             // group made the search pick 2-3 groups and lose up to 10% on
-            // communication-bound shapes.
-            Backend::CopyEngine => (
-                CollectiveModel::analytic(8.0, 240.0 * (f64::from(reserved) / 12.0).min(1.0)),
-                40.0,
-            ),
+            // communication-bound shapes. All-to-All sums nothing: its
+            // landing copies are copy-engine work too, so no SM sets its rate.
+            Backend::CopyEngine => {
+                let share = match kind {
+                    CollectiveKind::AllToAll => 1.0,
+                    _ => (f64::from(reserved) / 12.0).min(1.0),
+                };
+                (CollectiveModel::analytic(8.0, 240.0 * share), 40.0)
+            }
         };
         HardwareModel {
             gemm_tflops,
@@ -172,6 +177,7 @@ impl Machine {
             self.backend,
             reserved,
             self.fused_norm,
+            kind,
         );
         profile::apply(
             constants,
@@ -291,7 +297,11 @@ fn prepare(
         if opts.backend == Backend::CopyEngine {
             // Offsets only (no buffers yet): N % 8 == 0 keeps every group's
             // rows on 16-byte vectors.
-            copy_engine::check_groups(&exchanges(&collectives, 0, args.dtype.bytes() as u64))?;
+            copy_engine::check_groups(&copy_engine::sums(exchanges(
+                &collectives,
+                0,
+                args.dtype.bytes() as u64,
+            )))?;
             comm.ensure_group_events(groups)?;
         }
         Ok(Prepared {
@@ -565,14 +575,18 @@ fn enqueue_copy_engine(
     caller: RawStream,
 ) -> Result<()> {
     let args = run.args;
-    let exchanges = exchanges(run.collectives, run.base(), args.dtype.bytes() as u64);
-    let peer = copy_engine::peer_buffers(comm, &exchanges)?;
+    let groups = copy_engine::sums(exchanges(
+        run.collectives,
+        run.base(),
+        args.dtype.bytes() as u64,
+    ));
+    let peer = copy_engine::peer_buffers(comm, &groups)?;
     let reducer = copy_engine::load_reducer(comm, args.dtype, peer.layout.world)?;
     let call = copy_engine::Call {
         peer: &peer,
         reducer: reducer.as_ref(),
-        signals: &run.signals,
-        exchanges: &exchanges,
+        signals: Some(&run.signals),
+        groups: &groups,
         reduce_ctas: run.plan.request.reserved_sms,
     };
     copy_engine::enqueue(

@@ -1,8 +1,14 @@
-//! GEMM + All-to-All (NCCL): the exchange of each finished wave group's
-//! rows runs while the rest of the GEMM computes.
+//! GEMM + All-to-All: the exchange of each finished wave group's rows runs
+//! while the rest of the GEMM computes.
 //!
 //! Caller's stream S: [fork] GEMM (stores per-segment into the send buffer, signals) [wait join]
 //! Comm stream C:     [wait fork] wait(c0) c0=0 {send/recv g0 with every peer} wait(c1) ... [join]
+//!
+//! With the copy-engine backend each group's rows for peer p go into p's
+//! staging slot for this rank (at their offset among all the rows this rank
+//! sends p, which p computes alike from its receive split), and p's reduce
+//! stream copies them into its output: no SM moves a byte, so the GEMM
+//! keeps every SM (ops/copy_engine.rs).
 //!
 //! The plan (plan/all_to_all.rs) gives each group the same fraction of every
 //! destination's rows; every rank must call with the same group count.
@@ -11,6 +17,7 @@
 //! into memory from torch's allocator, which it caches per routing (and
 //! keeps for CUDA graphs that captured it).
 
+use super::copy_engine::{self, Group, Moves, Piece};
 use super::gemm::{self, GemmArgs, Signals};
 use super::gemm_all_reduce::{Backend, Machine, NCCL_RESERVED_SMS};
 use crate::comm::communicator::Communicator;
@@ -19,6 +26,7 @@ use crate::cuda::kernels::GemmKernel;
 use crate::cuda::stream::{self, RawStream};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
+use crate::plan::all_to_all::part;
 use crate::plan::{
     best_all_to_all_groups, plan_gemm_all_to_all, AllToAllPlan, AllToAllShape, CollectiveKind,
     Timeline,
@@ -28,8 +36,19 @@ use crate::plan::{
 pub struct Options {
     pub kernel: Option<GemmKernel>,
     pub groups: u32,
-    /// SMs left free of GEMM CTAs for NCCL; None: NCCL_RESERVED_SMS.
+    /// SMs left free of GEMM CTAs for the exchanges; None: the backend's
+    /// default (NCCL: NCCL_RESERVED_SMS; copy engines: none, they use no SM).
     pub reserved_sms: Option<u32>,
+    pub backend: Backend,
+}
+
+impl Options {
+    fn reserved(&self) -> u32 {
+        self.reserved_sms.unwrap_or(match self.backend {
+            Backend::Nccl => NCCL_RESERVED_SMS,
+            Backend::CopyEngine => 0,
+        })
+    }
 }
 
 /// The plan of a call: its kernel, and the exchanges of every group.
@@ -48,7 +67,7 @@ pub fn plan_for(
             args.m
         )));
     }
-    let ctas = sms.saturating_sub(opts.reserved_sms.unwrap_or(NCCL_RESERVED_SMS));
+    let ctas = sms.saturating_sub(opts.reserved());
     let kernel = opts
         .kernel
         .unwrap_or_else(|| GemmKernel::default_for(major, args.m, args.n, ctas.max(1)));
@@ -95,7 +114,7 @@ pub fn choose_groups(
             "split_matrix: a rank sends {rows} rows, more than 2**32"
         ))
     })?;
-    let reserved = opts.reserved_sms.unwrap_or(NCCL_RESERVED_SMS);
+    let reserved = opts.reserved();
     let ctas = sms.saturating_sub(reserved).max(1);
     let kernel = opts
         .kernel
@@ -112,7 +131,7 @@ pub fn choose_groups(
     let machine = Machine {
         sms,
         major,
-        backend: Backend::Nccl,
+        backend: opts.backend,
         reserved,
         fused_norm: false,
     };
@@ -200,29 +219,124 @@ pub fn gemm_all_to_all(
         )));
     }
     let loaded = gemm::load(&comm.device, args.dtype, kernel)?;
+    let signals = Signals {
+        tile_order: buffers.tables,
+        tile_group: buffers.tables + positions * 4,
+        counters: buffers.counters,
+        row_table: buffers.tables + positions * 8,
+        store: buffers.send,
+        store_rows: plan.send_buffer_rows as u32,
+        tile_count: positions as u32,
+        ..Signals::default()
+    };
+    let ctas = comm.device.sms.saturating_sub(opts.reserved()).max(1);
+    let launch = || {
+        if positions > 0 {
+            gemm::launch(&loaded, args, &signals, ctas, caller)?;
+        }
+        Ok(())
+    };
+    match opts.backend {
+        Backend::Nccl => enqueue_nccl(comm, &plan, args, buffers, caller, launch),
+        Backend::CopyEngine => {
+            let groups = moves(
+                &plan,
+                args,
+                buffers.send,
+                comm.rank as usize,
+                send_splits,
+                recv_splits,
+            );
+            comm.ensure_group_events(groups.len())?;
+            let peer = copy_engine::peer_buffers(comm, &groups)?;
+            let call = copy_engine::Call {
+                peer: &peer,
+                reducer: None,
+                signals: Some(&signals),
+                groups: &groups,
+                reduce_ctas: 0,
+            };
+            copy_engine::enqueue(comm, &call, caller, launch, |_, _| Ok(()))
+        }
+    }
+}
+
+/// Each group's exchange on the copy engines: the rows for peer p go to
+/// p's slot for this rank at their offset among all rows this rank sends p
+/// (the same offset p computes among all rows it receives from this rank:
+/// both split the same count into the same parts); this rank's own rows go
+/// straight from the send buffer to the output.
+fn moves(
+    plan: &AllToAllPlan,
+    args: &GemmArgs,
+    send: u64,
+    me: usize,
+    send_splits: &[u64],
+    recv_splits: &[u64],
+) -> Vec<Group> {
+    let row = u64::from(args.n) * args.dtype.bytes() as u64;
+    let count = plan.groups.len() as u32;
+    let recv_offsets: Vec<u64> = recv_splits
+        .iter()
+        .scan(0, |o, &r| {
+            let start = *o;
+            *o += r;
+            Some(start)
+        })
+        .collect();
+    plan.groups
+        .iter()
+        .enumerate()
+        .map(|(g, group)| {
+            let g = g as u32;
+            let mut m = Moves {
+                tiles: group.tiles,
+                sends: Vec::new(),
+                lands: Vec::new(),
+                own: (0, 0, 0),
+            };
+            for e in &group.exchanges {
+                let p = e.peer as usize;
+                if p == me {
+                    m.own = (
+                        send + e.send_row * row,
+                        args.out + e.recv_row * row,
+                        e.recv_rows * row,
+                    );
+                    continue;
+                }
+                m.sends.push(Piece {
+                    rank: p,
+                    addr: send + e.send_row * row,
+                    bytes: e.send_rows * row,
+                    slot_offset: part(send_splits[p], g, count) * row,
+                });
+                m.lands.push(Piece {
+                    rank: p,
+                    addr: args.out + e.recv_row * row,
+                    bytes: e.recv_rows * row,
+                    slot_offset: (e.recv_row - recv_offsets[p]) * row,
+                });
+            }
+            Group::Move(m)
+        })
+        .collect()
+}
+
+fn enqueue_nccl(
+    comm: &Communicator,
+    plan: &AllToAllPlan,
+    args: &GemmArgs,
+    buffers: &Buffers,
+    caller: RawStream,
+    launch_gemm: impl FnOnce() -> Result<()>,
+) -> Result<()> {
     let (nccl, nccl_comm) = comm.nccl()?;
     let row_bytes = u64::from(args.n) * args.dtype.bytes() as u64;
     let comm_stream = comm.stream.0;
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     comm.fork.order(caller, comm_stream)?;
-    if positions > 0 {
-        let signals = Signals {
-            tile_order: buffers.tables,
-            tile_group: buffers.tables + positions * 4,
-            counters: buffers.counters,
-            row_table: buffers.tables + positions * 8,
-            store: buffers.send,
-            store_rows: plan.send_buffer_rows as u32,
-            tile_count: positions as u32,
-            ..Signals::default()
-        };
-        let ctas = comm
-            .device
-            .sms
-            .saturating_sub(opts.reserved_sms.unwrap_or(NCCL_RESERVED_SMS))
-            .max(1);
-        gemm::launch(&loaded, args, &signals, ctas, caller)?;
-    }
+    launch_gemm()?;
     let n = args.n as usize;
     for (g, group) in plan.groups.iter().enumerate() {
         stream::wait_geq(comm_stream, buffers.counters + (g * 4) as u64, group.tiles)?;

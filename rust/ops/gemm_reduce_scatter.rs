@@ -57,10 +57,9 @@ pub fn plan_for(
     let mut best: Option<(GemmKernel, ReduceScatterPlan)> = None;
     for reserved in reserved_candidates(opts.reserved_sms, opts.backend, sms) {
         let plan = plan_reserving(args, world, opts, sms, major, reserved)?;
-        if best
-            .as_ref()
-            .map_or(true, |(_, b)| plan.1.timeline.overlap_us < b.timeline.overlap_us)
-        {
+        if best.as_ref().map_or(true, |(_, b)| {
+            plan.1.timeline.overlap_us < b.timeline.overlap_us
+        }) {
             best = Some(plan);
         }
     }
@@ -137,7 +136,7 @@ fn prepare(
         }
         if opts.backend == Backend::CopyEngine && plan.schedule == Schedule::Overlap {
             // Offsets only (no buffers yet).
-            copy_engine::check_groups(&exchanges(&plan, args, 0, 0))?;
+            copy_engine::check_groups(&copy_engine::sums(exchanges(&plan, args, 0, 0)))?;
             comm.ensure_group_events(plan.groups.len())?;
         }
         Ok(Prepared {
@@ -202,14 +201,14 @@ pub fn gemm_reduce_scatter(
     match opts.backend {
         Backend::Nccl => enqueue_nccl(comm, plan, args, send, &signals, caller, launch)?,
         Backend::CopyEngine => {
-            let exchanges = exchanges(plan, args, send, args.out);
-            let peer = copy_engine::peer_buffers(comm, &exchanges)?;
+            let groups = copy_engine::sums(exchanges(plan, args, send, args.out));
+            let peer = copy_engine::peer_buffers(comm, &groups)?;
             let reducer = copy_engine::load_reducer(comm, args.dtype, peer.layout.world)?;
             let call = copy_engine::Call {
                 peer: &peer,
                 reducer: reducer.as_ref(),
-                signals: &signals,
-                exchanges: &exchanges,
+                signals: Some(&signals),
+                groups: &groups,
                 reduce_ctas: plan.request.reserved_sms,
             };
             copy_engine::enqueue(comm, &call, caller, launch, |_, _| Ok(()))?;

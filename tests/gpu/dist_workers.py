@@ -688,9 +688,10 @@ def rmsnorm_cases(rank: int, world: int, cases: list, replays: int = 0, backend=
     return {"records": records}
 
 
-def a2a_cases(rank: int, world: int, cases: list) -> dict:
+def a2a_cases(rank: int, world: int, cases: list, backend=None) -> dict:
     """gemm_all_to_all for each case's split matrix (matrix[p][r]: rows p sends r) against the fp32
-    all_to_all_single of every rank's x_p @ w_p^T; bad splits are refused first."""
+    all_to_all_single of every rank's x_p @ w_p^T; bad splits are refused first. The copy-engine
+    backend gets the whole matrix on every call (it needs it), with the case's group count."""
     import torch
 
     import flashoverlap
@@ -709,7 +710,14 @@ def a2a_cases(rank: int, world: int, cases: list) -> dict:
     expect_error(ValueError, "split_matrix", lambda: flashoverlap.gemm_all_to_all(
         x, w, [8] + [0] * (world - 1), [8 if rank == 0 else 0] + [0] * (world - 1), split_matrix=wrong))
 
+    if backend == "copy_engine":
+        expect_error(ValueError, "backend", lambda: flashoverlap.gemm_all_to_all(
+            x, w, [8] + [0] * (world - 1), [8 if rank == 0 else 0] + [0] * (world - 1), backend=backend),
+            "split_matrix")
+
     def how(groups, matrix):
+        if backend == "copy_engine":
+            return dict(split_matrix=matrix, backend=backend, groups=None if groups == "auto" else groups)
         return dict(split_matrix=matrix) if groups == "auto" else dict(groups=groups)
 
     failures = []
@@ -791,7 +799,7 @@ def without_nccl(rank: int, world: int, seed: int) -> dict:
         error = mismatch(out, expected, f"rank {rank} {what}")
         if error:
             failures.append(error)
-    # All-to-All has no copy-engine path yet: the GEMM, then the group's exchange.
+    # All-to-All without split_matrix cannot use the copy engines: the GEMM, then the group's exchange.
     splits = [m // world] * world
     out = flashoverlap.gemm_all_to_all(x, w, splits, splits, groups=2)
     # Rank p's block of the output: rows rank*shard.. of x_p @ w_p^T.
@@ -805,7 +813,74 @@ def without_nccl(rank: int, world: int, seed: int) -> dict:
     return {"refused": message}
 
 
+def plain_collectives(rank: int, world: int, seed: int, backend: str, replays: int = 20) -> dict:
+    """flashoverlap.all_reduce and reduce_scatter alone on `backend`, sizes from one vector to
+    several chunks, against the fp32 sums; inputs are left untouched; a captured pair replayed on
+    fresh inputs; sizes the copy engines cannot take are refused (explicit backend) first."""
+    import torch
+
+    import flashoverlap
+
+    device = device_of(rank)
+    failures = []
+
+    def data(s, shape, dtype, r=rank):
+        gen = torch.Generator(device=device).manual_seed(s * 131 + r)
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    def expected(s, shape, dtype):
+        return sum(data(s, shape, dtype, r).float() for r in range(world))
+
+    def check(s, x, shape, dtype, what):
+        before = x.clone()
+        full = expected(s, shape, dtype)
+        shard = full.shape[0] // world
+        for name, out, ref in (
+                ("all_reduce", flashoverlap.all_reduce(x, backend=backend), full),
+                ("reduce_scatter", flashoverlap.reduce_scatter(x, backend=backend),
+                 full[rank * shard:(rank + 1) * shard])):
+            error = mismatch(out, ref, f"rank {rank} {name} {what}")
+            if error:
+                failures.append(error)
+        if not torch.equal(x, before):
+            failures.append(f"rank {rank} {what}: the input changed")
+
+    if backend == "copy_engine":
+        odd = data(seed, (world, 3), torch.bfloat16)
+        expect_error(ValueError, "x", lambda: flashoverlap.all_reduce(odd, backend=backend), "16-byte")
+    shapes = [(world * 8,), (world * 64, 1024), (world * 1000, 8192), (world * 3, 40), (world * 2048, 4096)]
+    for i, shape in enumerate(shapes):
+        dtype = (torch.bfloat16, torch.float16)[i % 2]
+        s = seed + i
+        check(s, data(s, shape, dtype), shape, dtype, f"{shape} {dtype}")
+    shape, dtype = (world * 512, 2048), torch.bfloat16
+    static = data(seed, shape, dtype)
+    flashoverlap.all_reduce(static, backend=backend)
+    flashoverlap.reduce_scatter(static, backend=backend)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        summed = flashoverlap.all_reduce(static, backend=backend)
+        scattered = flashoverlap.reduce_scatter(static, backend=backend)
+    for i in range(replays):
+        s = seed + 100 + i
+        static.copy_(data(s, shape, dtype))
+        summed.fill_(float("nan"))
+        scattered.fill_(float("nan"))
+        graph.replay()
+        full = expected(s, shape, dtype)
+        shard = shape[0] // world
+        for error in (mismatch(summed, full, f"replay {i} all_reduce"),
+                      mismatch(scattered, full[rank * shard:(rank + 1) * shard], f"replay {i} reduce_scatter")):
+            if error:
+                failures.append(error)
+    if failures:
+        raise AssertionError("\n".join(failures[:20]))
+    return {"replays": replays}
+
+
 TARGETS = {
+    "plain_collectives": plain_collectives,
     "without_nccl": without_nccl,
     "a2a_cases": a2a_cases,
     "rmsnorm_cases": rmsnorm_cases,

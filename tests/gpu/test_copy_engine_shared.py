@@ -1,7 +1,7 @@
 """The copy-engine backend across processes that share one GPU: ranks in a gloo group, each
 with a flashoverlap communicator made without NCCL (NCCL refuses two ranks on one device), so
 that the peer buffers, the copies, the cross-process flags and the reductions of gemm_all_reduce,
-gemm_reduce_scatter and gemm_all_reduce_rmsnorm are checked against the fp32 composition on a
+gemm_reduce_scatter, gemm_all_to_all and gemm_all_reduce_rmsnorm are checked against the fp32 composition on a
 machine with a single GPU. The ranks' kernels time-slice the device: correctness, not speed."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from test_gemm_all_reduce import main_cases, run_workers
+from test_gemm_all_to_all import a2a_cases
 from test_gemm_all_reduce_rmsnorm import norm_cases
 from test_gemm_reduce_scatter import rs_cases
 
@@ -57,3 +58,16 @@ def test_gemm_all_reduce_rmsnorm(tmp_path: Path) -> None:
 def test_without_nccl(tmp_path: Path) -> None:
     (result, _) = run_workers(tmp_path, "without_nccl", 2, seed=SEED + 4, shared=True)
     assert "without NCCL" in result["refused"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_plain_collectives(tmp_path: Path, world: int) -> None:
+    results = run_workers(tmp_path, "plain_collectives", world, seed=SEED + 5 + world, backend="copy_engine",
+                          shared=True)
+    assert all(r["replays"] == 20 for r in results)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gemm_all_to_all(tmp_path: Path, world: int) -> None:
+    results = run_workers(tmp_path, "a2a_cases", world, cases=a2a_cases(world, SEED + 6), **CE)
+    assert all(r["cases"] == 6 for r in results)

@@ -194,3 +194,18 @@ def test_single_rank_graph(tmp_path: Path, order: str) -> None:
     (result,) = run_workers(tmp_path, "cuda_graph", 1, m=1000, n=4096, k=1024, replays=30,
                             seed=SEED + 300 + ORDERS[order], backend="nccl", order=order)
     assert result["replays"] == 30
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plain_collectives(tmp_path: Path, backend: str) -> None:
+    results = run_workers(tmp_path, "plain_collectives", world_size(), seed=SEED + 400 + BACKENDS[backend],
+                          backend=backend)
+    assert all(r["replays"] == 20 for r in results)
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plain_collectives_single_rank(tmp_path: Path, backend: str) -> None:
+    (result,) = run_workers(tmp_path, "plain_collectives", 1, seed=SEED + 500, backend=backend)
+    assert result["replays"] == 20

@@ -34,14 +34,20 @@ def a2a_cases(world: int, seed: int) -> list:
             for i, (m, (n, k)) in enumerate(zip(matrices(world, seed), shapes))]
 
 
+BACKENDS = {"nccl": 0, "copy_engine": 17}
+
+
 @pytest.mark.gpus(1)
-def test_single_rank(tmp_path: Path) -> None:
-    (result,) = run_workers(tmp_path, "a2a_cases", 1, cases=a2a_cases(1, SEED))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_rank(tmp_path: Path, backend: str) -> None:
+    (result,) = run_workers(tmp_path, "a2a_cases", 1, cases=a2a_cases(1, SEED + BACKENDS[backend]), backend=backend)
     assert result["cases"] == 6
 
 
 @pytest.mark.gpus(2)
-def test_matches_reference(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_reference(tmp_path: Path, backend: str) -> None:
     world = world_size()
-    results = run_workers(tmp_path, "a2a_cases", world, cases=a2a_cases(world, SEED + 1))
+    results = run_workers(tmp_path, "a2a_cases", world, cases=a2a_cases(world, SEED + 1 + BACKENDS[backend]),
+                          backend=backend)
     assert all(r["cases"] == 6 for r in results)
