@@ -3,21 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "evaluation" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from evaluation_scripts import ROOT, load as _load
 
 
 a2a = _load("bench_gemm_a2a")

@@ -4,7 +4,6 @@ concurrency test's chain and coverage arithmetic."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -12,14 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "evaluation" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from evaluation_scripts import ROOT, load as _load
 
 
 ar = _load("bench_all_reduce_rmsnorm")

@@ -4,7 +4,6 @@ bandwidth and slowdown arithmetic, the CTA verdict, the rows, both tables and th
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
 import subprocess
 import sys
@@ -12,18 +11,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from evaluation_scripts import ROOT, load
+
 SCRIPT = ROOT / "evaluation" / "bench_collectives.py"
-
-
-def _load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bc = _load(SCRIPT)
+bc = load("bench_collectives")
 
 L2 = 60 << 20
 NAMES = ["torch", "fo_nccl", "fo_ce"]

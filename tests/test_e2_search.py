@@ -4,7 +4,6 @@ best-ratio metrics, the summary's bars, and the CDF plot."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -13,15 +12,8 @@ import pytest
 
 import flashoverlap
 
-ROOT = Path(__file__).resolve().parent.parent
+from evaluation_scripts import load as _load
 MAX_GROUPS = 16
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "evaluation" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 e2 = _load("e2_predictive_search")

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "evaluation" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from evaluation_scripts import ROOT, load as _load
 
 
 def test_e1_tables_from_the_committed_results() -> None:

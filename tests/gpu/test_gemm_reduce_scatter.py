@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from test_gemm_all_reduce import run_workers, world_size
+from test_gemm_all_reduce import BACKENDS, run_workers, world_size
 
 SEED = 4321
 COMBOS = [("auto", None), ("overlap", None), ("sequential", None), ("overlap", 1), ("overlap", 3), ("auto", 2)]
@@ -35,9 +35,11 @@ def test_single_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpus(2)
-def test_matches_reference(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_reference(tmp_path: Path, backend: str) -> None:
     world = world_size()
-    results = run_workers(tmp_path, "rs_cases", world, cases=rs_cases(world, SEED + 1), replays=50)
+    results = run_workers(tmp_path, "rs_cases", world, cases=rs_cases(world, SEED + 1 + BACKENDS[backend]),
+                          replays=50, backend=backend)
     records = results[0]["records"]
     assert sum(r["schedule"] == "overlap" and r["groups"] > 1 for r in records) >= 5, records
     assert any(r["schedule"] == "sequential" for r in records)
