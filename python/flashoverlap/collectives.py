@@ -11,8 +11,8 @@ import torch
 
 from . import _core, _nvrtc
 from ._validation import check_device, check_tensor, dtype_name
-from .communicator import Communicator, GroupLike, communicator_by_name, get_communicator, resolve_group
-from .ops import _LIB, _check_backend, _register, _resolve_backend, _stream_handle
+from .communicator import Communicator, GroupLike, communicator_by_name
+from .ops import _LIB, _check_backend, _communicator_of, _register, _resolve_backend, _stream_handle
 
 # The sums' CTAs by default: few, so that concurrent compute keeps the SMs.
 DEFAULT_CTAS = 8
@@ -54,9 +54,7 @@ def _run(kind: str, x: torch.Tensor, group_name: str, backend: Optional[str], ct
     check_device("x", x, comm.device)
     _check_ctas(ctas)
     world = comm.world_size
-    if kind == "reduce_scatter" and (x.dim() < 1 or x.shape[0] % world):
-        raise ValueError(f"x: the first dimension must be divisible by the world size {world}, "
-                         f"got shape {tuple(x.shape)}")
+    _check_rows(kind, x, world)
     backend = _backend_for(comm, kind, x, backend)
     shape = x.shape if kind == "all_reduce" else (x.shape[0] // world, *x.shape[1:])
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
@@ -101,18 +99,18 @@ _register("all_reduce", _all_reduce_impl, _all_reduce_fake)
 _register("reduce_scatter", _reduce_scatter_impl, _reduce_scatter_fake)
 
 
+def _check_rows(kind: str, x: torch.Tensor, world: int) -> None:
+    if kind == "reduce_scatter" and (x.dim() < 1 or x.shape[0] % world):
+        raise ValueError(f"x: the first dimension must be divisible by the world size {world}, "
+                         f"got shape {tuple(x.shape)}")
+
+
 def _checked(kind: str, x, group, communicator, backend, ctas) -> Communicator:
     check_tensor("x", x)
     _check_backend(backend)
     _check_ctas(ctas)
-    if not isinstance(group, (str, Communicator)) and communicator is None:
-        resolve_group(group)
-    check_device("x", x)
-    comm = get_communicator(group, communicator=communicator)
-    check_device("x", x, comm.device)
-    if kind == "reduce_scatter" and (x.dim() < 1 or x.shape[0] % comm.world_size):
-        raise ValueError(f"x: the first dimension must be divisible by the world size {comm.world_size}, "
-                         f"got shape {tuple(x.shape)}")
+    comm = _communicator_of(x, group, communicator)
+    _check_rows(kind, x, comm.world_size)
     return comm
 
 

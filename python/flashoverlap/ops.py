@@ -473,13 +473,20 @@ def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel,
     _check_kernel(kernel)
     _check_backend(backend)
     _check_order(order)
+    return m, n, k, _communicator_of(x, group, communicator, weight)
+
+
+def _communicator_of(x: torch.Tensor, group, communicator, weight: Optional[torch.Tensor] = None) -> Communicator:
+    """An initialised process group, the tensors' devices, then the communicator (created
+    collectively on first use), checked to sit on x's device."""
     if not isinstance(group, (str, Communicator)) and communicator is None:
         resolve_group(group)
     check_device("x", x)
-    check_device("weight", weight, x.device)
+    if weight is not None:
+        check_device("weight", weight, x.device)
     comm = get_communicator(group, communicator=communicator)
     check_device("x", x, comm.device)
-    return m, n, k, comm
+    return comm
 
 
 def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *,

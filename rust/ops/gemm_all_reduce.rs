@@ -225,19 +225,37 @@ pub const NCCL_RESERVED_SMS: u32 = 24;
 /// costs more than a slower reduction that stays hidden.
 const COPY_ENGINE_RESERVED_SMS: [u32; 3] = [4, 8, 16];
 
-/// The SM reservations a plan tries: the caller's, else the backend's
-/// candidates (all below `sms`, unless there is only one).
-pub(crate) fn reserved_candidates(reserved: Option<u32>, backend: Backend, sms: u32) -> Vec<u32> {
+/// The plan predicted fastest over the SM reservations a call may use: the
+/// caller's, else the backend's candidates (all below `sms`, unless there is
+/// only one). `plan_one(reserved)` plans with that many SMs left free.
+pub(crate) fn fastest_reservation<P>(
+    reserved: Option<u32>,
+    backend: Backend,
+    sms: u32,
+    mut plan_one: impl FnMut(u32) -> Result<(GemmKernel, P)>,
+    overlap_us: impl Fn(&P) -> f64,
+) -> Result<(GemmKernel, P)> {
     let candidates: Vec<u32> = match (reserved, backend) {
         (Some(r), _) => vec![r],
         (None, Backend::Nccl) => vec![NCCL_RESERVED_SMS],
         (None, Backend::CopyEngine) => COPY_ENGINE_RESERVED_SMS.to_vec(),
     };
     let single = candidates.len() == 1;
-    candidates
-        .into_iter()
-        .filter(|&r| r < sms || single)
-        .collect()
+    let mut best: Option<(GemmKernel, P)> = None;
+    for reserved in candidates.into_iter().filter(|&r| r < sms || single) {
+        let plan = plan_one(reserved)?;
+        if best
+            .as_ref()
+            .map_or(true, |(_, b)| overlap_us(&plan.1) < overlap_us(b))
+        {
+            best = Some(plan);
+        }
+    }
+    best.ok_or_else(|| {
+        Error::Invalid(format!(
+            "reserved_sms: every candidate leaves no SM to the GEMM on a device with {sms} SMs"
+        ))
+    })
 }
 
 /// The kernel and plan of a call on a device with `sms` SMs of compute
@@ -252,30 +270,28 @@ pub fn plan_for(
     sms: u32,
     major: i32,
 ) -> Result<(GemmKernel, GemmAllReducePlan)> {
-    let mut best: Option<(GemmKernel, GemmAllReducePlan)> = None;
-    for reserved in reserved_candidates(opts.reserved_sms, opts.backend, sms) {
-        let kernel = opts.kernel.unwrap_or_else(|| {
-            GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved))
-        });
-        let machine = Machine {
-            sms,
-            major,
-            backend: opts.backend,
-            reserved,
-            fused_norm: opts.fused_norm,
-        };
-        let hw = machine.model(args, world, kernel, CollectiveKind::AllReduce);
-        let plan = plan::plan_gemm_all_reduce(&request(args, world, opts, kernel, reserved), &hw)?;
-        let faster = |b: &GemmAllReducePlan| plan.timeline.overlap_us < b.timeline.overlap_us;
-        if best.as_ref().map_or(true, |(_, b)| faster(b)) {
-            best = Some((kernel, plan));
-        }
-    }
-    best.ok_or_else(|| {
-        Error::Invalid(format!(
-            "reserved_sms: every candidate leaves no SM to the GEMM on a device with {sms} SMs"
-        ))
-    })
+    fastest_reservation(
+        opts.reserved_sms,
+        opts.backend,
+        sms,
+        |reserved| {
+            let kernel = opts.kernel.unwrap_or_else(|| {
+                GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved))
+            });
+            let machine = Machine {
+                sms,
+                major,
+                backend: opts.backend,
+                reserved,
+                fused_norm: opts.fused_norm,
+            };
+            let hw = machine.model(args, world, kernel, CollectiveKind::AllReduce);
+            let plan =
+                plan::plan_gemm_all_reduce(&request(args, world, opts, kernel, reserved), &hw)?;
+            Ok((kernel, plan))
+        },
+        |p: &GemmAllReducePlan| p.timeline.overlap_us,
+    )
 }
 
 fn prepare(

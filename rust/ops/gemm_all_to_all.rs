@@ -276,14 +276,6 @@ fn moves(
 ) -> Vec<Group> {
     let row = u64::from(args.n) * args.dtype.bytes() as u64;
     let count = plan.groups.len() as u32;
-    let recv_offsets: Vec<u64> = recv_splits
-        .iter()
-        .scan(0, |o, &r| {
-            let start = *o;
-            *o += r;
-            Some(start)
-        })
-        .collect();
     plan.groups
         .iter()
         .enumerate()
@@ -315,7 +307,7 @@ fn moves(
                     rank: p,
                     addr: args.out + e.recv_row * row,
                     bytes: e.recv_rows * row,
-                    slot_offset: (e.recv_row - recv_offsets[p]) * row,
+                    slot_offset: part(recv_splits[p], g, count) * row,
                 });
             }
             Group::Move(m)

@@ -17,7 +17,7 @@
 
 use super::copy_engine::{self, Exchange};
 use super::gemm::{self, CounterSlots, GemmArgs, Signals};
-use super::gemm_all_reduce::{reserved_candidates, Backend, Machine};
+use super::gemm_all_reduce::{fastest_reservation, Backend, Machine};
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
 use crate::cuda::kernels::GemmKernel;
@@ -54,20 +54,13 @@ pub fn plan_for(
     sms: u32,
     major: i32,
 ) -> Result<(GemmKernel, ReduceScatterPlan)> {
-    let mut best: Option<(GemmKernel, ReduceScatterPlan)> = None;
-    for reserved in reserved_candidates(opts.reserved_sms, opts.backend, sms) {
-        let plan = plan_reserving(args, world, opts, sms, major, reserved)?;
-        if best.as_ref().map_or(true, |(_, b)| {
-            plan.1.timeline.overlap_us < b.timeline.overlap_us
-        }) {
-            best = Some(plan);
-        }
-    }
-    best.ok_or_else(|| {
-        Error::Invalid(format!(
-            "reserved_sms: every candidate leaves no SM to the GEMM on a device with {sms} SMs"
-        ))
-    })
+    fastest_reservation(
+        opts.reserved_sms,
+        opts.backend,
+        sms,
+        |reserved| plan_reserving(args, world, opts, sms, major, reserved),
+        |p: &ReduceScatterPlan| p.timeline.overlap_us,
+    )
 }
 
 fn plan_reserving(
