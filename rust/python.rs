@@ -10,8 +10,8 @@ use crate::error::Error;
 use crate::ops::gemm::GemmArgs;
 use crate::ops::profile;
 use crate::ops::{
-    all_reduce as ar_op, all_reduce_rmsnorm as arn, copy_engine, gemm as gemm_op,
-    gemm_all_reduce as gar, gemm_all_to_all as ga2a, gemm_reduce_scatter as grs,
+    all_reduce as ar_op, all_reduce_rmsnorm as arn, backend as backend_choice, copy_engine,
+    gemm as gemm_op, gemm_all_reduce as gar, gemm_all_to_all as ga2a, gemm_reduce_scatter as grs,
 };
 use crate::plan::{
     CollectiveKind, GemmAllReducePlan, ModeRequest, OrderRequest, Partition, Schedule,
@@ -545,12 +545,16 @@ fn call_of(
     gar::Options,
 )> {
     let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let opts = gar::Options {
-        fused_norm: o.8,
-        ..options(&o.0, o.1, o.2, o.3, o.4.as_deref(), o.5, &o.6, &o.7)?
-    };
+    let opts = op_options(o)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     Ok((comm, args, opts))
+}
+
+fn op_options(o: &OpOptions) -> PyResult<gar::Options> {
+    Ok(gar::Options {
+        fused_norm: o.8,
+        ..options(&o.0, o.1, o.2, o.3, o.4.as_deref(), o.5, &o.6, &o.7)?
+    })
 }
 
 fn schedule_name(s: Schedule) -> &'static str {
@@ -653,16 +657,83 @@ fn rs_call(
     grs::Options,
 )> {
     let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let opts = grs::Options {
+    let opts = rs_options(o)?;
+    let comm = communicator::get(group_name).map_err(to_py)?;
+    Ok((comm, args, opts))
+}
+
+fn rs_options(o: &RsOptions) -> PyResult<grs::Options> {
+    Ok(grs::Options {
         mode: mode(&o.0)?,
         bands_per_group: o.1,
         reserved_sms: o.2,
         max_groups: o.3,
         kernel: gemm_kernel(o.4.as_deref())?,
         backend: backend(&o.5)?,
+    })
+}
+
+/// The backend "auto" runs for a call: of `allowed` ("nccl", "copy_engine";
+/// those the communicator can run), the one whose plan is predicted fastest
+/// for this shape on `world_size` devices with `sms` SMs of compute
+/// capability `major`. `options` is the op's options tuple (its backend
+/// field is ignored); `matrix` the whole routing of gemm_all_to_all (whose
+/// `m` is ignored). Needs no GPU.
+#[pyfunction]
+#[pyo3(signature = (op, m, n, k, world_size, dtype, sms, major, options, allowed, matrix=None))]
+#[allow(clippy::too_many_arguments)]
+fn choose_backend(
+    op: &str,
+    m: u32,
+    n: u32,
+    k: u32,
+    world_size: u32,
+    dtype: &str,
+    sms: u32,
+    major: i32,
+    options: &Bound<'_, PyAny>,
+    allowed: Vec<String>,
+    matrix: Option<Vec<Vec<u64>>>,
+) -> PyResult<&'static str> {
+    let allowed = allowed
+        .iter()
+        .map(|b| backend(b))
+        .collect::<PyResult<Vec<_>>>()?;
+    let args = operands(0, 0, 0, m, n, k, dtype)?;
+    let chosen = match op {
+        "gemm_all_reduce" => {
+            let o: OpOptions = options.extract()?;
+            let base = op_options(&(o.0, o.1, o.2, o.3, o.4, o.5, "nccl".into(), o.7, o.8))?;
+            backend_choice::cheapest(&allowed, |backend| {
+                gar::predicted_us(&args, world_size, &gar::Options { backend, ..base }, sms, major)
+            })
+        }
+        "gemm_reduce_scatter" => {
+            let o: RsOptions = options.extract()?;
+            let base = rs_options(&(o.0, o.1, o.2, o.3, o.4, "nccl".into()))?;
+            backend_choice::cheapest(&allowed, |backend| {
+                grs::predicted_us(&args, world_size, &grs::Options { backend, ..base }, sms, major)
+            })
+        }
+        "gemm_all_to_all" => {
+            let o: A2aOptions = options.extract()?;
+            let base = a2a_options(&(o.0, o.1, o.2, "nccl".into()))?;
+            let matrix = matrix.ok_or_else(|| {
+                PyValueError::new_err("matrix: gemm_all_to_all chooses its backend from the whole routing")
+            })?;
+            let dtype = args.dtype;
+            backend_choice::cheapest(&allowed, |backend| {
+                let opts = ga2a::Options { backend, ..base };
+                Ok(ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major)?.predicted_us())
+            })
+        }
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "op: expected 'gemm_all_reduce', 'gemm_reduce_scatter' or 'gemm_all_to_all', got {other:?}"
+            )))
+        }
     };
-    let comm = communicator::get(group_name).map_err(to_py)?;
-    Ok((comm, args, opts))
+    chosen.map(|b| b.name()).map_err(to_py)
 }
 
 /// The GEMM + ReduceScatter plan of a call, as a dict: schedule, ctas,
@@ -1110,8 +1181,10 @@ fn reduce_scatter(
 /// A plain AllReduce ("all_reduce": `out` = the sum of every rank's `src`,
 /// `bytes` each) or ReduceScatter ("reduce_scatter": `out` = the sum of
 /// every rank's block `rank` of `src`, `bytes` the whole input) on the copy
-/// engines, its sums on `ctas` CTAs, ordered with the caller's `stream`.
+/// engines, its sums on `ctas` CTAs, ordered with the caller's `stream`;
+/// `chunks`: pipelined exchanges (None: the default, ~4 MiB each).
 #[pyfunction]
+#[pyo3(signature = (group_name, kind, src, out, bytes, dtype, ctas, stream, chunks=None))]
 #[allow(clippy::too_many_arguments)]
 fn copy_engine_collective(
     py: Python<'_>,
@@ -1123,6 +1196,7 @@ fn copy_engine_collective(
     dtype: &str,
     ctas: u32,
     stream: usize,
+    chunks: Option<u64>,
 ) -> PyResult<()> {
     let kind = match kind {
         "all_reduce" => copy_engine::Plain::AllReduce,
@@ -1144,6 +1218,7 @@ fn copy_engine_collective(
             bytes,
             dtype,
             ctas,
+            chunks,
             stream::from_handle(stream),
         )
     })
@@ -1163,9 +1238,12 @@ fn collective_kind(name: &str) -> PyResult<CollectiveKind> {
 
 /// Registers a measured curve (input bytes per rank, microseconds) of
 /// `collective` for devices with `sms` SMs at `world_size` ranks: the
-/// overlapped groups' (this library's capped NCCL communicator) where
-/// `overlapped`, else the sequential schedule's; plans made afterwards use it.
+/// overlapped groups' where `overlapped` (this library's capped NCCL
+/// communicator, or with `copy_engine_ctas` the copy-engine exchange of one
+/// group summed on that many CTAs), else the sequential schedule's; plans
+/// made afterwards use it.
 #[pyfunction]
+#[pyo3(signature = (sms, world_size, collective, overlapped, bytes, us, copy_engine_ctas=None))]
 fn register_collective_curve(
     sms: u32,
     world_size: u32,
@@ -1173,6 +1251,7 @@ fn register_collective_curve(
     overlapped: bool,
     bytes: Vec<u64>,
     us: Vec<f64>,
+    copy_engine_ctas: Option<u32>,
 ) -> PyResult<()> {
     if bytes.len() != us.len() {
         return Err(PyValueError::new_err(format!(
@@ -1183,7 +1262,17 @@ fn register_collective_curve(
     }
     let samples: Vec<(u64, f64)> = bytes.into_iter().zip(us).collect();
     let kind = collective_kind(collective)?;
-    profile::register_curve(sms, world_size, kind, overlapped, &samples).map_err(to_py)
+    let of = match (overlapped, copy_engine_ctas) {
+        (false, None) => profile::CurveOf::Sequential,
+        (true, None) => profile::CurveOf::NcclGroup,
+        (true, Some(ctas)) => profile::CurveOf::CopyEngineGroup { ctas },
+        (false, Some(_)) => {
+            return Err(PyValueError::new_err(
+                "copy_engine_ctas: only the overlapped groups run on the copy engines",
+            ))
+        }
+    };
+    profile::register_curve(sms, world_size, kind, of, &samples).map_err(to_py)
 }
 
 /// Registers a measured GEMM time: `kernel` ("sm80", "sm90_n128",
@@ -1220,6 +1309,10 @@ fn profile_counts() -> (usize, usize) {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlan>()?;
     m.add("NCCL_RESERVED_SMS", gar::NCCL_RESERVED_SMS)?;
+    m.add(
+        "COPY_ENGINE_RESERVED_SMS",
+        gar::COPY_ENGINE_RESERVED_SMS.to_vec(),
+    )?;
     m.add("ADD_RMSNORM_MAX_N", kernels::ADD_RMSNORM_MAX_N)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(unreorder, m)?)?;
@@ -1227,6 +1320,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gemm_reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(copy_engine_collective, m)?)?;
+    m.add_function(wrap_pyfunction!(choose_backend, m)?)?;
     m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;
     m.add_function(wrap_pyfunction!(register_collective_curve, m)?)?;
     m.add_function(wrap_pyfunction!(register_gemm_sample, m)?)?;

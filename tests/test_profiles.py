@@ -23,13 +23,18 @@ def clean(tmp_path, monkeypatch):
     profiles.reset()
 
 
-def make(world=2, nccl="2.99.1", us_scale=1.0, gemm_us=None):
+def make(world=2, nccl="2.99.1", us_scale=1.0, gemm_us=None, copy_engine_scale=None):
     key = profiles.make_key(GPU, SMS, world, nccl, "bfloat16")
     data = profiles.empty(key)
     sizes = [1 << e for e in range(16, 31)]
     for overlapped in (True, False):
         data["collectives"].append({"collective": "all_reduce", "overlapped": overlapped, "max_ctas": 24,
                                     "bytes": sizes, "us": [us_scale * (20 + b / 150e3) for b in sizes]})
+    if copy_engine_scale is not None:
+        for ctas in tune.COPY_ENGINE_CTAS:
+            data["collectives"].append({"collective": "all_reduce", "overlapped": True, "backend": "copy_engine",
+                                        "ctas": ctas, "bytes": sizes,
+                                        "us": [copy_engine_scale * (8 + b / 100e3) for b in sizes]})
     if gemm_us is not None:
         data["gemm"].append({"kernel": "cublas", "ctas": SMS, "m": 4096, "n": 8192, "k": 4096, "us": gemm_us})
     return data
@@ -58,6 +63,10 @@ def test_round_trip_and_file_name():
     (lambda d: d["collectives"][0]["us"].__setitem__(3, -1.0), "times be > 0"),
     (lambda d: d["gemm"][0].update(us=0), "gemm[0]"),
     (lambda d: d["gemm"][0].update(ctas=SMS + 1), "CTAs"),
+    (lambda d: d["collectives"][0].update(backend="rdma"), "backend must be"),
+    (lambda d: d["collectives"][0].update(backend="copy_engine"), "copy-engine curve"),
+    (lambda d: d["collectives"][1].update(backend="copy_engine", ctas=8), "copy-engine curve"),
+    (lambda d: d["collectives"][0].update(backend="copy_engine", ctas=0), "copy-engine curve"),
 ])
 def test_invalid_contents_are_named(mutate, why):
     data = make(gemm_us=400.0)
@@ -133,14 +142,15 @@ def test_presets():
 def test_tuning_resumes_where_it_stopped(tmp_path):
     key = profiles.make_key(GPU, SMS, 2, "2.99.1", "bfloat16")
     items = tune.collective_items(["all_reduce", "gemm"], 2) + tune.gemm_items([(4096, 8192, 4096)], ["sm90_n128"], SMS)
-    assert len(items) == 2 + 1 + len(tune.RESERVATIONS)
+    ce = len(tune.COPY_ENGINE_CTAS)
+    assert len(items) == 2 + ce + 1 + len(tune.RESERVATIONS)
     path = tmp_path / "p.json"
     measured = []
 
     class Interrupted(Exception):
         pass
 
-    stop_at = [4]
+    stop_at = [4 + ce]
 
     def measure(item):
         measured.append(item)
@@ -148,24 +158,31 @@ def test_tuning_resumes_where_it_stopped(tmp_path):
             raise Interrupted
         if item["kind"] == "gemm":
             return 100.0 + len(measured)
+        if item.get("backend") == "copy_engine":
+            return {"bytes": [1 << 16, 1 << 20], "us": [5.0 + item["ctas"], 9.0]}
         return {"max_ctas": 24, "bytes": [1 << 16, 1 << 20], "us": [20.0, 30.0]}
 
     profile = tune._start_profile(path, key, fresh=False)
     with pytest.raises(Interrupted):
         tune.run_items(profile, items, measure, lambda p: profiles.write(path, p), None)
     resumed = tune._start_profile(path, key, fresh=False)
-    assert len(resumed["collectives"]) == 2 and len(resumed["gemm"]) == 1
+    assert len(resumed["collectives"]) == 2 + ce and len(resumed["gemm"]) == 1
+    # Each copy-engine curve is kept apart by its reduction CTAs.
+    assert sorted(c["ctas"] for c in resumed["collectives"] if c.get("backend") == "copy_engine") == sorted(
+        tune.COPY_ENGINE_CTAS)
     measured.clear()
     stop_at[0] = 0
     progress = tune.Progress(len(items), sum(tune.item_done(resumed, i) for i in items), stream=open(tmp_path / "log", "w"))
     tune.run_items(resumed, items, measure, lambda p: profiles.write(path, p), progress)
     # Only what the interrupted run had not saved: the item it was measuring and the rest.
-    assert len(measured) == len(items) - 3
+    assert len(measured) == len(items) - 3 - ce
     final = profiles.read(path)
     assert all(tune.item_done(final, i) for i in items)
     assert "ETA" in progress.line("x") and f"{len(items)}/{len(items)}" in progress.line("x")
     assert tune._start_profile(path, key, fresh=True)["gemm"] == []
-    assert "sm90_n128" in tune.summary(final)
+    assert "sm90_n128" in tune.summary(final) and "copy engines (sums on 8 CTAs)" in tune.summary(final)
+    # Off one node there is nothing to measure on the copy engines.
+    assert all("backend" not in i for i in tune.collective_items(["all_reduce"], 2, copy_engine=False))
 
 
 def test_show_prints_the_plan_and_its_profile(capsys):
@@ -226,3 +243,65 @@ def test_overlapped_curves_of_another_cta_cap_are_skipped(caplog):
     profiles.reset()
     profiles.load_for_device(GPU, SMS, "2.99.1", max_ctas=24)
     assert _core.profile_counts()[0] == 2
+
+
+def test_copy_engine_curves_do_not_depend_on_nccl():
+    save(make(copy_engine_scale=1.0))
+    profiles.load_for_device(GPU, SMS, "2.18.0")
+    # The NCCL curves are another version's; the copy-engine ones still hold.
+    assert _core.profile_counts() == (len(tune.COPY_ENGINE_CTAS), 0)
+
+
+@pytest.mark.parametrize("op", ["gemm_all_reduce", "gemm_reduce_scatter"])
+def test_auto_backend_follows_the_measured_curves(op):
+    """Backend "auto" is the backend whose plan the predictor times faster: measured copy-engine
+    curves 50x slower than NCCL's make it NCCL, 50x faster make it the copy engines."""
+    shape, both = (8192, 8192, 3584), ["nccl", "copy_engine"]
+    if op == "gemm_all_reduce":
+        options = ("auto", None, None, 16, None, None, "auto", "auto", False)
+    else:
+        options = ("auto", None, None, 16, None, "auto")
+
+    def choose(allowed=both):
+        return _core.choose_backend(op, *shape, 2, "bfloat16", SMS, 9, options, allowed)
+
+    for scale, expected in ((50.0, "nccl"), (1 / 50.0, "copy_engine")):
+        profiles.reset()
+        data = make(copy_engine_scale=scale)
+        for c in list(data["collectives"]):
+            data["collectives"].append(dict(c, collective="reduce_scatter"))
+        save(data)
+        profiles.load_for_device(GPU, SMS, "2.99.1")
+        assert choose() == expected, scale
+    # Only one backend allowed: that one, whatever the curves say.
+    assert choose(["nccl"]) == "nccl"
+    with pytest.raises(ValueError, match="backend"):
+        choose(["rdma"])
+    with pytest.raises(ValueError, match="no backend"):
+        choose([])
+    with pytest.raises(ValueError, match="op"):
+        _core.choose_backend("gemm", *shape, 2, "bfloat16", SMS, 9, options, both)
+
+
+def test_auto_backend_of_all_to_all_needs_the_matrix():
+    options = (1, None, None, "auto")
+    matrix = [[4096, 4096], [4096, 4096]]
+    chosen = _core.choose_backend("gemm_all_to_all", 0, 8192, 4096, 2, "bfloat16", SMS, 9, options,
+                                  ["nccl", "copy_engine"], matrix)
+    assert chosen in ("nccl", "copy_engine")
+    with pytest.raises(ValueError, match="matrix"):
+        _core.choose_backend("gemm_all_to_all", 0, 8192, 4096, 2, "bfloat16", SMS, 9, options,
+                             ["nccl", "copy_engine"])
+
+
+def test_planning_without_a_gpu_resolves_auto_by_prediction():
+    """plan_gemm_all_reduce(backend="auto") is the plan of the backend predicted faster: the
+    same as asking for that backend by name."""
+    for shape in ((4096, 8192, 4096), (16384, 8192, 1024), (2048, 8192, 14336)):
+        auto = flashoverlap.plan_gemm_all_reduce(*shape, 2, backend="auto")
+        named = [flashoverlap.plan_gemm_all_reduce(*shape, 2, backend=b) for b in ("nccl", "copy_engine")]
+        assert auto.predicted_us in {p.predicted_us for p in named}
+        assert auto.predicted_us <= 1.1 * min(p.predicted_us for p in named)
+    # Beyond one node (more than 8 GPUs) only NCCL is a choice.
+    big = flashoverlap.plan_gemm_all_reduce(4096, 8192, 4096, 16, backend="auto")
+    assert big.predicted_us == flashoverlap.plan_gemm_all_reduce(4096, 8192, 4096, 16, backend="nccl").predicted_us

@@ -5,7 +5,7 @@ from ._core import Plan, version as _version
 from ._env import configure_logging as _configure_logging
 from .collectives import all_reduce, reduce_scatter
 from .communicator import Communicator, destroy_communicators, get_communicator
-from .ops import (compile_kernels, gemm, gemm_all_reduce, gemm_all_reduce_rmsnorm, gemm_all_to_all,
+from .ops import (backend_of, compile_kernels, gemm, gemm_all_reduce, gemm_all_reduce_rmsnorm, gemm_all_to_all,
                   gemm_reduce_scatter, plan_of, reduce_scatter_plan_of)
 from .peer_norm import all_reduce_rmsnorm, destroy_peer_groups
 from .planning import AllToAllPrediction, plan_gemm_all_reduce, plan_gemm_all_to_all
@@ -19,6 +19,7 @@ __all__ = [
     "Plan",
     "all_reduce",
     "all_reduce_rmsnorm",
+    "backend_of",
     "compile_kernels",
     "destroy_communicators",
     "destroy_peer_groups",

@@ -41,6 +41,7 @@ class Plan:
     def describe(self) -> str: ...
 
 NCCL_RESERVED_SMS: int
+COPY_ENGINE_RESERVED_SMS: list[int]
 """SMs the NCCL backend leaves free of GEMM CTAs when FLASHOVERLAP_RESERVED_SMS is unset."""
 ADD_RMSNORM_MAX_N: int
 """The widest row (hidden size) the fused add + RMSNorm takes."""
@@ -148,8 +149,14 @@ RsOptions = tuple[str, Optional[int], Optional[int], int, Optional[str], str]
 """GEMM + ReduceScatter options: (mode, bands_per_group, reserved_sms, max_groups, kernel)."""
 
 def copy_engine_collective(
-    group_name: str, kind: str, src: int, out: int, bytes: int, dtype: str, ctas: int, stream: int
+    group_name: str, kind: str, src: int, out: int, bytes: int, dtype: str, ctas: int, stream: int,
+    chunks: Optional[int] = None
 ) -> None: ...
+def choose_backend(
+    op: str, m: int, n: int, k: int, world_size: int, dtype: str, sms: int, major: int, options: tuple,
+    allowed: list[str], matrix: Optional[list[list[int]]] = None
+) -> str:
+    """Of `allowed`, the backend whose plan is predicted fastest for the call (needs no GPU)."""
 def communicator_rs_plan(
     group_name: str, m: int, n: int, k: int, dtype: str, stream: int, options: RsOptions
 ) -> dict[str, object]: ...
@@ -168,7 +175,7 @@ def gemm_reduce_scatter(
 ) -> str: ...
 def reduce_scatter(group_name: str, send: int, recv: int, recv_count: int, dtype: str, stream: int) -> None: ...
 def register_collective_curve(sms: int, world_size: int, collective: str, overlapped: bool, bytes: list[int],
-                              us: list[float]) -> None:
+                              us: list[float], copy_engine_ctas: Optional[int] = None) -> None:
     """A measured curve (input bytes per rank -> us) of "all_reduce" or "reduce_scatter" for
     devices with `sms` SMs at `world_size` ranks: the overlapped groups' (flashoverlap's capped
     communicator) or the sequential schedule's; plans made afterwards use it."""

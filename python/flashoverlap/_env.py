@@ -38,8 +38,8 @@ def reserved_sms() -> int | None:
 
 def backend() -> str:
     """FLASHOVERLAP_BACKEND: what moves the bytes of the overlapped collectives when an op is not
-    told: "auto" (default: copy engines where every rank is on one node, else NCCL), "nccl" or
-    "copy_engine"."""
+    told: "auto" (default: per shape, whichever the predictor times faster; NCCL alone off one
+    node), "nccl" or "copy_engine"."""
     v = os.environ.get("FLASHOVERLAP_BACKEND", "").strip().lower() or "auto"
     if v not in BACKENDS:
         raise ValueError(f"FLASHOVERLAP_BACKEND: expected one of {BACKENDS}, got {v!r}")

@@ -185,7 +185,7 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     comm = flashoverlap.get_communicator()
     facts = {"schedule": plan.schedule, "groups": len(plan.groups), "predicted_us": plan.predicted_us,
              "rel": rel, "rel_forced": rel_forced, "forced_groups": len(forced_plan.groups),
-             "backend": ops._resolve_backend(comm, None), "schedule_nccl": nccl_plan.schedule}
+             "backend": ops.backend_of(xs[0], ws[0], communicator=comm), "schedule_nccl": nccl_plan.schedule}
     return times, facts
 
 

@@ -65,18 +65,46 @@ def _gemm_fake(x: torch.Tensor, weight: torch.Tensor, kernel: Optional[str] = No
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _allowed_backends(comm: Communicator) -> list[str]:
+    """The backends a communicator can run: NCCL where it has NCCL, the copy engines where every
+    rank is on one node."""
+    return [b for b, ok in (("nccl", comm.nccl), ("copy_engine", comm.one_node)) if ok]
+
+
 def _resolve_backend(comm: Communicator, backend: Optional[str]) -> str:
-    """The backend a call runs: the caller's, else FLASHOVERLAP_BACKEND; "auto" is the copy
-    engines where every rank is on one node, else NCCL."""
+    """The backend a call runs: the caller's, else FLASHOVERLAP_BACKEND. "auto" stays "auto" where
+    the communicator can run both (the op then asks the predictor per shape: `_auto_backend`),
+    else it is the one the communicator can run."""
     if backend is None:
         backend = _env.backend()
     _check_backend(backend)
     if backend == "auto":
-        return "copy_engine" if comm.one_node else "nccl"
+        allowed = _allowed_backends(comm)
+        return allowed[0] if len(allowed) == 1 else "auto"
     if backend == "nccl" and not comm.nccl:
         raise ValueError(f"backend: communicator {comm.name!r} was made without NCCL (nccl=False); "
                          "use backend='copy_engine' or 'auto'")
     return backend
+
+
+_BACKEND_CHOICES: "OrderedDict[tuple, str]" = OrderedDict()
+
+
+def _auto_backend(comm: Communicator, op: str, m: int, n: int, k: int, dtype: str, options: tuple,
+                  matrix=None) -> str:
+    """The backend "auto" runs for this call: the one whose plan the predictor times fastest for
+    the shape (the same on every rank: same shape, same profiles), remembered for the 256 most
+    recent calls."""
+    key = (comm.name, op, m, n, k, dtype, options, None if matrix is None else tuple(map(tuple, matrix)))
+    hit = _BACKEND_CHOICES.pop(key, None)
+    if hit is None:
+        props = torch.cuda.get_device_properties(comm.device)
+        hit = _core.choose_backend(op, m, n, k, comm.world_size, dtype, props.multi_processor_count, props.major,
+                                   options, _allowed_backends(comm), matrix)
+    _BACKEND_CHOICES[key] = hit
+    while len(_BACKEND_CHOICES) > 256:
+        _BACKEND_CHOICES.popitem(last=False)
+    return hit
 
 
 def _resolve_order(order: Optional[str]) -> str:
@@ -120,6 +148,9 @@ def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, b
         mode, bands_per_group = "sequential", None
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
     plan_args = _op_options(mode, bands_per_group, kernel, backend, order, norm is not None)
+    if backend == "auto":
+        backend = _auto_backend(comm, "gemm_all_reduce", m, n, k, dtype, plan_args)
+        plan_args = _op_options(mode, bands_per_group, kernel, backend, order, norm is not None)
     if backend == "copy_engine" and mode != "sequential":
         comm.ensure_peer_buffers(out.numel() * out.element_size())
 
@@ -232,6 +263,9 @@ def _gemm_reduce_scatter_impl(x: torch.Tensor, weight: torch.Tensor, group_name:
         mode, bands_per_group = "sequential", None
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
     options = _rs_options(mode, bands_per_group, kernel, backend)
+    if backend == "auto":
+        backend = _auto_backend(comm, "gemm_reduce_scatter", m, n, k, dtype, options)
+        options = _rs_options(mode, bands_per_group, kernel, backend)
     plan = _core.communicator_rs_plan(comm.name, m, n, k, dtype, stream, options)
     if plan["schedule"] == "overlap":
         if backend == "copy_engine":
@@ -344,7 +378,7 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
         check_groups(groups)
     explicit = backend not in (None, "auto")
     backend = _resolve_backend(comm, backend)
-    if backend == "copy_engine" and flat is None:
+    if backend != "nccl" and flat is None:
         # Every rank must size the staging slots alike: only the whole matrix says how.
         if explicit:
             raise ValueError("backend: the copy-engine All-to-All needs split_matrix (every rank sizes its "
@@ -355,6 +389,10 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
     _nvrtc.ensure_loaded()
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
     reserved = _env.reserved_sms()
+    if backend == "auto":
+        matrix = [flat[p * world:(p + 1) * world] for p in range(world)]
+        backend = _auto_backend(comm, "gemm_all_to_all", m, n, k, dtype, (groups or 1, reserved, kernel, "auto"),
+                                matrix)
     no_exchange = backend == "nccl" and not comm.nccl
     if groups is None or no_exchange:
         schedule, groups = ("overlap", DEFAULT_A2A_GROUPS) if flat is None else _a2a_choice(
@@ -505,7 +543,8 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
     kernel: the GEMM kernel, as for :func:`gemm`.
     backend: what moves each group's bytes: "copy_engine" (copies into peers' memory on the copy
       engines, and a sum on the few SMs the GEMM leaves free; every rank on one node), "nccl"
-      (ncclAllReduce), or "auto" (copy engines where possible, else NCCL); default:
+      (ncclAllReduce), or "auto" (per shape, whichever the predictor times faster; NCCL alone off
+      one node; :func:`backend_of` says which); default:
       FLASHOVERLAP_BACKEND, else "auto". The first call of a larger output with the copy engines
       grows the peer buffers, collectively. Where the plan falls back to running the GEMM then
       the AllReduce, the AllReduce is the group's own (NCCL) whatever the backend.
@@ -527,13 +566,41 @@ def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, c
     with ``fused_norm=True``, the plan ``gemm_all_reduce_rmsnorm`` runs (banded, the norm charged to
     each group)."""
     m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order)
-    backend = _resolve_backend(comm, backend)
-    order = _resolve_order(order)
+    order = "banded" if fused_norm else _resolve_order(order)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
-    options = _op_options(mode, bands_per_group, kernel, backend, "banded" if fused_norm else order,
-                          bool(fused_norm))
+    backend = _call_backend(comm, "gemm_all_reduce", m, n, k, dtype_name(x.dtype), backend,
+                            _op_options(mode, bands_per_group, kernel, "auto", order, bool(fused_norm)))
+    options = _op_options(mode, bands_per_group, kernel, backend, order, bool(fused_norm))
     return _core.communicator_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), options)
+
+
+def _call_backend(comm: Communicator, op: str, m: int, n: int, k: int, dtype: str, backend: Optional[str],
+                  options: tuple) -> str:
+    """The backend a GEMM + AllReduce or ReduceScatter call of this shape runs (auto resolved)."""
+    backend = _resolve_backend(comm, backend)
+    return _auto_backend(comm, op, m, n, k, dtype, options) if backend == "auto" else backend
+
+
+def backend_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
+               op: str = "gemm_all_reduce", mode: str = "auto", bands_per_group: Optional[int] = None,
+               kernel: Optional[str] = None, backend: Optional[str] = None, order: Optional[str] = None) -> str:
+    """The backend ("nccl" or "copy_engine") that ``gemm_all_reduce`` (op="gemm_all_reduce") or
+    ``gemm_reduce_scatter`` (op="gemm_reduce_scatter") runs for these arguments: "auto" is decided
+    per shape by the predictor, like the op does."""
+    if op not in ("gemm_all_reduce", "gemm_reduce_scatter"):
+        raise ValueError(f"op: expected 'gemm_all_reduce' or 'gemm_reduce_scatter', got {op!r}")
+    if op == "gemm_all_reduce":
+        m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend,
+                                      order)
+    else:
+        comm = _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
+        m, n, k = _rs_shape(x, weight, comm.world_size)
+    if _env.force_sequential():
+        mode, bands_per_group = "sequential", None
+    options = (_op_options(mode, bands_per_group, kernel, "auto", _resolve_order(order), False)
+               if op == "gemm_all_reduce" else _rs_options(mode, bands_per_group, kernel, "auto"))
+    return _call_backend(comm, op, m, n, k, dtype_name(x.dtype), backend, options)
 
 
 def compile_kernels(arch: str) -> "list[tuple[str, str, int]]":
@@ -569,7 +636,10 @@ def reduce_scatter_plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLi
     m, n, k = _rs_shape(x, weight, comm.world_size)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
-    options = _rs_options(mode, bands_per_group, kernel, _resolve_backend(comm, backend))
+    dtype = dtype_name(x.dtype)
+    backend = _call_backend(comm, "gemm_reduce_scatter", m, n, k, dtype, backend,
+                            _rs_options(mode, bands_per_group, kernel, "auto"))
+    options = _rs_options(mode, bands_per_group, kernel, backend)
     return _core.communicator_rs_plan(comm.name, m, n, k, dtype_name(x.dtype), _stream_handle(x.device), options)
 
 
@@ -626,8 +696,8 @@ def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, ou
     backend: "copy_engine" (each group's rows copied into their receivers' staging slots, and from
       there into the output, all on the copy engines: the GEMM keeps every SM; needs split_matrix,
       from which every rank sizes the slots alike), "nccl" (send/receive per peer), or "auto"
-      (default, FLASHOVERLAP_BACKEND: the copy engines where every rank is on one node and
-      split_matrix is given, else NCCL). Without NCCL (a communicator made with nccl=False) and
+      (default, FLASHOVERLAP_BACKEND: with split_matrix and every rank on one node, whichever the
+      predictor times faster for the routing; else NCCL). Without NCCL (a communicator made with nccl=False) and
       without split_matrix: torch.matmul then all_to_all_single.
     Splits are checked (one entry per rank, ints >= 0, input summing to T). Capturable in CUDA
     graphs once the op has run with the same split sizes outside capture (its tables are made then

@@ -8,6 +8,7 @@ import torch
 
 from . import _core, _env
 from ._validation import check_split_matrix, dtype_name
+from .communicator import MAX_PEER_WORLD
 
 
 def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torch.dtype = torch.bfloat16,
@@ -19,7 +20,8 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
     """The GEMM + AllReduce plan for out[m, n] = x[m, k] @ w[n, k]^T over ``world_size`` GPUs with
     ``sms`` multiprocessors (default: an H200). raster_bands: row bands per L2 raster block of the
     tile order inside each group (default: the planner's choice). backend: "nccl", "copy_engine"
-    or "auto" (the copy engines up to 8 GPUs, taken to be one node; NCCL beyond). order: "banded"
+    or "auto" (whichever the predictor times faster for the shape; the copy engines are a choice
+    up to 8 GPUs, taken to be one node). order: "banded"
     (groups of whole row bands, reduced in place), "swizzled" (groups of whole waves in one raster
     over the output, reduced in a staging buffer and un-reordered) or "auto" (the faster
     prediction). Needs no GPU."""
@@ -29,8 +31,6 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
         raise ValueError(f"backend: expected one of {_env.BACKENDS}, got {backend!r}")
     if order not in _env.ORDERS:
         raise ValueError(f"order: expected one of {_env.ORDERS}, got {order!r}")
-    if backend == "auto":
-        backend = "copy_engine" if isinstance(world_size, int) and world_size <= 8 else "nccl"
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
     max_groups = _env.max_groups() if max_groups is None else max_groups
     for name, value, least in (("m", m, 1), ("n", n, 1), ("k", k, 1), ("world_size", world_size, 1), ("sms", sms, 1),
@@ -42,6 +42,11 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
         if not least <= value < 2**31:
             raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
+    if backend == "auto":
+        allowed = ["nccl", "copy_engine"] if world_size <= MAX_PEER_WORLD else ["nccl"]
+        options = (mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands, "auto", order, False)
+        backend = _core.choose_backend("gemm_all_reduce", m, n, k, world_size, dtype_name(dtype), sms,
+                                       compute_capability[0], options, allowed)
     return _core.plan_gemm_all_reduce(m, n, k, world_size, dtype_name(dtype), sms, compute_capability[0], mode,
                                       bands_per_group, reserved_sms, max_groups, kernel, raster_bands, backend,
                                       order)

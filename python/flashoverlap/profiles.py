@@ -13,13 +13,15 @@ A profile file holds one (GPU model, SM count, world size, NCCL version, dtype) 
 
 ``overlapped``: the curve of the wave groups' collectives (this library's NCCL communicator,
 capped to ``max_ctas``); else of the sequential schedule's collective (the ProcessGroup's own
-communicator). GEMM kernel "cublas" is torch.matmul, the sequential schedule's GEMM.
+communicator). An overlapped curve with ``"backend": "copy_engine"`` and ``"ctas": C`` is one
+wave group's exchange on the copy engines with its sums on C CTAs (what backend "auto" weighs
+against NCCL). GEMM kernel "cublas" is torch.matmul, the sequential schedule's GEMM.
 
 Files live in ``<FLASHOVERLAP_CACHE_DIR>/profiles-v1/`` (written by `tune`) and in the package
 (``flashoverlap/profiles/``, measured by the developers); a cache file wins over a bundled one of
 the same key. A file that is corrupt, of another schema, or for another GPU is reported once
-(logger "flashoverlap") and ignored; collective curves of another NCCL version are ignored the
-same way (GEMM times do not depend on NCCL). Nothing here ever raises into an op.
+(logger "flashoverlap") and ignored; NCCL curves of another NCCL version are ignored the same way
+(GEMM times and copy-engine curves do not depend on NCCL). Nothing here ever raises into an op.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from . import _core
 
 SCHEMA = 1
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
+# Collectives whose wave groups the copy-engine backend sums (All-to-All only moves rows).
+COPY_ENGINE_COLLECTIVES = ("all_reduce", "reduce_scatter")
 DTYPES = ("bfloat16", "float16")
 _log = logging.getLogger("flashoverlap")
 _reported: set[str] = set()
@@ -91,11 +95,23 @@ def validate(data: Any) -> None:
             raise ValueError(f"collectives[{i}]: bytes and us must be lists of equal length >= 2")
         if not all(_positive(v) for v in b + t) or any(x >= y for x, y in zip(b, b[1:])):
             raise ValueError(f"collectives[{i}]: sizes must increase and times be > 0")
+        if backend_of(c) not in ("nccl", "copy_engine"):
+            raise ValueError(f"collectives[{i}]: backend must be 'nccl' or 'copy_engine'")
+        if backend_of(c) == "copy_engine" and not (
+                c["overlapped"] and c["collective"] in COPY_ENGINE_COLLECTIVES
+                and isinstance(c.get("ctas"), int) and not isinstance(c["ctas"], bool) and c["ctas"] >= 1):
+            raise ValueError(f"collectives[{i}]: a copy-engine curve is an overlapped "
+                             f"{' or '.join(COPY_ENGINE_COLLECTIVES)} with ctas >= 1")
     for i, g in enumerate(data.get("gemm", [])):
         if not isinstance(g.get("kernel"), str) or not all(_positive(g.get(f)) for f in ("ctas", "m", "n", "k", "us")):
             raise ValueError(f"gemm[{i}]: needs kernel, ctas, m, n, k and us > 0")
         if g["ctas"] > key["sms"]:
             raise ValueError(f"gemm[{i}]: {g['ctas']} CTAs on a {key['sms']}-SM GPU")
+
+
+def backend_of(curve: dict[str, Any]) -> str:
+    """What moved a curve's bytes (files before copy-engine curves say nothing: NCCL)."""
+    return curve.get("backend", "nccl")
 
 
 def _report_once(path: Path, why: str) -> None:
@@ -142,22 +158,27 @@ def candidates() -> Iterable[Path]:
 
 def register(data: dict[str, Any], nccl: Optional[str], max_ctas: Optional[int] = None,
              path: Optional[Path] = None) -> tuple[int, int]:
-    """Hands a validated profile to the planner: its GEMM times, and its collective curves where
-    `nccl` (this process's NCCL version) is the one they were measured with. An overlapped curve
-    measured under another CTA cap than `max_ctas` (the communicator's, when given) times another
-    collective and is skipped (reported once). Returns (curves, GEMM samples) registered."""
+    """Hands a validated profile to the planner: its GEMM times, its copy-engine curves, and its
+    NCCL curves where `nccl` (this process's NCCL version) is the one they were measured with. An
+    overlapped NCCL curve measured under another CTA cap than `max_ctas` (the communicator's, when
+    given) times another collective and is skipped (reported once). Returns (curves, GEMM
+    samples) registered."""
     key = data["key"]
     curves = 0
-    if nccl == key["nccl"]:
-        for c in data["collectives"]:
-            if c["overlapped"] and max_ctas is not None and c.get("max_ctas") not in (None, max_ctas):
-                _report_once(path or Path(file_name(key)),
-                             f"its overlapped {c['collective']} curve was measured with NCCL capped to "
-                             f"{c['max_ctas']} CTAs, this communicator caps to {max_ctas}; not used")
-                continue
-            _core.register_collective_curve(key["sms"], key["world_size"], c["collective"], c["overlapped"],
-                                            [int(b) for b in c["bytes"]], [float(t) for t in c["us"]])
-            curves += 1
+    for c in data["collectives"]:
+        copy_engine = backend_of(c) == "copy_engine"
+        if not copy_engine and nccl != key["nccl"]:
+            continue
+        if (not copy_engine and c["overlapped"] and max_ctas is not None
+                and c.get("max_ctas") not in (None, max_ctas)):
+            _report_once(path or Path(file_name(key)),
+                         f"its overlapped {c['collective']} curve was measured with NCCL capped to "
+                         f"{c['max_ctas']} CTAs, this communicator caps to {max_ctas}; not used")
+            continue
+        _core.register_collective_curve(key["sms"], key["world_size"], c["collective"], c["overlapped"],
+                                        [int(b) for b in c["bytes"]], [float(t) for t in c["us"]],
+                                        c["ctas"] if copy_engine else None)
+        curves += 1
     for g in data["gemm"]:
         _core.register_gemm_sample(g["kernel"], key["dtype"], key["sms"], int(g["ctas"]), int(g["m"]), int(g["n"]),
                                    int(g["k"]), float(g["us"]))
@@ -190,9 +211,9 @@ def load_for_device(gpu: str, sms: int, nccl: Optional[str] = None, max_ctas: Op
         if data is None or data["key"]["gpu"] != gpu or data["key"]["sms"] != sms:
             continue
         seen.add(path.name)
-        if data["collectives"] and nccl != data["key"]["nccl"]:
-            _report_once(path, f"its collective curves were measured with NCCL {data['key']['nccl']}, "
-                               f"this process has {nccl}; using its GEMM times only")
+        if any(backend_of(c) == "nccl" for c in data["collectives"]) and nccl != data["key"]["nccl"]:
+            _report_once(path, f"its NCCL curves were measured with NCCL {data['key']['nccl']}, "
+                               f"this process has {nccl}; using its GEMM times and copy-engine curves only")
         register(data, nccl, max_ctas, path)
         used.append(path)
         _digest.update(f"{path.name}:{nccl}:{max_ctas}:".encode())

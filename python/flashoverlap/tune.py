@@ -7,7 +7,9 @@ ranks for collectives):
 * per collective (AllReduce, ReduceScatter) at the world size, the time vs input size from
   64 KiB to 512 MiB (two samples per octave), twice: on flashoverlap's capped NCCL
   communicator (what each wave group's collective costs) and on the ProcessGroup's own
-  (what the sequential schedule's one collective costs);
+  (what the sequential schedule's one collective costs); where every rank is on one node, also
+  one wave group's exchange on the copy engines with its sums on 4, 8 and 16 CTAs (what backend
+  "auto" weighs against NCCL);
 * per shape, flashoverlap's GEMM kernels on the CTA counts the planner may give them (every SM
   minus 24, 16, 8 or 4 reserved), and torch.matmul on all SMs.
 
@@ -26,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from . import profiles
+from . import _core, profiles
 
 # Row-parallel layers of Llama-3-70B (hidden 8192, MLP 28672) under tensor parallelism: the
 # attention output projection (K = 8192 / TP) and the MLP down projection (K = 28672 / TP).
@@ -34,6 +36,8 @@ PRESET_MODELS = {"llama-3-70b": (8192, 28672), "llama-3-8b": (4096, 14336)}
 PRESET_TOKENS = (2048, 4096, 8192, 16384)
 SIZES = sorted({int(f * (1 << e)) for e in range(16, 30) for f in (1.0, 1.5)})
 RESERVATIONS = (24, 16, 8, 4)
+# Reduction CTAs of the copy-engine curves: the SM reservations that backend may plan with.
+COPY_ENGINE_CTAS = tuple(_core.COPY_ENGINE_RESERVED_SMS)
 
 
 def preset_shapes(name: str) -> tuple[int, list[tuple[int, int, int]]]:
@@ -59,26 +63,37 @@ def gemm_items(shapes: Sequence[tuple[int, int, int]], kernels: Sequence[str], s
     return items
 
 
-def collective_items(ops: Sequence[str], world: int) -> list[dict]:
+def collective_items(ops: Sequence[str], world: int, copy_engine: bool = True) -> list[dict]:
+    """NCCL curves of each collective in `ops` (overlapped and sequential), then the copy-engine
+    curves of those the copy engines sum (where `copy_engine`: every rank on one node)."""
     if world < 2:
         return []
-    return [{"kind": "collective", "collective": op, "overlapped": o} for op in ops if op in profiles.COLLECTIVES
-            for o in (True, False)]
+    items = [{"kind": "collective", "collective": op, "overlapped": o} for op in ops if op in profiles.COLLECTIVES
+             for o in (True, False)]
+    if copy_engine:
+        items += [{"kind": "collective", "collective": op, "overlapped": True, "backend": "copy_engine", "ctas": c}
+                  for op in ops if op in profiles.COPY_ENGINE_COLLECTIVES for c in COPY_ENGINE_CTAS]
+    return items
+
+
+_CURVE_FIELDS = ("collective", "overlapped", "backend", "ctas")
+
+
+def _curve_id(c: dict) -> tuple:
+    return (c["collective"], c["overlapped"], profiles.backend_of(c), c.get("ctas"))
 
 
 def item_done(profile: dict, item: dict) -> bool:
     if item["kind"] == "gemm":
         return any(all(g[f] == item[f] for f in ("kernel", "ctas", "m", "n", "k")) for g in profile["gemm"])
-    return any(c["collective"] == item["collective"] and c["overlapped"] == item["overlapped"]
-               for c in profile["collectives"])
+    return any(_curve_id(c) == _curve_id(item) for c in profile["collectives"])
 
 
 def record(profile: dict, item: dict, value: Any) -> None:
     if item["kind"] == "gemm":
         profile["gemm"].append({f: item[f] for f in ("kernel", "ctas", "m", "n", "k")} | {"us": value})
     else:
-        profile["collectives"].append({"collective": item["collective"], "overlapped": item["overlapped"],
-                                       **value})
+        profile["collectives"].append({f: item[f] for f in _CURVE_FIELDS if f in item} | value)
 
 
 class Progress:
@@ -122,6 +137,8 @@ def run_items(profile: dict, items: list[dict], measure: Callable[[dict], Any], 
 def label(item: dict) -> str:
     if item["kind"] == "gemm":
         return f"gemm {item['kernel']} {item['m']}x{item['n']}x{item['k']} @{item['ctas']} CTAs"
+    if profiles.backend_of(item) == "copy_engine":
+        return f"{item['collective']} (copy engines, sums on {item['ctas']} CTAs)"
     return f"{item['collective']} ({'overlapped' if item['overlapped'] else 'sequential'})"
 
 
@@ -129,6 +146,8 @@ def summary(profile: dict) -> str:
     lines = [f"# profile {profiles.file_name(profile['key'])}"]
     for c in profile["collectives"]:
         which = "overlapped (flashoverlap's communicator)" if c["overlapped"] else "sequential (the group's own)"
+        if profiles.backend_of(c) == "copy_engine":
+            which = f"one group on the copy engines (sums on {c['ctas']} CTAs)"
         lines.append(f"{c['collective']} {which}:")
         for b, t in zip(c["bytes"], c["us"]):
             if b & (b - 1) == 0 and b >= 1 << 20:
@@ -189,6 +208,8 @@ def _measure_collective(item: dict, dtype, iters: int, comm) -> dict:
     out = torch.empty(SIZES[-1] // elem // world, device="cuda", dtype=dtype)
     full = torch.empty(SIZES[-1] // elem, device="cuda", dtype=dtype) if item["collective"] == "all_to_all" else None
     stream = torch.cuda.current_stream().cuda_stream
+    if profiles.backend_of(item) == "copy_engine":
+        return _measure_copy_engine(item, buf, name, stream, iters, comm)
     us = []
     for size in SIZES:
         count = size // elem
@@ -210,6 +231,30 @@ def _measure_collective(item: dict, dtype, iters: int, comm) -> dict:
         t = _median_us(fn, iters if size <= 64 << 20 else max(5, iters // 3))
         us.append(_max_over_ranks(t))
     return {"max_ctas": comm.max_ctas, "bytes": SIZES, "us": us}
+
+
+def _measure_copy_engine(item: dict, buf, name: str, stream: int, iters: int, comm) -> dict:
+    """One wave group's exchange on the copy engines (a single chunk, as an overlapped op moves
+    each group), its sums on item["ctas"] CTAs, vs the input bytes per rank."""
+    import torch
+    import torch.distributed as dist
+
+    from . import _core
+    from .bench import _max_over_ranks
+
+    world = dist.get_world_size()
+    kind = item["collective"]
+    # What each rank receives: the whole input (AllReduce) or its shard (ReduceScatter).
+    per_slot = SIZES[-1] if kind == "all_reduce" else SIZES[-1] // world
+    comm.ensure_peer_buffers(per_slot)
+    dst = torch.empty(per_slot // buf.element_size(), device=buf.device, dtype=buf.dtype)
+    us = []
+    for size in SIZES:
+        fn = (lambda i: _core.copy_engine_collective(comm.name, kind, buf.data_ptr(), dst.data_ptr(), size, name,
+                                                     item["ctas"], stream, 1))
+        t = _median_us(fn, iters if size <= 64 << 20 else max(5, iters // 3))
+        us.append(_max_over_ranks(t))
+    return {"bytes": SIZES, "us": us}
 
 
 def _target(key: dict, out: Optional[str]) -> Path:
@@ -238,6 +283,9 @@ def _worker(rank, world, init_method, items, dtype_name, iters, out, fresh, resu
         key = machine_key(world, dtype_name)
         path = _target(key, out)
         profile = _start_profile(path, key, fresh)
+        if not comm.one_node:
+            # Off one node the copy engines cannot reach the peers: NCCL only.
+            items = [i for i in items if profiles.backend_of(i) != "copy_engine"]
         # Every rank runs the items rank 0's file still lacks, in the same order.
         box = [[i for i in items if not item_done(profile, i)]]
         dist.broadcast_object_list(box, src=0)

@@ -319,13 +319,15 @@ pub const PLAIN_CHUNK_BYTES: u64 = 4 << 20;
 pub const MAX_PLAIN_CHUNKS: u64 = 8;
 
 /// The exchanges of a plain collective of `bytes` (a multiple of 16, and of
-/// 16 * world for ReduceScatter) over `world` ranks.
+/// 16 * world for ReduceScatter) over `world` ranks: `chunks` of them (as
+/// many as the data has vectors at most), else the default chunking.
 pub fn plain_exchanges(
     kind: Plain,
     src: u64,
     out: u64,
     bytes: u64,
     world: usize,
+    chunks: Option<u64>,
 ) -> Result<Vec<Exchange>> {
     let unit = match kind {
         Plain::AllReduce => 16,
@@ -341,10 +343,9 @@ pub fn plain_exchanges(
         Plain::ReduceScatter => bytes / world as u64,
     };
     let vectors = part / 16;
-    let chunks = part
-        .div_ceil(PLAIN_CHUNK_BYTES)
-        .clamp(1, MAX_PLAIN_CHUNKS)
-        .min(vectors.max(1));
+    let chunks = chunks
+        .unwrap_or_else(|| part.div_ceil(PLAIN_CHUNK_BYTES).clamp(1, MAX_PLAIN_CHUNKS))
+        .clamp(1, vectors.max(1));
     let stride = match kind {
         Plain::AllReduce => 0,
         Plain::ReduceScatter => part,
@@ -367,7 +368,9 @@ pub fn plain_exchanges(
 
 /// Enqueues a plain collective on the copy engines, ordered after the
 /// caller's prior work and before its later work; its sums run on `ctas`
-/// CTAs. The peer buffers must hold `bytes` (AllReduce) or `bytes / world`
+/// CTAs, in `chunks` pipelined exchanges (None: ~4 MiB each; 1 is how one
+/// wave group of an overlapped op moves, which is what `tune` times). The
+/// peer buffers must hold `bytes` (AllReduce) or `bytes / world`
 /// (ReduceScatter) per slot: the Python op grows them first.
 #[allow(clippy::too_many_arguments)]
 pub fn plain(
@@ -378,6 +381,7 @@ pub fn plain(
     bytes: u64,
     dtype: Dtype,
     ctas: u32,
+    chunks: Option<u64>,
     caller: RawStream,
 ) -> Result<()> {
     if (src == 0 || out == 0) && bytes > 0 {
@@ -390,7 +394,7 @@ pub fn plain(
     }
     crate::cuda::driver::bind(comm.device.ordinal)?;
     let world = comm.world as usize;
-    let exchanges = plain_exchanges(kind, src, out, bytes, world)?;
+    let exchanges = plain_exchanges(kind, src, out, bytes, world, chunks)?;
     if exchanges.is_empty() {
         return Ok(());
     }
@@ -440,9 +444,17 @@ mod tests {
     fn plain_chunks_cover_the_data_in_order() {
         for world in [1usize, 2, 3, 8] {
             for bytes in [16 * 24u64, 1 << 20, 64 << 20, (100 << 20) + 16 * 24] {
-                for kind in [Plain::AllReduce, Plain::ReduceScatter] {
+                for (kind, chunks) in [
+                    (Plain::AllReduce, None),
+                    (Plain::ReduceScatter, None),
+                    (Plain::AllReduce, Some(1)),
+                    (Plain::ReduceScatter, Some(3)),
+                ] {
                     let bytes = bytes - bytes % (16 * world as u64);
-                    let ex = plain_exchanges(kind, 1 << 40, 1 << 41, bytes, world).unwrap();
+                    let ex = plain_exchanges(kind, 1 << 40, 1 << 41, bytes, world, chunks).unwrap();
+                    if let Some(c) = chunks {
+                        assert_eq!(ex.len() as u64, c);
+                    }
                     let part = if kind == Plain::AllReduce {
                         bytes
                     } else {
@@ -465,8 +477,8 @@ mod tests {
                 }
             }
         }
-        assert!(plain_exchanges(Plain::AllReduce, 0, 0, 24, 2).is_err());
-        assert!(plain_exchanges(Plain::ReduceScatter, 0, 0, 16 * 3, 2).is_err());
+        assert!(plain_exchanges(Plain::AllReduce, 0, 0, 24, 2, None).is_err());
+        assert!(plain_exchanges(Plain::ReduceScatter, 0, 0, 16 * 3, 2, None).is_err());
     }
 
     #[test]

@@ -27,30 +27,12 @@ use crate::cuda::stream::{self, RawStream};
 use crate::error::{Error, Result};
 use crate::plan::{
     self, Collective, CollectiveKind, CollectiveModel, GemmAllReducePlan, HardwareModel,
-    ModeRequest, OrderRequest, PlanRequest, Schedule,
+    ModeRequest, OrderRequest, PlanRequest, Schedule, Timeline,
 };
 use std::ffi::c_void;
 use std::sync::Arc;
 
-/// What moves the bytes of each group's AllReduce.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Backend {
-    /// ncclAllReduce on the comm stream (CTAs on the reserved SMs).
-    Nccl,
-    /// Copy-engine copies into peers' staging slots plus a reduction on
-    /// the reserved SMs; ranks of one node with peer access only.
-    CopyEngine,
-}
-
-impl Backend {
-    pub fn parse(name: &str) -> Option<Self> {
-        match name {
-            "nccl" => Some(Backend::Nccl),
-            "copy_engine" => Some(Backend::CopyEngine),
-            _ => None,
-        }
-    }
-}
+pub use super::backend::Backend;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Options {
@@ -188,7 +170,8 @@ impl Machine {
                 shape: (args.m, args.n, args.k),
                 world,
                 kind,
-                nccl_overlap: self.backend == Backend::Nccl,
+                backend: self.backend,
+                reserved,
             },
         )
     }
@@ -223,7 +206,7 @@ pub const NCCL_RESERVED_SMS: u32 = 24;
 /// What the copy-engine backend may leave its reduction: 16 keeps it behind
 /// the copies; 4 or 8 suit GEMM-bound shapes, where one more wave of tiles
 /// costs more than a slower reduction that stays hidden.
-const COPY_ENGINE_RESERVED_SMS: [u32; 3] = [4, 8, 16];
+pub const COPY_ENGINE_RESERVED_SMS: [u32; 3] = [4, 8, 16];
 
 /// The plan predicted fastest over the SM reservations a call may use: the
 /// caller's, else the backend's candidates (all below `sms`, unless there is
@@ -292,6 +275,35 @@ pub fn plan_for(
         },
         |p: &GemmAllReducePlan| p.timeline.overlap_us,
     )
+}
+
+/// The predicted time of a call's schedule: the overlapped one's with the
+/// per-call cost its groups do not show, or the sequential one's.
+pub(crate) fn call_us(schedule: Schedule, timeline: &Timeline, fixed_us: f64) -> f64 {
+    match schedule {
+        Schedule::Overlap => timeline.overlap_us + fixed_us,
+        Schedule::Sequential => timeline.sequential_us,
+    }
+}
+
+/// The predicted time of the call [`plan_for`] plans (for "auto" backend choice).
+pub fn predicted_us(
+    args: &GemmArgs,
+    world: u32,
+    opts: &Options,
+    sms: u32,
+    major: i32,
+) -> Result<f64> {
+    let (kernel, plan) = plan_for(args, world, opts, sms, major)?;
+    let machine = Machine {
+        sms,
+        major,
+        backend: opts.backend,
+        reserved: plan.request.reserved_sms,
+        fused_norm: opts.fused_norm,
+    };
+    let hw = machine.model(args, world, kernel, CollectiveKind::AllReduce);
+    Ok(call_us(plan.schedule, &plan.timeline, hw.overlap_fixed_us))
 }
 
 fn prepare(

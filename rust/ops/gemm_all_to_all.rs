@@ -87,7 +87,21 @@ pub fn plan_for(
 pub struct GroupChoice {
     pub groups: u32,
     pub sequential: bool,
+    /// The chosen group count's overlapped time, per-call cost included.
+    pub overlap_us: f64,
     pub timelines: Vec<(u32, Timeline)>,
+}
+
+impl GroupChoice {
+    /// The predicted time of the schedule chosen (for "auto" backend choice).
+    pub fn predicted_us(&self) -> f64 {
+        let t = &self.timelines[self.groups as usize - 1].1;
+        if self.sequential {
+            t.sequential_us
+        } else {
+            self.overlap_us
+        }
+    }
 }
 
 /// The group count the predictor picks for the whole routing
@@ -152,6 +166,7 @@ pub fn choose_groups(
     Ok(GroupChoice {
         groups,
         sequential: overlapped >= t.sequential_us,
+        overlap_us: overlapped,
         timelines,
     })
 }

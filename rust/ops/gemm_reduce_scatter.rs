@@ -17,7 +17,7 @@
 
 use super::copy_engine::{self, Exchange};
 use super::gemm::{self, CounterSlots, GemmArgs, Signals};
-use super::gemm_all_reduce::{fastest_reservation, Backend, Machine};
+use super::gemm_all_reduce::{call_us, fastest_reservation, Backend, Machine};
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
 use crate::cuda::kernels::GemmKernel;
@@ -61,6 +61,26 @@ pub fn plan_for(
         |reserved| plan_reserving(args, world, opts, sms, major, reserved),
         |p: &ReduceScatterPlan| p.timeline.overlap_us,
     )
+}
+
+/// The predicted time of the call [`plan_for`] plans (for "auto" backend choice).
+pub fn predicted_us(
+    args: &GemmArgs,
+    world: u32,
+    opts: &Options,
+    sms: u32,
+    major: i32,
+) -> Result<f64> {
+    let (kernel, plan) = plan_for(args, world, opts, sms, major)?;
+    let machine = Machine {
+        sms,
+        major,
+        backend: opts.backend,
+        reserved: plan.request.reserved_sms,
+        fused_norm: false,
+    };
+    let hw = machine.model(args, world, kernel, CollectiveKind::ReduceScatter);
+    Ok(call_us(plan.schedule, &plan.timeline, hw.overlap_fixed_us))
 }
 
 fn plan_reserving(

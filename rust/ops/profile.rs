@@ -10,9 +10,21 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use super::backend::Backend;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::{CollectiveKind, Curve, HardwareModel};
+
+/// Which collective a curve times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CurveOf {
+    /// The sequential schedule's one collective (the ProcessGroup's own).
+    Sequential,
+    /// A wave group's collective on this library's capped NCCL communicator.
+    NcclGroup,
+    /// A wave group's exchange on the copy engines, its sums on `ctas` CTAs.
+    CopyEngineGroup { ctas: u32 },
+}
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct GemmSample {
@@ -34,8 +46,8 @@ type GemmKey = (String, Dtype, u32, u32);
 
 #[derive(Default)]
 struct Registry {
-    /// (device SMs, world size, collective, overlapped) -> time vs input bytes.
-    curves: HashMap<(u32, u32, CollectiveKind, bool), Curve>,
+    /// (device SMs, world size, collective, which) -> time vs input bytes.
+    curves: HashMap<(u32, u32, CollectiveKind, CurveOf), Curve>,
     gemms: HashMap<GemmKey, Vec<GemmSample>>,
 }
 
@@ -46,17 +58,20 @@ fn with<T>(f: impl FnOnce(&mut Registry) -> T) -> T {
     f(guard.get_or_insert_with(Registry::default))
 }
 
-/// `overlapped`: the curve of the groups' collectives while overlapping
-/// (else of the sequential schedule's one collective).
 pub fn register_curve(
     sms: u32,
     world: u32,
     kind: CollectiveKind,
-    overlapped: bool,
+    of: CurveOf,
     samples: &[(u64, f64)],
 ) -> Result<()> {
+    if of == (CurveOf::CopyEngineGroup { ctas: 0 }) {
+        return Err(Error::Invalid(
+            "curve: a copy-engine curve needs >= 1 reduction CTA".into(),
+        ));
+    }
     let curve = Curve::new(samples).map_err(|e| Error::Invalid(e.to_string()))?;
-    with(|r| r.curves.insert((sms, world, kind, overlapped), curve));
+    with(|r| r.curves.insert((sms, world, kind, of), curve));
     Ok(())
 }
 
@@ -121,25 +136,40 @@ pub struct Lookup<'a> {
     pub shape: (u32, u32, u32),
     pub world: u32,
     pub kind: CollectiveKind,
-    /// The overlapped groups' collectives run on NCCL (else another
-    /// backend, whose own curve the profile does not hold yet).
-    pub nccl_overlap: bool,
+    /// What runs the overlapped groups' collectives, and the SMs it has
+    /// (the copy engines' sums run on that many CTAs).
+    pub backend: Backend,
+    pub reserved: u32,
 }
 
 /// `hw` with what the profile measured in place of its constants.
 pub fn apply(hw: HardwareModel, q: &Lookup) -> HardwareModel {
     let mut hw = hw.with_collective(q.kind);
-    let curve = |overlapped| {
-        with(|r| {
-            r.curves
-                .get(&(hw.sms, q.world, q.kind, overlapped))
-                .copied()
-        })
-    };
-    if let Some(c) = curve(false) {
+    let (sms, world, kind) = (hw.sms, q.world, q.kind);
+    let curve = |of| with(|r| r.curves.get(&(sms, world, kind, of)).copied());
+    if let Some(c) = curve(CurveOf::Sequential) {
         hw.comm.curve = Some(c);
     }
-    if let (Some(c), true) = (curve(true), q.nccl_overlap) {
+    let group = match q.backend {
+        Backend::Nccl => curve(CurveOf::NcclGroup),
+        // The curve measured on the most CTAs the reservation covers: fewer
+        // sum slower, so a curve of more CTAs than the call has would flatter it.
+        Backend::CopyEngine => with(|r| {
+            r.curves
+                .iter()
+                .filter_map(|(&(s, w, k, of), c)| match of {
+                    CurveOf::CopyEngineGroup { ctas }
+                        if (s, w, k) == (sms, world, kind) && ctas <= q.reserved =>
+                    {
+                        Some((ctas, *c))
+                    }
+                    _ => None,
+                })
+                .max_by_key(|&(ctas, _)| ctas)
+                .map(|(_, c)| c)
+        }),
+    };
+    if let Some(c) = group {
         hw.overlap_comm.curve = Some(c);
     }
     // The model runs a wave of `ctas` tiles at gemm_tflops * ctas / sms.
@@ -171,15 +201,23 @@ mod tests {
             shape: (4096, 8192, 4096),
             world: 2,
             kind: CollectiveKind::AllReduce,
-            nccl_overlap: true,
+            backend: Backend::Nccl,
+            reserved: 24,
         };
         assert_eq!(apply(base, &q), base);
         let (fast, slow) = (
             [(1 << 20, 15.0), (1 << 30, 2000.0)],
             [(1 << 20, 20.0), (1 << 30, 3000.0)],
         );
-        register_curve(131, 2, CollectiveKind::AllReduce, false, &fast).unwrap();
-        register_curve(131, 2, CollectiveKind::AllReduce, true, &slow).unwrap();
+        register_curve(
+            131,
+            2,
+            CollectiveKind::AllReduce,
+            CurveOf::Sequential,
+            &fast,
+        )
+        .unwrap();
+        register_curve(131, 2, CollectiveKind::AllReduce, CurveOf::NcclGroup, &slow).unwrap();
         // 2 * 4096 * 8192 * 4096 flops in 500 us on 108 CTAs.
         register_gemm(
             "sm90_n256",
@@ -226,17 +264,33 @@ mod tests {
         );
         assert_eq!(rs.comm.curve, None);
         assert_eq!(apply(base, &Lookup { world: 4, ..q }).comm.curve, None);
-        let ce = apply(
-            base,
-            &Lookup {
-                nccl_overlap: false,
-                ..q
-            },
-        );
-        assert!(ce.comm.curve.is_some() && ce.overlap_comm.curve.is_none());
+        let ce = Lookup {
+            backend: Backend::CopyEngine,
+            reserved: 8,
+            ..q
+        };
+        let ce_hw = apply(base, &ce);
+        assert!(ce_hw.comm.curve.is_some() && ce_hw.overlap_comm.curve.is_none());
+        // Copy-engine curves: the one of the most CTAs the reservation covers.
+        for (ctas, us) in [(4, 40.0), (8, 30.0), (16, 25.0)] {
+            let samples = [(1 << 20, us), (1 << 30, 100.0 * us)];
+            let of = CurveOf::CopyEngineGroup { ctas };
+            register_curve(131, 2, CollectiveKind::AllReduce, of, &samples).unwrap();
+        }
+        assert_eq!(apply(base, &ce).overlap_comm.time_us(1 << 20, 2), 30.0);
+        let ce12 = Lookup { reserved: 12, ..ce };
+        assert_eq!(apply(base, &ce12).overlap_comm.time_us(1 << 20, 2), 30.0);
+        let ce2 = Lookup { reserved: 2, ..ce };
+        assert_eq!(apply(base, &ce2).overlap_comm.curve, None);
+        assert_eq!(apply(base, &q).overlap_comm.time_us(1 << 20, 2), 20.0);
+        let no_ctas = CurveOf::CopyEngineGroup { ctas: 0 };
+        assert!(register_curve(131, 2, CollectiveKind::AllReduce, no_ctas, &slow).is_err());
         assert!(register_gemm("x", Dtype::Bf16, 132, 133, (1, 1, 1), 1.0).is_err());
         assert!(register_gemm("x", Dtype::Bf16, 132, 8, (1, 1, 1), f64::NAN).is_err());
-        assert!(register_curve(131, 2, CollectiveKind::AllReduce, true, &[(1, 1.0)]).is_err());
+        let one = [(1, 1.0)];
+        assert!(
+            register_curve(131, 2, CollectiveKind::AllReduce, CurveOf::NcclGroup, &one).is_err()
+        );
         clear();
         assert_eq!(counts(), (0, 0));
     }

@@ -323,7 +323,8 @@ def cuda_graph(rank: int, world: int, m: int, n: int, k: int, replays: int, seed
 
 def backends_agree(rank: int, world: int, seed: int, shapes: list) -> dict:
     """Both backends, interleaved on one communicator (a shape that grows the copy-engine
-    buffers between calls of smaller ones included): bit-identical on every rank, and right."""
+    buffers between calls of smaller ones included): bit-identical on every rank, and right;
+    "auto" picks the same backend on every rank (the predictor's, per shape) and is right too."""
     import torch
     import torch.distributed as dist
 
@@ -331,7 +332,7 @@ def backends_agree(rank: int, world: int, seed: int, shapes: list) -> dict:
 
     device = device_of(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
-    failures = []
+    failures, chosen_by = [], {}
     for i, (m, n, k) in enumerate(shapes):
         s = seed + i
         x, w = make_inputs(s, rank, (m,), n, k, torch.bfloat16, device)
@@ -349,9 +350,20 @@ def backends_agree(rank: int, world: int, seed: int, shapes: list) -> dict:
         dist.all_gather(gathered, outs["copy_engine"])
         if any(not torch.equal(g, gathered[0]) for g in gathered):
             failures.append(f"{m}x{n}x{k}: ranks hold different copy-engine sums")
+        for op in ("gemm_all_reduce", "gemm_reduce_scatter"):
+            chosen = flashoverlap.backend_of(x, w, op=op) if m % world == 0 or op == "gemm_all_reduce" else None
+            every = [None] * world
+            dist.all_gather_object(every, chosen)
+            if len(set(every)) != 1 or chosen not in ("nccl", "copy_engine", None):
+                failures.append(f"{m}x{n}x{k} {op}: ranks chose backends {every}")
+            chosen_by.setdefault(op, []).append(chosen)
+        poison((m, n), torch.bfloat16, device)
+        error = mismatch(flashoverlap.gemm_all_reduce(x, w), ref, f"{m}x{n}x{k} auto")
+        if error:
+            failures.append(error)
     if failures:
         raise AssertionError("\n".join(failures))
-    return {"shapes": len(shapes)}
+    return {"shapes": len(shapes), "chosen": chosen_by}
 
 
 def bad_inputs(rank: int, world: int, seed: int) -> dict:
@@ -786,6 +798,10 @@ def without_nccl(rank: int, world: int, seed: int) -> dict:
                            "without NCCL")
     expect_error(ValueError, "backend", lambda: flashoverlap.gemm_reduce_scatter(x, w, backend="nccl"),
                  "without NCCL")
+    # "auto" has only the copy engines to choose from.
+    for op in ("gemm_all_reduce", "gemm_reduce_scatter"):
+        if flashoverlap.backend_of(x, w, op=op) != "copy_engine":
+            raise AssertionError(f"{op}: auto chose {flashoverlap.backend_of(x, w, op=op)} without NCCL")
     ref = reference(seed, world, (m,), n, k, torch.bfloat16, device)
     shard = ref[rank * (m // world):(rank + 1) * (m // world)]
     failures = []

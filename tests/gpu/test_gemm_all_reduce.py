@@ -155,7 +155,8 @@ def test_cuda_graph_replays(tmp_path: Path, backend: str, order: str) -> None:
 def test_backends_interleave_and_agree(tmp_path: Path) -> None:
     # 8192 x 4096 bf16 outgrows the first 16 MiB slots; the small shapes after it reuse them.
     shapes = [(300, 1024, 512), (8192, 4096, 1024), (77, 136, 40), (3000, 8192, 1024)]
-    run_workers(tmp_path, "backends_agree", world_size(), seed=SEED + 90, shapes=shapes)
+    result = run_workers(tmp_path, "backends_agree", world_size(), seed=SEED + 90, shapes=shapes)[0]
+    assert len(result["chosen"]["gemm_all_reduce"]) == len(shapes)
 
 
 @pytest.mark.gpus(2)
