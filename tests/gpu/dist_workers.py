@@ -895,7 +895,47 @@ def plain_collectives(rank: int, world: int, seed: int, backend: str, replays: i
     return {"replays": replays}
 
 
+def tune_copy_engine(rank: int, world: int, seed: int) -> dict:
+    """What `flashoverlap tune` measures for the copy-engine backend: one group's exchange (a
+    single chunk) sums right, and its timed curve is a valid profile entry."""
+    import torch
+
+    import flashoverlap
+    from flashoverlap import _core, profiles, tune
+
+    device = device_of(rank)
+    comm = flashoverlap.get_communicator()
+    stream = torch.cuda.current_stream(device).cuda_stream
+    failures = []
+    # A single-chunk AllReduce and ReduceScatter on fresh data, against the fp32 sums.
+    count = 48 * 1024 * world
+    gens = [torch.Generator(device=device).manual_seed(seed * 17 + r) for r in range(world)]
+    inputs = [torch.randn(count, generator=g, device=device, dtype=torch.bfloat16) for g in gens]
+    total = sum(t.float() for t in inputs)
+    mine = inputs[rank]
+    for kind, expected in (("all_reduce", total), ("reduce_scatter", total.view(world, -1)[rank])):
+        out = torch.full_like(expected, float("nan"), dtype=torch.bfloat16)
+        comm.ensure_peer_buffers(out.numel() * 2)
+        _core.copy_engine_collective(comm.name, kind, mine.data_ptr(), out.data_ptr(), count * 2, "bfloat16", 4,
+                                     stream, 1)
+        error = mismatch(out, expected, f"rank {rank} single-chunk {kind}")
+        if error:
+            failures.append(error)
+    tune.SIZES = [1 << 16, 1 << 20, 3 << 20]
+    buf = torch.randn(tune.SIZES[-1] // 2, device=device, dtype=torch.bfloat16)
+    profile = profiles.empty(profiles.make_key("test", 132, world, "none", "bfloat16"))
+    for kind in profiles.COPY_ENGINE_COLLECTIVES:
+        item = {"kind": "collective", "collective": kind, "overlapped": True, "backend": "copy_engine", "ctas": 4}
+        tune.record(profile, item, tune._measure_copy_engine(item, buf, "bfloat16", stream, 5, comm))
+        assert tune.item_done(profile, item)
+    profiles.validate(profile)
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return {"curves": [c["us"] for c in profile["collectives"]]}
+
+
 TARGETS = {
+    "tune_copy_engine": tune_copy_engine,
     "plain_collectives": plain_collectives,
     "without_nccl": without_nccl,
     "a2a_cases": a2a_cases,

@@ -71,3 +71,8 @@ def test_plain_collectives(tmp_path: Path, world: int) -> None:
 def test_gemm_all_to_all(tmp_path: Path, world: int) -> None:
     results = run_workers(tmp_path, "a2a_cases", world, cases=a2a_cases(world, SEED + 6), **CE)
     assert all(r["cases"] == 6 for r in results)
+
+
+def test_tune_measures_copy_engine_curves(tmp_path: Path) -> None:
+    results = run_workers(tmp_path, "tune_copy_engine", 2, seed=SEED + 11, shared=True)
+    assert all(len(curve) == 3 and min(curve) > 0 for curve in results[0]["curves"])
