@@ -11,7 +11,11 @@ destinations (the same matrix on every run); --routing uniform: T / world rows t
   nccl        torch.distributed.all_to_all_single of a [T, N] buffer with the same splits, alone
   seq         cuBLAS then NCCL all_to_all_single (the unfused composition)
   fo          flashoverlap.gemm_all_to_all(split_matrix=matrix): the predictor picks the group count
-  fo_g<G>     the same with groups=G forced, for G in FORCED_GROUPS
+              and (backend auto) the backend it times faster for the routing
+  fo_nccl     the same with backend="nccl"
+  fo_ce       the same with backend="copy_engine" (split_matrix is what lets the copy engines run)
+  fo_g<G>     gemm_all_to_all with groups=G forced, for G in FORCED_GROUPS, on NCCL (backend="nccl";
+              the mechanism at each group count)
   decomp      the GEMM split into 4 chunks, chunk c taking the c-th quarter of every destination's
               rows: those rows are gathered (index_select) into a contiguous chunk grouped by
               destination, multiplied by one cuBLAS call, and exchanged by all_to_all_single on a
@@ -23,8 +27,11 @@ destinations (the same matrix on every run); --routing uniform: T / world rows t
 Every variant is checked against the fp32 all_to_all_single of every rank's x @ w^T (x and w
 all-gathered) before timing, outputs poisoned with NaN first. Times are medians of
 CUDA-event-timed iterations after warm-up, the variants interleaved, pooled over 3 rounds across
-all cases, maximum over ranks; inputs rotate over buffers larger than L2. Writes <out>.csv,
-<out>.json (environment) and <out>.txt; exits 1 if any variant's relative error exceeds 1e-2.
+all cases, maximum over ranks; inputs rotate over buffers larger than L2. Each row also records
+the predictor's group count and time on each backend, the predictions auto chooses the backend
+by (gemm_all_to_all has no backend_of to say which it ran); the summary gives fo's, fo_nccl's
+and fo_ce's speedups over seq. Writes <out>.csv, <out>.json (environment) and <out>.txt; exits 1
+if any variant's relative error exceeds 1e-2.
 
     python evaluation/bench_gemm_a2a.py [--iters 30] [--routing skewed|uniform] [--shapes 4096x8192x4096 ...]
                                         [--world-size 2] [--out PATH]
@@ -51,7 +58,8 @@ SHAPES = [(t, n, k) for t in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 409
                                                                     (8192, 3584))]
 CHUNKS = 4
 FORCED_GROUPS = (2, 4, 8, 16)
-VARIANTS = ("cublas", "nccl", "seq", "fo", *(f"fo_g{g}" for g in FORCED_GROUPS), "decomp")
+VARIANTS = ("cublas", "nccl", "seq", "fo", "fo_nccl", "fo_ce", *(f"fo_g{g}" for g in FORCED_GROUPS), "decomp")
+BACKENDS = (("nccl", "nccl"), ("ce", "copy_engine"))  # (column suffix, backend)
 ROUTINGS = ("skewed", "uniform")
 HOT_SHARE = 0.6
 SEED = 2025
@@ -172,12 +180,16 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
         dist.all_to_all_single(out, y, recvs, sends)
         return out
 
-    def fo(i):
-        return flashoverlap.gemm_all_to_all(xs[i % sets], ws[i % sets], sends, recvs, split_matrix=matrix)
+    def predicted(backend):
+        def run(i):
+            return flashoverlap.gemm_all_to_all(xs[i % sets], ws[i % sets], sends, recvs, split_matrix=matrix,
+                                                backend=backend)
+        return run
 
     def forced(groups):
         def run(i):
-            return flashoverlap.gemm_all_to_all(xs[i % sets], ws[i % sets], sends, recvs, groups=groups)
+            return flashoverlap.gemm_all_to_all(xs[i % sets], ws[i % sets], sends, recvs, groups=groups,
+                                                backend="nccl")
         return run
 
     chunks = [(c, torch.tensor(c.send_rows, device="cuda", dtype=torch.long),
@@ -202,21 +214,26 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
             t.record_stream(side)
         return out
 
-    fns = {"cublas": cublas, "nccl": nccl, "seq": seq, "fo": fo,
-           **{f"fo_g{g}": forced(g) for g in FORCED_GROUPS}, "decomp": decomp}
+    fns = {"cublas": cublas, "nccl": nccl, "seq": seq, "fo": predicted(None), "fo_nccl": predicted("nccl"),
+           "fo_ce": predicted("copy_engine"), **{f"fo_g{g}": forced(g) for g in FORCED_GROUPS}, "decomp": decomp}
     errors = relative_errors({name: fns[name] for name in VARIANTS if name not in ("cublas", "nccl")},
                              xs[0], ws[0], matrix, received)
     poison = False
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    pred = flashoverlap.plan_gemm_all_to_all(matrix, n, k, dtype=dtype, sms=props.multi_processor_count,
-                                             compute_capability=torch.cuda.get_device_capability())
+    facts = {"matrix": matrix, "errors": errors}
+    for suffix, backend in BACKENDS:
+        pred = flashoverlap.plan_gemm_all_to_all(matrix, n, k, dtype=dtype, sms=props.multi_processor_count,
+                                                 compute_capability=torch.cuda.get_device_capability(),
+                                                 backend=backend)
+        # What the op runs on this backend: the sequential schedule's prediction where it falls back.
+        sequential = pred.schedule == "sequential"
+        facts[f"groups_{suffix}"] = 0 if sequential else pred.groups
+        facts[f"predicted_{suffix}_us"] = pred.sequential_us if sequential else pred.predicted_us[pred.groups]
+        if backend == "nccl":
+            facts["predicted_seq_us"] = pred.sequential_us  # seq's exchange is NCCL's
     dist.barrier()
     times = bench.interleaved_times_us(fns, iters, warmup)
-    # fo runs what the predictor chose: the sequential schedule's prediction where it fell back.
-    chosen_us = pred.sequential_us if pred.schedule == "sequential" else pred.predicted_us[pred.groups]
-    groups = 0 if pred.schedule == "sequential" else pred.groups
-    return times, {"matrix": matrix, "groups": groups, "predicted_us": chosen_us,
-                   "predicted_seq_us": pred.sequential_us, "errors": errors}
+    return times, facts
 
 
 def relative_errors(fns: dict, x: torch.Tensor, w: torch.Tensor, matrix: list, received: int) -> dict:
@@ -256,9 +273,10 @@ def make_row(shape: tuple, world: int, kind: str, times: dict, facts: dict) -> d
     best_g = min(FORCED_GROUPS, key=lambda g: times.get(f"fo_g{g}", math.inf))
     row = {"m": m, "n": n, "k": k, "world_size": world, "routing": kind,
            **{f"{v}_us": times.get(v, math.nan) for v in VARIANTS},
-           "groups": facts["groups"], "predicted_us": facts["predicted_us"],
+           **{key: facts[key] for suffix, _ in BACKENDS for key in (f"groups_{suffix}", f"predicted_{suffix}_us")},
            "predicted_seq_us": facts["predicted_seq_us"], "best_forced_groups": best_g}
-    row["fo_vs_seq"] = row["seq_us"] / row["fo_us"]
+    for v in ("fo", "fo_nccl", "fo_ce"):
+        row[f"{v}_vs_seq"] = row["seq_us"] / row[f"{v}_us"]
     row["fo_vs_decomp"] = row["decomp_us"] / row["fo_us"]
     row["best_forced_vs_seq"] = row["seq_us"] / row[f"fo_g{best_g}_us"]
     row["max_rel_error"] = max(facts["errors"].values())
@@ -298,20 +316,24 @@ def table(rows: list, meta: dict, dtype: str) -> list[str]:
     """The printed table: header, one line per case, geometric means, and any case over TOLERANCE."""
     lines = [f"# GEMM + All-to-All, {meta['world_size']} x {meta['gpu']}, {dtype}, {meta['routing']} routing, "
              f"{meta['date']}; command: {meta['command']}",
-             "# times in us (median, max over ranks); x = baseline time / flashoverlap time (fo, groups from the "
-             "predictor); G = its group count (0: it fell back to sequential), pred = predicted fo / sequential; "
-             "best g = the fastest forced count",
+             "# times in us (median, max over ranks); vs X = X time / fo time (fo: groups and backend from the "
+             "predictor); nccl x, ce x = seq time / fo_nccl, fo_ce time; G n, G ce = the predicted group count on "
+             "each backend (0: sequential), pred n, pred ce = its predicted time (what auto picks the backend by), "
+             "pred seq = sequential's; best g = the fastest forced count",
              f"{'T x N x K':>18} " + " ".join(f"{v:>9}" for v in VARIANTS) +
-             f" {'G':>3} {'pred':>8} {'pred seq':>8} {'vs seq':>7} {'vs dec':>7} {'best g':>6} {'g vs seq':>8} "
-             f"{'err':>8}"]
+             f" {'G n':>4} {'pred n':>8} {'G ce':>4} {'pred ce':>8} {'pred seq':>8} {'vs seq':>7} {'nccl x':>7} "
+             f"{'ce x':>7} {'vs dec':>7} {'best g':>6} {'g vs seq':>8} {'err':>8}"]
     for r in rows:
         lines.append(f"{r['m']:>6}x{r['n']}x{r['k']:<5} " + " ".join(f"{r[v + '_us']:9.1f}" for v in VARIANTS) +
-                     f" {r['groups']:>3} {r['predicted_us']:8.1f} {r['predicted_seq_us']:8.1f} "
-                     f"{r['fo_vs_seq']:6.3f}x {r['fo_vs_decomp']:6.3f}x {r['best_forced_groups']:>6} "
-                     f"{r['best_forced_vs_seq']:7.3f}x {r['max_rel_error']:8.1e}")
-    for key, what in (("fo_vs_seq", "over sequential cuBLAS + NCCL all_to_all_single"),
-                      ("fo_vs_decomp", "over decomposition"),
-                      ("best_forced_vs_seq", "fastest forced group count over sequential")):
+                     f" {r['groups_nccl']:>4} {r['predicted_nccl_us']:8.1f} {r['groups_ce']:>4} "
+                     f"{r['predicted_ce_us']:8.1f} {r['predicted_seq_us']:8.1f} {r['fo_vs_seq']:6.3f}x "
+                     f"{r['fo_nccl_vs_seq']:6.3f}x {r['fo_ce_vs_seq']:6.3f}x {r['fo_vs_decomp']:6.3f}x "
+                     f"{r['best_forced_groups']:>6} {r['best_forced_vs_seq']:7.3f}x {r['max_rel_error']:8.1e}")
+    for key, what in (("fo_vs_seq", "fo (backend auto) over sequential cuBLAS + NCCL all_to_all_single"),
+                      ("fo_nccl_vs_seq", "fo_nccl (backend nccl) over sequential cuBLAS + NCCL all_to_all_single"),
+                      ("fo_ce_vs_seq", "fo_ce (backend copy_engine) over sequential cuBLAS + NCCL all_to_all_single"),
+                      ("fo_vs_decomp", "fo over decomposition"),
+                      ("best_forced_vs_seq", "fastest forced group count (NCCL) over sequential")):
         g, lo = geo(rows, key)
         lines.append(f"{what}: geometric mean {g:.3f}x, min {lo:.3f}x")
     for r in rows:

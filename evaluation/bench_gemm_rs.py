@@ -5,9 +5,13 @@ For each shape (x [M, K] per rank, w [N, K], out [M / world, N]):
   cublas      torch.matmul alone
   nccl        torch.distributed.reduce_scatter_tensor of an [M, N] buffer alone
   seq         cuBLAS then NCCL ReduceScatter (the unfused composition)
-  fo          flashoverlap.gemm_reduce_scatter (mode auto: overlapped where the
-              predictor says it wins, else the unfused composition)
-  forced      the same with mode="overlap"
+  fo          flashoverlap.gemm_reduce_scatter (mode and backend auto: overlapped
+              where the predictor says it wins, else the unfused composition; the
+              backend the predictor times faster for the shape)
+  fo_nccl     the same with backend="nccl" (mode auto)
+  fo_ce       the same with backend="copy_engine" (mode auto)
+  forced      flashoverlap.gemm_reduce_scatter with mode="overlap" (backend auto)
+  forced_ce   the same with backend="copy_engine"
   decomp      the GEMM split along M into 4 chunks (each the same sub-range of
               every rank's shard, so each chunk's ReduceScatter lands in final
               rows), each chunk's ReduceScatter on a second stream while the next
@@ -17,10 +21,14 @@ For each shape (x [M, K] per rank, w [N, K], out [M / world, N]):
   concurrent  cuBLAS and a ReduceScatter of an unrelated buffer launched together
               on two streams, no dependency (the independent-concurrency reference)
 
-Every variant is checked against the fp32 composition before timing. Times are
-medians of CUDA-event-timed iterations after warm-up, the variants interleaved,
-pooled over 3 rounds across all shapes, maximum over ranks; inputs rotate over
-buffers larger than L2. Writes <out>.csv, <out>.json (environment) and <out>.txt.
+Every variant is checked against the fp32 composition before timing (a variant over
+relative error 1e-2 is named as a wrong result). Times are medians of CUDA-event-timed
+iterations after warm-up, the variants interleaved, pooled over 3 rounds across all
+shapes, maximum over ranks; inputs rotate over buffers larger than L2. Each row also
+records the backend auto picked (flashoverlap.backend_of) and the schedule each backend
+plans; the summary gives fo's, fo_nccl's and fo_ce's speedups over seq and the verdict
+on the copy-engine bar (fo_ce's geometric mean over seq >= 1.25x, every copy-engine
+result right). Writes <out>.csv, <out>.json (environment) and <out>.txt.
 
     python evaluation/bench_gemm_rs.py [--iters 30] [--shapes 4096x8192x4096 ...] [--out PATH]
 """
@@ -42,7 +50,11 @@ from flashoverlap.cli import _shape
 SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 4096), (8192, 14336), (8192, 1024),
                                                                     (8192, 3584))]
 CHUNKS = 4
-VARIANTS = ("cublas", "nccl", "seq", "fo", "forced", "decomp", "async_tp", "concurrent")
+VARIANTS = ("cublas", "nccl", "seq", "fo", "fo_nccl", "fo_ce", "forced", "forced_ce", "decomp", "async_tp",
+            "concurrent")
+TOLERANCE = 1e-2
+CE_BAR = 1.25  # the issue's bar: copy-engine gemm_reduce_scatter's geometric mean over sequential
+BACKENDS = (("nccl", "nccl"), ("ce", "copy_engine"))  # (column suffix, backend)
 
 
 def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup: int) -> tuple[dict, dict]:
@@ -74,11 +86,10 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
         dist.reduce_scatter_tensor(out, y)
         return out
 
-    def fo(i):
-        return flashoverlap.gemm_reduce_scatter(xs[i % sets], ws[i % sets])
-
-    def forced(i):
-        return flashoverlap.gemm_reduce_scatter(xs[i % sets], ws[i % sets], mode="overlap")
+    def op(**kwargs):
+        def run(i):
+            return flashoverlap.gemm_reduce_scatter(xs[i % sets], ws[i % sets], **kwargs)
+        return run
 
     bounds = [shard * c // CHUNKS for c in range(CHUNKS + 1)]
 
@@ -124,19 +135,42 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     ref = (xs[0].float() @ ws[0].float().t())
     dist.all_reduce(ref)
     ref = ref[rank * shard:(rank + 1) * shard]
-    errors = {}
-    for name, f in (("seq", seq), ("fo", fo), ("forced", forced), ("decomp", decomp), ("async_tp", async_tp)):
-        if f is not None:
-            errors[name] = float((f(0).float() - ref).norm() / ref.norm())
-    fns = {"cublas": cublas, "nccl": nccl, "seq": seq, "fo": fo, "forced": forced, "decomp": decomp,
-           "concurrent": concurrent}
+    fns = {"cublas": cublas, "nccl": nccl, "seq": seq, "fo": op(), "fo_nccl": op(backend="nccl"),
+           "fo_ce": op(backend="copy_engine"), "forced": op(mode="overlap"),
+           "forced_ce": op(mode="overlap", backend="copy_engine"), "decomp": decomp, "concurrent": concurrent}
     if async_tp is not None:
         fns["async_tp"] = async_tp
+    errors = {}
+    for name, f in fns.items():
+        if name not in ("cublas", "nccl", "concurrent"):
+            e = float((f(0).float() - ref).norm() / ref.norm())
+            errors[name] = e if not math.isnan(e) else math.inf  # a NaN must not hide from max()
     plan = flashoverlap.reduce_scatter_plan_of(xs[0], ws[0])
+    facts = {"schedule": plan["schedule"], "groups": len(plan["groups"]),
+             "backend": flashoverlap.backend_of(xs[0], ws[0], op="gemm_reduce_scatter"), "errors": errors,
+             "async_tp_error": async_tp_error}
+    for suffix, backend in BACKENDS:
+        facts[f"schedule_{suffix}"] = flashoverlap.reduce_scatter_plan_of(xs[0], ws[0], backend=backend)["schedule"]
     dist.barrier()
     times = bench.interleaved_times_us(fns, iters, warmup)
-    return times, {"schedule": plan["schedule"], "groups": len(plan["groups"]), "errors": errors,
-                   "async_tp_error": async_tp_error}
+    return times, facts
+
+
+def make_row(shape: tuple, world: int, times: dict, facts: dict) -> dict:
+    """A shape's row from the per-variant times (us, already the max over ranks) and its facts
+    (errors already the max over ranks)."""
+    m, n, k = shape
+    row = {"m": m, "n": n, "k": k, "world_size": world, **{f"{v}_us": times.get(v, math.nan) for v in VARIANTS},
+           "backend": facts["backend"], "schedule": facts["schedule"], "groups": facts["groups"],
+           **{f"schedule_{suffix}": facts[f"schedule_{suffix}"] for suffix, _ in BACKENDS}}
+    for base in ("seq", "decomp", "async_tp"):
+        row[f"fo_vs_{base}"] = row[f"{base}_us"] / row["fo_us"]
+    for v in ("fo_nccl", "fo_ce", "forced_ce", "concurrent"):
+        row[f"{v}_vs_seq"] = row["seq_us"] / row[f"{v}_us"]
+    row["max_rel_error"] = max(facts["errors"].values())
+    row["failed"] = " ".join(name for name, e in facts["errors"].items() if not e <= TOLERANCE)
+    row["async_tp_error"] = facts["async_tp_error"] or ""
+    return row
 
 
 def _worker(rank, world, init_method, shapes, dtype_name, iters, warmup, result_path):
@@ -150,16 +184,9 @@ def _worker(rank, world, init_method, shapes, dtype_name, iters, warmup, result_
         pooled, facts = bench.pooled_rounds(measure_round, shapes, dtype, iters, warmup)
         rows = []
         for s in shapes:
-            t = {name: bench._max_over_ranks(statistics.median(v)) for name, v in pooled[s].items()}
-            err = max(bench._max_over_ranks(e) for e in facts[s]["errors"].values())
-            row = {"m": s[0], "n": s[1], "k": s[2], "world_size": world, **{f"{v}_us": t.get(v, math.nan)
-                                                                           for v in VARIANTS},
-                   "schedule": facts[s]["schedule"], "groups": facts[s]["groups"], "max_rel_error": err,
-                   "async_tp_error": facts[s]["async_tp_error"] or ""}
-            for base in ("seq", "decomp", "async_tp"):
-                row[f"fo_vs_{base}"] = row[f"{base}_us"] / row["fo_us"]
-            row["concurrent_vs_seq"] = row["seq_us"] / row["concurrent_us"]
-            rows.append(row)
+            times = {name: bench._max_over_ranks(statistics.median(v)) for name, v in pooled[s].items()}
+            errors = {name: bench._max_over_ranks(e) for name, e in facts[s]["errors"].items()}
+            rows.append(make_row(s, world, times, {**facts[s], "errors": errors}))
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump({"meta": bench.environment(world), "rows": rows}, f)
@@ -171,6 +198,54 @@ def _worker(rank, world, init_method, shapes, dtype_name, iters, warmup, result_
 def geo(rows, key):
     vals = [r[key] for r in rows if not math.isnan(r[key])]
     return (statistics.geometric_mean(vals), min(vals)) if vals else (math.nan, math.nan)
+
+
+def ce_verdict(rows: list) -> str:
+    """The copy-engine bar: PASS where fo_ce's geometric mean over seq is >= CE_BAR and no
+    copy-engine variant gave a wrong result, FAIL otherwise, n/a where fo_ce has no time."""
+    if any({"fo_ce", "forced_ce"} & set(r["failed"].split()) for r in rows):
+        return "FAIL"
+    g, _ = geo(rows, "fo_ce_vs_seq")
+    if math.isnan(g):
+        return "n/a"
+    return "PASS" if g >= CE_BAR else "FAIL"
+
+
+def table(rows: list, meta: dict, dtype: str) -> list[str]:
+    """The printed table: header, one line per shape, geometric means, auto's backends, the
+    copy-engine bar's verdict, and any wrong result."""
+    lines = [f"# GEMM + ReduceScatter, {meta['world_size']} x {meta['gpu']}, {dtype}, {meta['date']}; "
+             f"command: {meta['command']}",
+             "# times in us (median, max over ranks); vs X = X time / fo time (fo: mode and backend auto); "
+             "nccl x, ce x, fce x = seq time / fo_nccl, fo_ce, forced_ce time; backend = auto's pick "
+             "(flashoverlap.backend_of); sched = fo's schedule",
+             f"{'M x N x K':>18} " + " ".join(f"{v:>10}" for v in VARIANTS) +
+             f" {'backend':>11} {'sched':>10} {'vs seq':>7} {'nccl x':>7} {'ce x':>7} {'fce x':>7} {'vs dec':>7} "
+             f"{'vs atp':>7} {'conc x':>7} {'err':>8}"]
+    for r in rows:
+        lines.append(f"{r['m']:>6}x{r['n']}x{r['k']:<5} " + " ".join(f"{r[v + '_us']:10.1f}" for v in VARIANTS) +
+                     f" {r['backend']:>11} {r['schedule']:>10} {r['fo_vs_seq']:6.3f}x {r['fo_nccl_vs_seq']:6.3f}x "
+                     f"{r['fo_ce_vs_seq']:6.3f}x {r['forced_ce_vs_seq']:6.3f}x {r['fo_vs_decomp']:6.3f}x "
+                     f"{r['fo_vs_async_tp']:6.3f}x {r['concurrent_vs_seq']:6.3f}x {r['max_rel_error']:8.1e}")
+    for key, what in (("fo_vs_seq", "fo (backend auto) over sequential cuBLAS + NCCL"),
+                      ("fo_nccl_vs_seq", "fo_nccl (backend nccl) over sequential cuBLAS + NCCL"),
+                      ("fo_ce_vs_seq", "fo_ce (backend copy_engine) over sequential cuBLAS + NCCL"),
+                      ("fo_vs_decomp", "fo over decomposition"), ("fo_vs_async_tp", "fo over torch Async-TP"),
+                      ("concurrent_vs_seq", "independent-concurrency reference over sequential")):
+        g, lo = geo(rows, key)
+        lines.append(f"{what}: geometric mean {g:.3f}x, min {lo:.3f}x")
+    picks = [r["backend"] for r in rows]
+    lines.append("backend auto picked: " + ", ".join(f"{b} for {picks.count(b)} of {len(rows)} shapes"
+                                                     for _, b in BACKENDS))
+    lines.append(f"copy-engine bar (fo_ce geometric mean over sequential >= {CE_BAR:.2f}x, every copy-engine "
+                 f"result right): {ce_verdict(rows)}")
+    for r in rows:
+        if r["failed"]:
+            lines.append(f"WRONG RESULT {r['m']}x{r['n']}x{r['k']}: {r['failed']} over relative error {TOLERANCE} "
+                         f"(max {r['max_rel_error']:.1e})")
+    if any(r["async_tp_error"] for r in rows):
+        lines.append(f"torch Async-TP failed: {rows[0]['async_tp_error']}")
+    return lines
 
 
 def main() -> int:
@@ -188,22 +263,7 @@ def main() -> int:
     os.environ.update(bench.SAFE_ENV)
     data = bench.spawn_ranks(_worker, world, list(args.shapes), args.dtype, args.iters, args.warmup)
     rows = data["rows"]
-    lines = [f"# GEMM + ReduceScatter, {world} x {data['meta']['gpu']}, {args.dtype}, {data['meta']['date']}; "
-             f"command: {data['meta']['command']}",
-             "# times in us (median, max over ranks); x = baseline time / flashoverlap time (fo, mode auto)",
-             f"{'M x N x K':>18} " + " ".join(f"{v:>10}" for v in VARIANTS) +
-             f" {'sched':>10} {'vs seq':>7} {'vs dec':>7} {'vs atp':>7} {'conc x':>7} {'err':>8}"]
-    for r in rows:
-        lines.append(f"{r['m']:>6}x{r['n']}x{r['k']:<5} " + " ".join(f"{r[v + '_us']:10.1f}" for v in VARIANTS) +
-                     f" {r['schedule']:>10} {r['fo_vs_seq']:6.3f}x {r['fo_vs_decomp']:6.3f}x "
-                     f"{r['fo_vs_async_tp']:6.3f}x {r['concurrent_vs_seq']:6.3f}x {r['max_rel_error']:8.1e}")
-    for key, what in (("fo_vs_seq", "over sequential cuBLAS + NCCL"), ("fo_vs_decomp", "over decomposition"),
-                      ("fo_vs_async_tp", "over torch Async-TP"),
-                      ("concurrent_vs_seq", "independent-concurrency reference over sequential")):
-        g, lo = geo(rows, key)
-        lines.append(f"{what}: geometric mean {g:.3f}x, min {lo:.3f}x")
-    if any(r["async_tp_error"] for r in rows):
-        lines.append(f"torch Async-TP failed: {rows[0]['async_tp_error']}")
+    lines = table(rows, data["meta"], args.dtype)
     print("\n".join(lines))
     bench.write_outputs(out, lines, rows, data["meta"])
     return 0

@@ -131,22 +131,29 @@ def test_chunks_take_quarters_of_each_destinations_block() -> None:
     assert a2a.offsets([3, 0, 5]) == [0, 3, 3]
 
 
-def _times(seq=1000.0, fo=800.0, decomp=900.0):
+def _times(seq=1000.0, fo=800.0, decomp=900.0, fo_nccl=850.0, fo_ce=640.0):
     times = {v: 100.0 for v in a2a.VARIANTS}
-    times.update(seq=seq, fo=fo, decomp=decomp, fo_g2=950.0, fo_g4=850.0, fo_g8=870.0, fo_g16=990.0)
+    times.update(seq=seq, fo=fo, fo_nccl=fo_nccl, fo_ce=fo_ce, decomp=decomp, fo_g2=950.0, fo_g4=850.0, fo_g8=870.0,
+                 fo_g16=990.0)
     return times
 
 
 def _facts(errors=None):
-    return {"matrix": [[819, 1229], [819, 1229]], "groups": 4, "predicted_us": 700.0, "predicted_seq_us": 900.0,
-            "errors": errors or {"seq": 2e-3, "fo": 3e-3, "decomp": 2e-3}}
+    return {"matrix": [[819, 1229], [819, 1229]], "groups_nccl": 4, "predicted_nccl_us": 700.0, "groups_ce": 0,
+            "predicted_ce_us": 650.0, "predicted_seq_us": 900.0,
+            "errors": errors or {"seq": 2e-3, "fo": 3e-3, "fo_nccl": 3e-3, "fo_ce": 2e-3, "decomp": 2e-3}}
 
 
 def test_row_ratios_and_the_fastest_forced_count() -> None:
     row = a2a.make_row((2048, 8192, 4096), 2, "skewed", _times(), _facts())
     assert (row["m"], row["n"], row["k"], row["world_size"], row["routing"]) == (2048, 8192, 4096, 2, "skewed")
     assert row["fo_vs_seq"] == pytest.approx(1.25)
+    assert row["fo_nccl_vs_seq"] == pytest.approx(1000.0 / 850.0)
+    assert row["fo_ce_vs_seq"] == pytest.approx(1000.0 / 640.0)
     assert row["fo_vs_decomp"] == pytest.approx(1.125)
+    # Both backends' predictions, sequential's beside them.
+    assert (row["groups_nccl"], row["predicted_nccl_us"], row["groups_ce"], row["predicted_ce_us"],
+            row["predicted_seq_us"]) == (4, 700.0, 0, 650.0, 900.0)
     assert row["best_forced_groups"] == 4
     assert row["best_forced_vs_seq"] == pytest.approx(1000.0 / 850.0)
     assert row["max_rel_error"] == 3e-3 and row["failed"] == ""
@@ -156,22 +163,30 @@ def test_row_ratios_and_the_fastest_forced_count() -> None:
 
 def test_rows_over_tolerance_are_named_and_reported() -> None:
     row = a2a.make_row((4096, 8192, 1024), 2, "skewed", _times(), _facts({"seq": 2e-3, "fo": math.inf,
-                                                                         "decomp": 0.5}))
-    assert row["failed"] == "fo decomp" and row["max_rel_error"] == math.inf
+                                                                         "fo_ce": 0.3, "decomp": 0.5}))
+    assert row["failed"] == "fo fo_ce decomp" and row["max_rel_error"] == math.inf
     meta = {"world_size": 2, "gpu": "NVIDIA H200", "routing": "skewed", "date": "today", "command": "python x"}
     lines = a2a.table([row], meta, "bfloat16")
-    assert any(line.startswith("WRONG RESULT 4096x8192x1024: fo decomp") for line in lines)
+    assert any(line.startswith("WRONG RESULT 4096x8192x1024: fo fo_ce decomp") for line in lines)
 
 
 def test_table_prints_every_case_and_the_geometric_means() -> None:
-    rows = [a2a.make_row((t, 8192, 4096), 2, "skewed", _times(fo=f), _facts())
-            for t, f in ((2048, 800.0), (4096, 1250.0))]
+    rows = [a2a.make_row((t, 8192, 4096), 2, "skewed", _times(fo=f, fo_nccl=n, fo_ce=c), _facts())
+            for t, f, n, c in ((2048, 800.0, 500.0, 1000.0), (4096, 1250.0, 2000.0, 400.0))]
     meta = {"world_size": 2, "gpu": "NVIDIA H200", "routing": "skewed", "date": "today", "command": "python x"}
     lines = a2a.table(rows, meta, "bfloat16")
     assert "2 x NVIDIA H200, bfloat16, skewed routing" in lines[0]
-    assert sum(1 for line in lines if re.match(r"\s*(2048|4096)x8192x4096", line)) == 2
-    over_seq = next(line for line in lines if line.startswith("over sequential"))
-    assert f"geometric mean {math.sqrt(1.25 * 0.8):.3f}x, min 0.800x" in over_seq
+    header = lines[2].split()
+    assert all(v in header for v in a2a.VARIANTS)
+    assert all(c in lines[2] for c in ("G n", "pred n", "G ce", "pred ce", "nccl x", "ce x"))
+    cases = [line for line in lines if re.match(r"\s*(2048|4096)x8192x4096", line)]
+    assert len(cases) == 2
+    # Each case line: the times, then both backends' predictions and the three speedups over seq.
+    assert " 4    700.0    0    650.0    900.0  1.250x  2.000x  1.000x" in cases[0]
+    for name, means in (("fo (backend auto)", (1.25, 0.8)), ("fo_nccl (backend nccl)", (2.0, 0.5)),
+                        ("fo_ce (backend copy_engine)", (1.0, 2.5))):
+        over_seq = next(line for line in lines if line.startswith(f"{name} over sequential"))
+        assert f"geometric mean {math.sqrt(means[0] * means[1]):.3f}x, min {min(means):.3f}x" in over_seq
     assert not any("WRONG RESULT" in line for line in lines)
 
 
@@ -190,4 +205,7 @@ def test_cases_are_the_issue_shapes() -> None:
     assert len(a2a.SHAPES) == 16
     assert {(n, k) for _, n, k in a2a.SHAPES} == {(8192, 4096), (8192, 14336), (8192, 1024), (8192, 3584)}
     assert {t for t, _, _ in a2a.SHAPES} == {2048, 4096, 8192, 16384}
-    assert a2a.VARIANTS[:4] == ("cublas", "nccl", "seq", "fo") and a2a.VARIANTS[-1] == "decomp"
+    assert a2a.VARIANTS[:6] == ("cublas", "nccl", "seq", "fo", "fo_nccl", "fo_ce") and a2a.VARIANTS[-1] == "decomp"
+    # The docstring lists every variant (the forced counts as fo_g<G>).
+    assert all(f"\n  {v} " in a2a.__doc__ for v in a2a.VARIANTS if not v.startswith("fo_g"))
+    assert "\n  fo_g<G> " in a2a.__doc__
