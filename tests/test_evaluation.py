@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import subprocess
 from pathlib import Path
 
 from evaluation_scripts import ROOT, load as _load
@@ -77,3 +78,19 @@ def test_gpu_scripts_import_and_document_their_command() -> None:
         module = _load(name)
         assert f"evaluation/{name}.py" in module.__doc__, name
         assert callable(module.main)
+
+
+def test_two_gpu_runner_names_its_parts(tmp_path: Path) -> None:
+    """evaluation/run_two_gpu.sh: usage without parts, an unknown part refused before anything
+    runs (exit 2), and every part it lists in its usage has a command."""
+    script = ROOT / "evaluation" / "run_two_gpu.sh"
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert usage.returncode == 2 and "Parts" in usage.stdout
+    listed = usage.stdout.split("# Parts")[1].split("# Each part")[0].splitlines()[1:]
+    parts = [line.split()[1] for line in listed]
+    assert {"tests", "ar", "rs", "norm", "coll", "e2", "tune", "first"} <= set(parts)
+    unknown = subprocess.run(["bash", str(script), str(tmp_path), "nope"], capture_output=True, text=True)
+    assert unknown.returncode == 2 and "unknown part: nope" in unknown.stderr
+    text = script.read_text()
+    for part in parts:
+        assert f"    {part}) echo " in text, part

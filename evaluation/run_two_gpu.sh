@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Every measurement the open issues need from two GPUs of one node, as named
+# parts, so that a short session on a 2-GPU machine can run them in a few
+# batches (each part has its own time limit; run the parts that fit):
+#
+#   bash evaluation/run_two_gpu.sh OUTDIR PART [PART ...]
+#
+# Parts (rough minutes on 2x H200 in brackets; the budget of each is its timeout):
+#   tests  the whole GPU test suite                              [3]
+#   ar     bench_gemm_ar.py --iters 40 (issues 3, 5, 8)           [4]
+#   rs     bench_gemm_rs.py, both backends (issues 4, 8)          [4]
+#   a2a    bench_gemm_a2a.py, both backends (issue 4)             [3]
+#   arn    bench_gemm_ar_rmsnorm.py (issue 4)                     [3]
+#   norm   bench_all_reduce_rmsnorm.py (issue 6)                  [4]
+#   coll   bench_collectives.py (issue 8)                         [4]
+#   e1     e1_correctness.py (issues 4, 8)                        [2]
+#   e2     e2_predictive_search.py, NCCL (issue 5)                [8]
+#   e2ce   e2_predictive_search.py --backend copy_engine          [8]
+#   tune   flashoverlap tune --preset llama-3-70b-tp2 (issue 5)   [6]
+#   first  first_call_latency.py --world-size 2 (issue 5)         [1]
+# Each part writes OUTDIR/<part>.log (its output) and its result files
+# under OUTDIR, and prints one line: part, exit code, seconds. NVLink
+# multicast stays off in everything started here.
+set -uo pipefail
+
+if [ $# -lt 2 ]; then
+  sed -n '2,23p' "$0"
+  exit 2
+fi
+out="$1"
+shift
+mkdir -p "$out"
+here="$(cd "$(dirname "$0")" && pwd)"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Lazy module loading (CUDA's default) is what users run.
+unset CUDA_MODULE_LOADING
+
+part_command() {
+  case "$1" in
+    tests) echo "timeout 420 python -m pytest $here/../tests/gpu -q -p no:cacheprovider --timeout 240" ;;
+    ar) echo "timeout 420 python $here/bench_gemm_ar.py --iters 40 --out $out/bench_gemm_ar_h200x2.csv" ;;
+    rs) echo "timeout 420 python $here/bench_gemm_rs.py --out $out/bench_gemm_rs_h200x2" ;;
+    a2a) echo "timeout 360 python $here/bench_gemm_a2a.py --out $out/bench_gemm_a2a_h200x2" ;;
+    arn) echo "timeout 360 python $here/bench_gemm_ar_rmsnorm.py --out $out/bench_gemm_ar_rmsnorm_h200x2" ;;
+    norm) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --out $out/bench_all_reduce_rmsnorm_h200x2" ;;
+    coll) echo "timeout 420 python $here/bench_collectives.py --world-size 2 --out $out/bench_collectives_h200x2" ;;
+    e1) echo "timeout 300 python $here/e1_correctness.py --world-size 2 --out $out/e1_correctness_h200x2.txt" ;;
+    e2) echo "timeout 570 python $here/e2_predictive_search.py --world-size 2 --out $out/e2_predictive_search_h200x2" ;;
+    e2ce) echo "timeout 570 python $here/e2_predictive_search.py --world-size 2 --backend copy_engine --out $out/e2_predictive_search_ce_h200x2" ;;
+    tune) echo "timeout 570 flashoverlap tune --preset llama-3-70b-tp2 --out $out/profile_h200x2.json" ;;
+    first) echo "timeout 240 python $here/first_call_latency.py --world-size 2" ;;
+    *) return 1 ;;
+  esac
+}
+
+status=0
+for part in "$@"; do
+  if ! cmd="$(part_command "$part")"; then
+    echo "unknown part: $part (see: bash $0)" >&2
+    status=2
+    continue
+  fi
+  start=$(date +%s)
+  echo "\$ $cmd" > "$out/$part.log"
+  bash -c "$cmd" >> "$out/$part.log" 2>&1
+  rc=$?
+  echo "$part rc=$rc $(( $(date +%s) - start ))s"
+  [ $rc -eq 0 ] || status=1
+done
+exit $status
