@@ -1,32 +1,38 @@
 """FlashOverlap's E2: how well the predictor's numbers and its choice of partition hold up against
 measurement, on all local GPUs, for GEMM + AllReduce, GEMM + ReduceScatter and GEMM + All-to-All.
 
-For each case (op, M x N x K) the candidates are partitions of the GEMM into wave groups:
+Every op runs on one communication backend, --backend (default nccl, or copy_engine): its
+candidates, its predictions and its auto reference alike, so that a case compares partitions and
+never backends (the backend "auto" would otherwise pick per shape). For each case (op, M x N x K)
+the candidates are partitions of the GEMM into wave groups:
 
-  all_reduce      flashoverlap.gemm_all_reduce(mode="overlap", backend="nccl", order="banded") with
+  all_reduce      flashoverlap.gemm_all_reduce(mode="overlap", backend=B, order="banded") with
                   bands_per_group = b (uniform groups of b row bands), one b per group count: the
                   smallest b giving ceil(tiles_m / b) groups, for group counts up to
                   FLASHOVERLAP_MAX_GROUPS (the predictor's search space), at most --max-candidates
                   spread evenly in log(groups), always with one group (b = tiles_m); plus the
                   predictor's own partition (bands_per_group unset), which is usually not uniform
-  reduce_scatter  the same with flashoverlap.gemm_reduce_scatter(mode="overlap"), over the row bands
-                  of each rank's shard
-  all_to_all      flashoverlap.gemm_all_to_all(groups=G), G in 1, 2, 3, 4, 6, 8, 12, 16 and the
-                  predictor's G, at most 8 (the op keeps the tables of 8 routings: more interleaved
-                  group counts would rebuild them on every call and time the host); M is the rows
+  reduce_scatter  the same with flashoverlap.gemm_reduce_scatter(mode="overlap", backend=B), over the
+                  row bands of each rank's shard
+  all_to_all      flashoverlap.gemm_all_to_all(groups=G, backend=B; with copy_engine also
+                  split_matrix=, from which every rank sizes its staging slots alike), G in 1, 2,
+                  3, 4, 6, 8, 12, 16 and the predictor's G, at most 8 (the op keeps the tables of 8
+                  routings: more interleaved group counts would rebuild them on every call and
+                  time the host); M is the rows
                   each rank sends, routed by a skewed matrix (rank q receives in proportion to
                   1 / (q + 1): one hot destination)
 
-and, as reference points, the op with mode auto (split_matrix= for All-to-All: the predictor picks G
-or the sequential schedule) and the sequential schedule (torch.matmul then the NCCL collective of
-torch.distributed). For All-to-All the predictor's choice among the partitions is its fastest G
-(AllToAllPrediction.groups), also where it predicts the sequential schedule to win.
+where B is --backend; and, as reference points, the op with mode auto on backend B (split_matrix=
+for All-to-All: the predictor picks G or the sequential schedule) and the sequential schedule
+(torch.matmul then the NCCL collective of torch.distributed, whatever --backend). For All-to-All
+the predictor's choice among the partitions is its fastest G (AllToAllPrediction.groups), also
+where it predicts the sequential schedule to win.
 
 Each candidate's predicted time comes from the library: plan_of(..., mode="overlap",
-bands_per_group=b, backend="nccl", order="banded").predicted_overlap_us,
-reduce_scatter_plan_of(..., mode="overlap", bands_per_group=b)["predicted_overlap_us"],
-plan_gemm_all_to_all(matrix, N, K, sms=<this GPU's>).predicted_us[G]; the sequential schedule's is
-the plans' predicted sequential time. Every measured candidate is checked once against the fp32
+bands_per_group=b, backend=B, order="banded").predicted_overlap_us,
+reduce_scatter_plan_of(..., mode="overlap", bands_per_group=b, backend=B)["predicted_overlap_us"],
+plan_gemm_all_to_all(matrix, N, K, sms=<this GPU's>, backend=B).predicted_us[G]; the sequential
+schedule's is the plans' predicted sequential time. Every measured candidate is checked once against the fp32
 torch composition before timing. Times are medians of CUDA-event-timed iterations after warm-up,
 the candidates of a case interleaved, pooled over 3 rounds across all cases, maximum over ranks;
 inputs rotate over buffers larger than L2.
@@ -45,12 +51,15 @@ the sequential schedule (enough for the prediction error; the best-ratio bars ar
 evaluated); --quick is a smoke run (3 small cases, few iterations, not exhaustive, outputs named
 *_quick). World size 1 works as a smoke test (the collectives are trivial there).
 
-Writes <out>.csv (one row per case and candidate), <out>.json (environment and summary), <out>.txt
-(the printed table) and a CDF of the prediction error, e2_prediction_error_cdf_<gpu>x<world>.png,
-beside them (needs matplotlib; skipped with a note without it).
+Writes <out>.csv (one row per case and candidate), <out>.json (environment with the backend, and
+summary), <out>.txt (the printed table) and a CDF of the prediction error,
+e2_prediction_error_cdf_<gpu>x<world>.png, beside them (needs matplotlib; skipped with a note
+without it). With --backend copy_engine the default names end in _copy_engine (before any _quick),
+so that the two backends' results sit side by side.
 
     python evaluation/e2_predictive_search.py [--world-size 2] [--cases default|all|quick|OP:MxNxK ...]
-        [--no-exhaustive | --quick] [--iters 30] [--warmup 5] [--dtype bfloat16] [--out PATH]
+        [--backend nccl|copy_engine] [--no-exhaustive | --quick] [--iters 30] [--warmup 5]
+        [--dtype bfloat16] [--out PATH]
 """
 
 from __future__ import annotations
@@ -85,6 +94,9 @@ A2A_GROUPS = (1, 2, 3, 4, 6, 8, 12, 16)
 # gemm_all_to_all keeps the device tables of its 8 most recent routings (ops._TableCache).
 A2A_TABLES_KEPT = 8
 MAX_CANDIDATES = 12
+# --backend: one backend per run, never "auto" (it picks per shape, and could mix backends among
+# the candidates of one case).
+BACKENDS = ("nccl", "copy_engine")
 
 ERROR_BAR = 0.05
 MEAN_RATIO_BAR = 0.99
@@ -181,6 +193,27 @@ def skewed_split_matrix(world: int, rows: int) -> list[list[int]]:
     row = [int(rows * w / sum(weights)) for w in weights]
     row[0] += rows - sum(row)
     return [list(row) for _ in range(world)]
+
+
+def a2a_backend_options(backend: str, matrix: Sequence[Sequence[int]]) -> dict:
+    """The keyword arguments pinning a gemm_all_to_all candidate (groups=G) to `backend`: the
+    copy engines also need the whole routing, from which every rank sizes its staging slots alike."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    return {"backend": backend, "split_matrix": matrix} if backend == "copy_engine" else {"backend": backend}
+
+
+def output_paths(gpu_name: str, world: int, dtype: str, backend: str, quick: bool,
+                 out: Optional[str] = None) -> tuple[str, str]:
+    """(the outputs' path without extension, the CDF plot's path): `out` and the PNG beside it where
+    given, else under RESULTS, named by GPU, world size and dtype, _copy_engine for that backend
+    (NCCL keeps the names it always had) and _quick for a smoke run."""
+    if out:
+        return out, out + "_error_cdf.png"
+    gpu = gpu_name.replace("NVIDIA ", "").replace(" ", "-").lower()
+    suffix = ("" if backend == "nccl" else f"_{backend}") + ("_quick" if quick else "")
+    return (os.path.join(RESULTS, f"e2_predictive_search_{gpu}x{world}_{dtype}{suffix}"),
+            os.path.join(RESULTS, f"e2_prediction_error_cdf_{gpu}x{world}{suffix}.png"))
 
 
 def abs_rel_error(predicted: float, measured: float) -> float:
@@ -398,13 +431,13 @@ def _reference_info(kind: str, groups: int, band_counts: Sequence[int], schedule
             "chosen": False, "schedule": schedule, "predicted_us": predicted_us}
 
 
-def _all_reduce_case(xs, ws, exhaustive: bool, max_candidates: int):
+def _all_reduce_case(xs, ws, exhaustive: bool, max_candidates: int, backend: str):
     import torch.distributed as dist
 
     import flashoverlap
     from flashoverlap import _env
 
-    sets, opts = len(xs), {"backend": "nccl", "order": "banded"}
+    sets, opts = len(xs), {"backend": backend, "order": "banded"}
     own = flashoverlap.plan_of(xs[0], ws[0], mode="overlap", **opts)
     counts = [g["bands"][1] - g["bands"][0] for g in own.groups]
     fns, info = {}, {}
@@ -436,7 +469,7 @@ def _all_reduce_case(xs, ws, exhaustive: bool, max_candidates: int):
     return fns, info, reference
 
 
-def _reduce_scatter_case(xs, ws, exhaustive: bool, max_candidates: int):
+def _reduce_scatter_case(xs, ws, exhaustive: bool, max_candidates: int, backend: str):
     import torch.distributed as dist
 
     import flashoverlap
@@ -444,18 +477,18 @@ def _reduce_scatter_case(xs, ws, exhaustive: bool, max_candidates: int):
 
     sets, world, rank = len(xs), dist.get_world_size(), dist.get_rank()
     shard, n = xs[0].shape[0] // world, ws[0].shape[0]
-    own = flashoverlap.reduce_scatter_plan_of(xs[0], ws[0], mode="overlap")
+    own = flashoverlap.reduce_scatter_plan_of(xs[0], ws[0], mode="overlap", backend=backend)
     counts = [g["bands"][1] - g["bands"][0] for g in own["groups"]]
     fns, info = {}, {}
     for c in select_measured(partition_candidates(own["bands"], counts, _env.max_groups(), max_candidates),
                              exhaustive):
         plan = own if c.bands_per_group is None else flashoverlap.reduce_scatter_plan_of(
-            xs[0], ws[0], mode="overlap", bands_per_group=c.bands_per_group)
+            xs[0], ws[0], mode="overlap", bands_per_group=c.bands_per_group, backend=backend)
         fns[c.name] = lambda i, b=c.bands_per_group: flashoverlap.gemm_reduce_scatter(
-            xs[i % sets], ws[i % sets], mode="overlap", bands_per_group=b)
+            xs[i % sets], ws[i % sets], mode="overlap", bands_per_group=b, backend=backend)
         info[c.name] = _partition_info(c, plan["predicted_overlap_us"], plan["schedule"])
-    auto = flashoverlap.reduce_scatter_plan_of(xs[0], ws[0])
-    fns["auto"] = lambda i: flashoverlap.gemm_reduce_scatter(xs[i % sets], ws[i % sets])
+    auto = flashoverlap.reduce_scatter_plan_of(xs[0], ws[0], backend=backend)
+    fns["auto"] = lambda i: flashoverlap.gemm_reduce_scatter(xs[i % sets], ws[i % sets], backend=backend)
     auto_us = auto["predicted_overlap_us" if auto["schedule"] == "overlap" else "predicted_sequential_us"]
     info["auto"] = _reference_info("auto", len(auto["groups"]), [g["bands"][1] - g["bands"][0] for g in auto["groups"]],
                                    auto["schedule"], auto_us)
@@ -478,7 +511,7 @@ def _reduce_scatter_case(xs, ws, exhaustive: bool, max_candidates: int):
     return fns, info, reference
 
 
-def _all_to_all_case(xs, ws, exhaustive: bool, max_candidates: int):
+def _all_to_all_case(xs, ws, exhaustive: bool, max_candidates: int, backend: str):
     import torch.distributed as dist
 
     import flashoverlap
@@ -491,14 +524,15 @@ def _all_to_all_case(xs, ws, exhaustive: bool, max_candidates: int):
     flashoverlap.get_communicator()
     props = torch.cuda.get_device_properties(xs[0].device)
     pred = flashoverlap.plan_gemm_all_to_all(matrix, n, k, dtype=xs[0].dtype, sms=props.multi_processor_count,
-                                             compute_capability=(props.major, props.minor))
+                                             compute_capability=(props.major, props.minor), backend=backend)
+    pinned = a2a_backend_options(backend, matrix)
     fns, info = {}, {}
     for c in select_measured(a2a_candidates(pred.groups, min(max_candidates, A2A_TABLES_KEPT)), exhaustive):
         fns[c.name] = lambda i, g=c.groups: flashoverlap.gemm_all_to_all(xs[i % sets], ws[i % sets], sends, recvs,
-                                                                         groups=g)
+                                                                         groups=g, **pinned)
         info[c.name] = _partition_info(c, pred.predicted_us[c.groups], "overlap" if c.groups > 1 else "one group")
     fns["auto"] = lambda i: flashoverlap.gemm_all_to_all(xs[i % sets], ws[i % sets], sends, recvs,
-                                                         split_matrix=matrix)
+                                                         split_matrix=matrix, backend=backend)
     if pred.schedule == "sequential":
         info["auto"] = _reference_info("auto", 1, [], "sequential", pred.sequential_us)
     else:
@@ -528,7 +562,7 @@ CASE_BUILDERS = {"all_reduce": _all_reduce_case, "reduce_scatter": _reduce_scatt
 
 
 def measure_case(op: str, m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup: int, *, exhaustive: bool,
-                 max_candidates: int, check: bool) -> tuple[dict, dict]:
+                 max_candidates: int, check: bool, backend: str = "nccl") -> tuple[dict, dict]:
     """One round of one case on every rank: (per-iteration times of every measured candidate and
     reference, {"info": what each is, "errors": each one's relative error vs fp32 where `check`})."""
     import torch.distributed as dist
@@ -538,7 +572,7 @@ def measure_case(op: str, m: int, n: int, k: int, dtype: torch.dtype, iters: int
     sets = max(2, min(8, (256 << 20) // ((m * k + n * k) * 2)))
     xs = [torch.randn(m, k, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5 for _ in range(sets)]
-    fns, info, reference = CASE_BUILDERS[op](xs, ws, exhaustive, max_candidates)
+    fns, info, reference = CASE_BUILDERS[op](xs, ws, exhaustive, max_candidates, backend)
     errors = {}
     if check:
         ref = reference()
@@ -552,7 +586,8 @@ def _worse(a: float, b: float) -> float:
     return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
-def _worker(rank, world, init_method, cases, dtype_name, iters, warmup, exhaustive, max_candidates, result_path):
+def _worker(rank, world, init_method, cases, dtype_name, iters, warmup, exhaustive, max_candidates, backend,
+            result_path):
     import torch.distributed as dist
 
     import flashoverlap
@@ -565,7 +600,7 @@ def _worker(rank, world, init_method, cases, dtype_name, iters, warmup, exhausti
         # Each case's outputs are checked on its first call only (the discarded pass or round 1).
         case = (op, m, n, k)
         times, facts = measure_case(op, m, n, k, dtype, iters, warmup, exhaustive=exhaustive,
-                                    max_candidates=max_candidates, check=case not in errors)
+                                    max_candidates=max_candidates, check=case not in errors, backend=backend)
         errors.setdefault(case, facts["errors"])
         return times, facts
 
@@ -581,19 +616,22 @@ def _worker(rank, world, init_method, cases, dtype_name, iters, warmup, exhausti
                              "max_rel_error": bench._max_over_ranks(errors[case].get(name, math.nan))})
         if rank == 0:
             with open(result_path, "w") as f:
-                json.dump({"meta": bench.environment(world), "rows": rows}, f)
+                json.dump({"meta": {**bench.environment(world), "backend": backend}, "rows": rows}, f)
     finally:
         flashoverlap.destroy_communicators()
         dist.destroy_process_group()
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=None, help="default: every local GPU (1 for a smoke test)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--cases", nargs="+", default=None,
                    help=f"{', '.join(CASE_SETS)} or OP:MxNxK ... (default: default, {len(CASE_SETS['default'])} "
                         f"cases; all: {len(CASE_SETS['all'])}; --quick: quick)")
+    p.add_argument("--backend", default="nccl", choices=BACKENDS,
+                   help="what moves every candidate's bytes, and what the predictions and mode auto assume "
+                        "(default nccl)")
     p.add_argument("--exhaustive", action=argparse.BooleanOptionalAction, default=None,
                    help="measure every candidate (default; --quick: not)")
     p.add_argument("--quick", action="store_true", help="smoke run: the quick cases, 6 iterations, not exhaustive")
@@ -603,8 +641,13 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls per candidate and round (default 5; "
                                                             "--quick: 2)")
     p.add_argument("--out", default=None, help="path without extension (default: evaluation/results/"
-                                               "e2_predictive_search_<gpu>x<world>_<dtype>[_quick])")
-    args = p.parse_args()
+                                               "e2_predictive_search_<gpu>x<world>_<dtype>[_copy_engine][_quick])")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
     try:
         cases = parse_cases(args.cases or ["quick" if args.quick else "default"])
     except argparse.ArgumentTypeError as e:
@@ -618,20 +661,17 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise SystemExit("E2 needs CUDA GPUs; none is visible")
     world = args.world_size or torch.cuda.device_count()
-    gpu = torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "-").lower()
-    suffix = "_quick" if args.quick else ""
-    out = args.out or os.path.join(RESULTS, f"e2_predictive_search_{gpu}x{world}_{args.dtype}{suffix}")
-    png = (out + "_error_cdf.png" if args.out else
-           os.path.join(RESULTS, f"e2_prediction_error_cdf_{gpu}x{world}{suffix}.png"))
+    out, png = output_paths(torch.cuda.get_device_name(0), world, args.dtype, args.backend, args.quick, args.out)
     os.environ.update(bench.SAFE_ENV)
     started = time.monotonic()
-    data = bench.spawn_ranks(_worker, world, cases, args.dtype, iters, warmup, exhaustive, args.max_candidates)
+    data = bench.spawn_ranks(_worker, world, cases, args.dtype, iters, warmup, exhaustive, args.max_candidates,
+                             args.backend)
     wall_s = time.monotonic() - started
     rows = annotate(data["rows"])
     summary = summarize(rows, exhaustive)
     meta = data["meta"]
-    lines = [f"# E2 predictive search, {world} x {meta['gpu']}, {args.dtype}, {meta['date']}; "
-             f"command: {meta['command']}",
+    lines = [f"# E2 predictive search, {world} x {meta['gpu']}, {args.dtype}, backend {meta['backend']}, "
+             f"{meta['date']}; command: {meta['command']}",
              f"# {len(cases)} cases, {'every candidate measured' if exhaustive else 'sampled candidates'}; "
              f"{iters} iterations per candidate (median, {bench.ROUNDS} rounds, max over ranks); {wall_s:.0f} s",
              "# per candidate: name, kind, groups, predicted us, measured us, |error|, rel error vs fp32, "
@@ -644,7 +684,7 @@ def main() -> int:
               for op in OPS if any(r["op"] == op for r in rows)}
     series["all"] = [e for v in series.values() for e in v]
     title = (f"E2: prediction error of {summary['partitions_measured']} partitions, {len(cases)} cases, "
-             f"{world} x {meta['gpu']}")
+             f"{world} x {meta['gpu']}, {meta['backend']}")
     if plot_error_cdf(series, png, title):
         print(f"wrote {out}.csv, .json, .txt and {png}")
     else:

@@ -7,6 +7,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -251,3 +252,98 @@ def test_parse_cases() -> None:
     for bad in ("gemm:4096x8192x4096", "ar:4096x8192", "rs:0x8192x4096", "bogus"):
         with pytest.raises(argparse.ArgumentTypeError, match="--cases"):
             e2.parse_cases([bad])
+
+
+def test_backend_option() -> None:
+    parse = e2.build_parser().parse_args
+    assert parse([]).backend == "nccl"
+    assert parse(["--backend", "copy_engine", "--quick"]).backend == "copy_engine"
+    assert parse(["--backend", "nccl"]).backend == "nccl"
+    # "auto" picks per shape and could mix backends within a case: not an option here.
+    for bad in ("auto", "nvshmem"):
+        with pytest.raises(SystemExit):
+            parse(["--backend", bad])
+
+
+def test_output_paths() -> None:
+    root = Path(e2.RESULTS)
+    # NCCL keeps the names it always had; the copy engines get their own beside them.
+    out, png = e2.output_paths("NVIDIA H200", 2, "bfloat16", "nccl", quick=False)
+    assert (Path(out), Path(png)) == (root / "e2_predictive_search_h200x2_bfloat16",
+                                      root / "e2_prediction_error_cdf_h200x2.png")
+    out, png = e2.output_paths("NVIDIA H200", 2, "bfloat16", "nccl", quick=True)
+    assert (Path(out).name, Path(png).name) == ("e2_predictive_search_h200x2_bfloat16_quick",
+                                                "e2_prediction_error_cdf_h200x2_quick.png")
+    out, png = e2.output_paths("NVIDIA H100 80GB HBM3", 4, "float16", "copy_engine", quick=False)
+    assert (Path(out).name, Path(png).name) == ("e2_predictive_search_h100-80gb-hbm3x4_float16_copy_engine",
+                                                "e2_prediction_error_cdf_h100-80gb-hbm3x4_copy_engine.png")
+    out, png = e2.output_paths("NVIDIA H200", 2, "bfloat16", "copy_engine", quick=True)
+    assert Path(out).name.endswith("_copy_engine_quick") and Path(png).name.endswith("_copy_engine_quick.png")
+    # An explicit --out is taken as is, whatever the backend.
+    assert e2.output_paths("NVIDIA H200", 2, "bfloat16", "copy_engine", True, "/tmp/x") == ("/tmp/x",
+                                                                                             "/tmp/x_error_cdf.png")
+
+
+def test_a2a_backend_options() -> None:
+    matrix = e2.skewed_split_matrix(2, 2048)
+    assert e2.a2a_backend_options("nccl", matrix) == {"backend": "nccl"}
+    assert e2.a2a_backend_options("copy_engine", matrix) == {"backend": "copy_engine", "split_matrix": matrix}
+    with pytest.raises(ValueError, match="backend"):
+        e2.a2a_backend_options("auto", matrix)
+
+
+@pytest.mark.parametrize("backend", e2.BACKENDS)
+def test_case_builders_pin_every_call_to_the_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each case's candidates, predictions and auto reference all run on --backend (the library's
+    ops and plans stood in for on CPU; the All-to-All prediction is the real one)."""
+    import torch
+    import torch.distributed as dist
+
+    calls = []
+
+    def record(name, result):
+        def fake(*args, **kwargs):
+            calls.append((name, kwargs))
+            return result
+        return fake
+
+    ar_plan = SimpleNamespace(tiles=(16, 64), groups=[{"bands": (0, 3)}, {"bands": (3, 16)}], schedule="overlap",
+                              predicted_overlap_us=100.0, predicted_us=100.0, predicted_sequential_us=150.0)
+    rs_plan = {"bands": 8, "groups": [{"bands": (0, 3)}, {"bands": (3, 8)}], "schedule": "overlap",
+               "predicted_overlap_us": 80.0, "predicted_sequential_us": 120.0}
+    real_a2a_plan = flashoverlap.plan_gemm_all_to_all
+    for name, result in (("plan_of", ar_plan), ("gemm_all_reduce", None), ("reduce_scatter_plan_of", rs_plan),
+                         ("gemm_reduce_scatter", None), ("gemm_all_to_all", None), ("get_communicator", None)):
+        monkeypatch.setattr(flashoverlap, name, record(name, result))
+    monkeypatch.setattr(flashoverlap, "plan_gemm_all_to_all",
+                        lambda matrix, n, k, **kw: calls.append(("plan_gemm_all_to_all", kw)) or
+                        real_a2a_plan(matrix, n, k, **kw))
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(multi_processor_count=132, major=9, minor=0))
+    xs, ws = [torch.zeros(2048, 64, dtype=torch.bfloat16)], [torch.zeros(8192, 64, dtype=torch.bfloat16)]
+    for op in e2.OPS:
+        calls.clear()
+        fns, info, _ = e2.CASE_BUILDERS[op](xs, ws, True, e2.MAX_CANDIDATES, backend)
+        assert "auto" in fns and len(fns) >= 4
+        for name, fn in fns.items():
+            if name != "sequential":  # torch.distributed's own collective, whatever the backend
+                fn(0)
+        made = [(f, kw) for f, kw in calls if f != "get_communicator"]
+        assert made and all(kw.get("backend") == backend for _, kw in made), made
+        # Partitions in mode overlap, auto in mode auto, on the same backend.
+        if op != "all_to_all":
+            runs = [kw for f, kw in made if f.startswith("gemm_")]
+            assert sorted(kw.get("mode", "auto") for kw in runs).count("auto") == 1
+            continue
+        matrix = e2.skewed_split_matrix(2, 2048)
+        runs = [kw for f, kw in made if f == "gemm_all_to_all"]
+        auto = [kw for kw in runs if "groups" not in kw]
+        assert auto == [{"split_matrix": matrix, "backend": backend}]
+        candidates = [kw for kw in runs if "groups" in kw]
+        assert len(candidates) == len(fns) - 2
+        # The copy engines need the whole routing; NCCL's candidates run as they always did.
+        assert all(kw.get("split_matrix") == (matrix if backend == "copy_engine" else None) for kw in candidates)
+        assert {info[f"g{kw['groups']}"]["predicted_us"] for kw in candidates} <= set(
+            real_a2a_plan(matrix, 8192, 64, backend=backend).predicted_us.values())
