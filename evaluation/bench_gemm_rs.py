@@ -36,6 +36,7 @@ result right). Writes <out>.csv, <out>.json (environment) and <out>.txt.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -113,7 +114,9 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
 
     async_tp_error = None
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401 (registers torch.ops.symm_mem)
+        # Registers torch.ops.symm_mem ("import torch.distributed..." here would make torch a
+        # local name of this function, unbound above).
+        importlib.import_module("torch.distributed._symmetric_memory")
 
         def async_tp(i):
             return torch.ops.symm_mem.fused_matmul_reduce_scatter(xs[i % sets], ws[i % sets].t(), "sum", 0,
