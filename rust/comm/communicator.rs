@@ -34,6 +34,14 @@ pub struct Communicator {
     pub reduce_join: Event,
     /// One event per wave group, ordering a group's copies before its reduction.
     pub group_events: Mutex<Vec<Event>>,
+    /// Further copy streams of the copy-engine backend, one per peer beyond
+    /// the first (world - 2), so that the copies to different peers run on
+    /// several copy engines at once and every link is busy; `link_go`
+    /// starts them on a group once the comm stream saw it finish, and
+    /// `link_done[i]` orders link i's copies before the group's reduction.
+    pub link_streams: Vec<OwnedStream>,
+    pub link_go: Event,
+    pub link_done: Vec<Event>,
     /// The copy-engine backend's buffers, once attached.
     peer: Mutex<Option<Arc<PeerBuffers>>>,
     pending_peer: Mutex<Option<PendingPeer>>,
@@ -160,6 +168,9 @@ impl Communicator {
     pub fn synchronize(&self) -> Result<()> {
         driver::bind(self.device.ordinal)?;
         stream::synchronize(self.stream.0)?;
+        for link in &self.link_streams {
+            stream::synchronize(link.0)?;
+        }
         stream::synchronize(self.reduce_stream.0)
     }
 
@@ -177,8 +188,7 @@ impl Drop for Communicator {
     fn drop(&mut self) {
         // Teardown: let pending work finish, then free NCCL's resources.
         if driver::bind(self.device.ordinal).is_ok() {
-            let _ = stream::synchronize(self.stream.0);
-            let _ = stream::synchronize(self.reduce_stream.0);
+            let _ = self.synchronize();
             if let (Some(comm), Ok(n)) = (self.comm, nccl::get()) {
                 let _ = n.destroy(comm);
             }
@@ -254,6 +264,11 @@ pub fn create(
         reduce_stream: OwnedStream::high_priority()?,
         reduce_join: Event::new()?,
         group_events: Mutex::new(Vec::new()),
+        link_streams: (2..world)
+            .map(|_| OwnedStream::high_priority())
+            .collect::<Result<_>>()?,
+        link_go: Event::new()?,
+        link_done: (2..world).map(|_| Event::new()).collect::<Result<_>>()?,
         peer: Mutex::new(None),
         pending_peer: Mutex::new(None),
         enqueue: Mutex::new(()),

@@ -221,12 +221,25 @@ pub fn enqueue(
     let layout = peer.layout;
     let me = peer.rank;
     let (copies, reduces) = (comm.stream.0, comm.reduce_stream.0);
+    // The copies to the i-th peer run on links[i]: the comm stream for the
+    // first, a stream of their own for the others.
+    let extra: Vec<RawStream> = comm.link_streams.iter().map(|s| s.0).collect();
+    let links: Vec<RawStream> = std::iter::once(copies)
+        .chain(extra.iter().copied())
+        .collect();
+    if links.len() < peer.peers().count() || comm.link_done.len() < extra.len() {
+        return Err(Error::Invalid("internal: copy streams not made".into()));
+    }
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     let events = comm.group_events.lock().unwrap_or_else(|p| p.into_inner());
     if events.len() < call.groups.len() {
         return Err(Error::Invalid("internal: group events not made".into()));
     }
-    comm.fork.order_all(caller, &[copies, reduces])?;
+    let forked: Vec<RawStream> = [copies, reduces]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect();
+    comm.fork.order_all(caller, &forked)?;
     launch_gemm()?;
     // This rank's slot in each peer may be written once that peer summed
     // the previous call (the flag starts set).
@@ -239,30 +252,35 @@ pub fn enqueue(
         if let Some(signals) = call.signals {
             let counter = signals.counter(g);
             stream::wait_geq(copies, counter, group.tiles())?;
-            // Every tile of the group has counted, so the reset races with nothing.
+            // Every tile of the group has counted, so the reset races with
+            // nothing (the other links only wait for this stream).
             stream::write(copies, counter, 0)?;
         }
-        let send = |p: usize, src: u64, bytes: u64, slot_offset: u64| -> Result<()> {
-            if bytes > 0 {
-                let dst = layout.slot(peer.bases[p], p, me) + slot_offset;
-                stream::copy(copies, dst, src, bytes as usize)?;
-            }
-            // A stream write is fenced after the copy before it: the peer
-            // sees the flag only once the bytes are there. Every peer gets
-            // one per group, bytes or not.
-            stream::write(copies, layout.ready_flag(peer.bases[p], g, me), 1)
-        };
+        if !extra.is_empty() {
+            comm.link_go.order_all(copies, &extra)?;
+        }
+        let send =
+            |link: RawStream, p: usize, src: u64, bytes: u64, slot_offset: u64| -> Result<()> {
+                if bytes > 0 {
+                    let dst = layout.slot(peer.bases[p], p, me) + slot_offset;
+                    stream::copy(link, dst, src, bytes as usize)?;
+                }
+                // A stream write is fenced after the copy before it: the peer
+                // sees the flag only once the bytes are there. Every peer gets
+                // one per group, bytes or not.
+                stream::write(link, layout.ready_flag(peer.bases[p], g, me), 1)
+            };
         match group {
             Group::Sum(e) => {
-                for p in peer.peers() {
-                    send(p, e.part(p), e.bytes, e.slot_offset)?;
+                for (link, p) in links.iter().zip(peer.peers()) {
+                    send(*link, p, e.part(p), e.bytes, e.slot_offset)?;
                 }
             }
             Group::Move(m) => {
-                for p in peer.peers() {
+                for (link, p) in links.iter().zip(peer.peers()) {
                     match m.sends.iter().find(|s| s.rank == p) {
-                        Some(s) => send(p, s.addr, s.bytes, s.slot_offset)?,
-                        None => send(p, 0, 0, 0)?,
+                        Some(s) => send(*link, p, s.addr, s.bytes, s.slot_offset)?,
+                        None => send(*link, p, 0, 0, 0)?,
                     }
                 }
                 let (from, to, bytes) = m.own;
@@ -272,8 +290,12 @@ pub fn enqueue(
             }
         }
         // The sum may rewrite the group's parts in place (AllReduce), so it
-        // also waits for this rank's own copies of them.
+        // also waits for this rank's own copies of them, on every link (which
+        // also joins the links into the caller's stream through this one).
         events[g].order(copies, reduces)?;
+        for (done, link) in comm.link_done.iter().zip(&extra) {
+            done.order(*link, reduces)?;
+        }
         for p in peer.peers() {
             let ready = layout.ready_flag(peer.bases[me], g, p);
             stream::wait_geq(reduces, ready, 1)?;

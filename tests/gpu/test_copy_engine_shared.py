@@ -41,7 +41,8 @@ def test_gemm_all_reduce_graph(tmp_path: Path) -> None:
     assert result["replays"] == 30
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# World 4: three peers per rank, so the copies run on three copy streams at once.
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_gemm_reduce_scatter(tmp_path: Path, world: int) -> None:
     results = run_workers(tmp_path, "rs_cases", world, cases=_some(rs_cases(world, SEED + 2), 10), replays=20,
                           **CE)
@@ -60,14 +61,16 @@ def test_without_nccl(tmp_path: Path) -> None:
     assert "without NCCL" in result["refused"]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# World 4: three peers per rank, so the copies run on three copy streams at once.
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_plain_collectives(tmp_path: Path, world: int) -> None:
     results = run_workers(tmp_path, "plain_collectives", world, seed=SEED + 5 + world, backend="copy_engine",
                           shared=True)
     assert all(r["replays"] == 20 for r in results)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# World 4: three peers per rank, so the copies run on three copy streams at once.
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_gemm_all_to_all(tmp_path: Path, world: int) -> None:
     results = run_workers(tmp_path, "a2a_cases", world, cases=a2a_cases(world, SEED + 6), **CE)
     assert all(r["cases"] == 6 for r in results)
