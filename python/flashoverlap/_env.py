@@ -29,7 +29,7 @@ BACKENDS = ("auto", "nccl", "copy_engine")
 def reserved_sms() -> int | None:
     """FLASHOVERLAP_RESERVED_SMS: SMs left free of GEMM CTAs for the collectives. Unset: None,
     the planner's default per backend (NCCL: ``_core.NCCL_RESERVED_SMS``, 24, as its CTAs need
-    them beside the GEMM; copy engines: 4, 8 or 16 per shape for the reduction kernel; none for All-to-All)."""
+    them beside the GEMM; copy engines: 4 or 8 per shape for the reduction kernel (16 with a fused norm, the sum still on 8); none for All-to-All)."""
     v = _int("FLASHOVERLAP_RESERVED_SMS", None)
     if v is not None and v < 0:
         raise ValueError(f"FLASHOVERLAP_RESERVED_SMS: expected >= 0, got {v}")

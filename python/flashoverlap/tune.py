@@ -8,7 +8,7 @@ ranks for collectives):
   64 KiB to 512 MiB (two samples per octave), twice: on flashoverlap's capped NCCL
   communicator (what each wave group's collective costs) and on the ProcessGroup's own
   (what the sequential schedule's one collective costs); where every rank is on one node, also
-  one wave group's exchange on the copy engines with its sums on 4, 8 and 16 CTAs (what backend
+  one wave group's exchange on the copy engines with its sums on 4 and 8 CTAs (what backend
   "auto" weighs against NCCL);
 * per shape, flashoverlap's GEMM kernels on the CTA counts the planner may give them (every SM
   minus 24, 16, 8 or 4 reserved), and torch.matmul on all SMs.

@@ -70,15 +70,19 @@ pub struct Prepared {
 /// The predictor's machine: measured constants on H200 (with the rate of
 /// the kernel that will run and the backend's per-group cost), a
 /// pessimistic model elsewhere.
-pub(crate) fn hardware_for(
-    sms: u32,
-    major: i32,
+fn hardware_for(
+    machine: &Machine,
     kernel: GemmKernel,
-    backend: Backend,
-    reserved: u32,
-    fused_norm: bool,
     kind: CollectiveKind,
+    world: u32,
 ) -> HardwareModel {
+    let Machine {
+        sms,
+        major,
+        backend,
+        reserved,
+        fused_norm,
+    } = *machine;
     if major == 9 && sms == 132 {
         // bf16 on H200, random data, all SMs (evaluation/results/gemm_kernel_h200.txt):
         // sm80 244-285 TFLOP/s; the sm90 kernel 510-770, 1.01x cuBLAS in the same run.
@@ -89,24 +93,14 @@ pub(crate) fn hardware_for(
         let h200 = HardwareModel::h200();
         let (overlap_comm, overlap_fixed_us) = match backend {
             Backend::Nccl => (h200.comm, 0.0),
-            // Copy-engine copies (376 GB/s alone on 2x H200: 256 MB in
-            // 714 us) pipelined with the reduction (3 bytes of HBM traffic
-            // per output byte, ~90-100 GB/s per reserved SM), slowed by each
-            // other and by the GEMM: fitted to forced overlap on the 16
-            // shapes with 16 reserved SMs (evaluation/results); with fewer
-            // the reduction is the bottleneck and the rate falls with them.
             // Its cost per group is small (memops and a copy per peer), but
             // each call pays ~40 us that no group shows: a 30 us latency per
             // group made the search pick 2-3 groups and lose up to 10% on
-            // communication-bound shapes. All-to-All sums nothing: its
-            // landing copies are copy-engine work too, so no SM sets its rate.
-            Backend::CopyEngine => {
-                let share = match kind {
-                    CollectiveKind::AllToAll => 1.0,
-                    _ => (f64::from(reserved) / 12.0).min(1.0),
-                };
-                (CollectiveModel::analytic(8.0, 240.0 * share), 40.0)
-            }
+            // communication-bound shapes.
+            Backend::CopyEngine => (
+                CollectiveModel::analytic(8.0, copy_engine_gbps(kind, reserved, world)),
+                40.0,
+            ),
         };
         HardwareModel {
             gemm_tflops,
@@ -131,7 +125,32 @@ pub(crate) fn hardware_for(
     }
 }
 
+/// The copy-engine backend's rate on H200 in GB/s of the collective's bus
+/// traffic (as [`CollectiveModel`] counts it): the copies' ~240 GB/s beside
+/// the GEMM (376 alone: 256 MB in 714 us on 2x H200; 240 fitted to forced
+/// overlap on the 16 shapes), unless the sum on the reserved SMs (at most
+/// [`copy_engine::MAX_REDUCE_CTAS`]) is slower. Beside a GEMM one CTA sums
+/// ~29 K output bytes per us at world 2 (evaluation/results/peer_reduce_h200.txt),
+/// reading `world` partials and writing one: ~87 K / (world + 1) in general.
+/// An AllReduce sums 1 / (2 (world - 1)) output bytes per byte of its bus
+/// traffic, a ReduceScatter 1 / (world - 1); an All-to-All sums nothing (its
+/// landing copies are copy-engine work too).
+fn copy_engine_gbps(kind: CollectiveKind, reserved: u32, world: u32) -> f64 {
+    const COPIES_GBPS: f64 = 240.0;
+    let w = f64::from(world.max(2));
+    let summed_per_moved = match kind {
+        CollectiveKind::AllReduce => 1.0 / (2.0 * (w - 1.0)),
+        CollectiveKind::ReduceScatter => 1.0 / (w - 1.0),
+        CollectiveKind::AllToAll => return COPIES_GBPS,
+    };
+    let ctas = f64::from(reserved.clamp(1, copy_engine::MAX_REDUCE_CTAS));
+    // Thousands of output bytes per us = GB/s of output.
+    let sums_gbps = ctas * 87.0 / (w + 1.0) / summed_per_moved;
+    COPIES_GBPS.min(sums_gbps)
+}
+
 /// Where a call is planned: the device, the backend and SMs left to it.
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct Machine {
     pub sms: u32,
     pub major: i32,
@@ -152,15 +171,7 @@ impl Machine {
         kind: CollectiveKind,
     ) -> HardwareModel {
         let (sms, reserved) = (self.sms, self.reserved);
-        let constants = hardware_for(
-            sms,
-            self.major,
-            kernel,
-            self.backend,
-            reserved,
-            self.fused_norm,
-            kind,
-        );
+        let constants = hardware_for(self, kernel, kind, world);
         profile::apply(
             constants,
             &profile::Lookup {
@@ -203,10 +214,13 @@ fn request(
 /// NCCL's CTAs need 24 SMs beside the GEMM to run at full speed (8, 16,
 /// 24, 32, 48 measured on 2x H200).
 pub const NCCL_RESERVED_SMS: u32 = 24;
-/// What the copy-engine backend may leave its reduction: 16 keeps it behind
-/// the copies; 4 or 8 suit GEMM-bound shapes, where one more wave of tiles
-/// costs more than a slower reduction that stays hidden.
-pub const COPY_ENGINE_RESERVED_SMS: [u32; 3] = [4, 8, 16];
+/// What the copy-engine backend may leave its reduction: 8 CTAs sum as fast
+/// as the copies deliver (see `hardware_for`); 4 suit GEMM-bound shapes,
+/// where one more wave of tiles costs more than a slower sum that stays hidden.
+pub const COPY_ENGINE_RESERVED_SMS: [u32; 2] = [4, 8];
+/// With a fused norm after each group, 16 is a candidate too: the norm runs
+/// on every reserved SM (the sum still on at most 8).
+const COPY_ENGINE_NORM_RESERVED_SMS: [u32; 3] = [4, 8, 16];
 
 /// The plan predicted fastest over the SM reservations a call may use: the
 /// caller's, else the backend's candidates (all below `sms`, unless there is
@@ -214,6 +228,7 @@ pub const COPY_ENGINE_RESERVED_SMS: [u32; 3] = [4, 8, 16];
 pub(crate) fn fastest_reservation<P>(
     reserved: Option<u32>,
     backend: Backend,
+    fused_norm: bool,
     sms: u32,
     mut plan_one: impl FnMut(u32) -> Result<(GemmKernel, P)>,
     overlap_us: impl Fn(&P) -> f64,
@@ -221,6 +236,7 @@ pub(crate) fn fastest_reservation<P>(
     let candidates: Vec<u32> = match (reserved, backend) {
         (Some(r), _) => vec![r],
         (None, Backend::Nccl) => vec![NCCL_RESERVED_SMS],
+        (None, Backend::CopyEngine) if fused_norm => COPY_ENGINE_NORM_RESERVED_SMS.to_vec(),
         (None, Backend::CopyEngine) => COPY_ENGINE_RESERVED_SMS.to_vec(),
     };
     let single = candidates.len() == 1;
@@ -256,6 +272,7 @@ pub fn plan_for(
     fastest_reservation(
         opts.reserved_sms,
         opts.backend,
+        opts.fused_norm,
         sms,
         |reserved| {
             let kernel = opts.kernel.unwrap_or_else(|| {
@@ -615,7 +632,11 @@ fn enqueue_copy_engine(
         reducer: reducer.as_ref(),
         signals: Some(&run.signals),
         groups: &groups,
-        reduce_ctas: run.plan.request.reserved_sms,
+        reduce_ctas: run
+            .plan
+            .request
+            .reserved_sms
+            .min(copy_engine::MAX_REDUCE_CTAS),
     };
     copy_engine::enqueue(
         comm,
@@ -647,6 +668,22 @@ mod tests {
             k,
             dtype: Dtype::Bf16,
         }
+    }
+
+    #[test]
+    fn copy_engine_sums_keep_up_with_the_copies_on_eight_ctas() {
+        let (ar, rs) = (CollectiveKind::AllReduce, CollectiveKind::ReduceScatter);
+        // World 2: an AllReduce needs half the sum rate a ReduceScatter does.
+        assert_eq!(copy_engine_gbps(ar, 8, 2), 240.0);
+        assert!((copy_engine_gbps(ar, 4, 2) - 232.0).abs() < 1e-9);
+        assert!((copy_engine_gbps(rs, 4, 2) - 116.0).abs() < 1e-9);
+        assert!((copy_engine_gbps(rs, 8, 2) - 232.0).abs() < 1e-9);
+        // The sum never runs on more than MAX_REDUCE_CTAS, however many are reserved.
+        assert_eq!(copy_engine_gbps(rs, 16, 2), copy_engine_gbps(rs, 8, 2));
+        // More ranks: more partials read per output byte, but fewer output bytes per moved one:
+        // at world 8 even 4 CTAs keep up with the copies.
+        assert_eq!(copy_engine_gbps(rs, 4, 8), 240.0);
+        assert_eq!(copy_engine_gbps(CollectiveKind::AllToAll, 0, 4), 240.0);
     }
 
     /// The whole per-shape decision a first call makes on an H200 (every SM

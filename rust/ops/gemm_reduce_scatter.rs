@@ -57,6 +57,7 @@ pub fn plan_for(
     fastest_reservation(
         opts.reserved_sms,
         opts.backend,
+        false,
         sms,
         |reserved| plan_reserving(args, world, opts, sms, major, reserved),
         |p: &ReduceScatterPlan| p.timeline.overlap_us,
@@ -222,7 +223,7 @@ pub fn gemm_reduce_scatter(
                 reducer: reducer.as_ref(),
                 signals: Some(&signals),
                 groups: &groups,
-                reduce_ctas: plan.request.reserved_sms,
+                reduce_ctas: plan.request.reserved_sms.min(copy_engine::MAX_REDUCE_CTAS),
             };
             copy_engine::enqueue(comm, &call, caller, launch, |_, _| Ok(()))?;
         }
