@@ -27,7 +27,7 @@ use crate::cuda::stream::{self, RawStream};
 use crate::error::{Error, Result};
 use crate::plan::{
     self, Collective, CollectiveKind, CollectiveModel, GemmAllReducePlan, HardwareModel,
-    ModeRequest, OrderRequest, PlanRequest, Schedule, Timeline,
+    ModeRequest, OrderRequest, PlanRequest, Schedule,
 };
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -294,15 +294,6 @@ pub fn plan_for(
     )
 }
 
-/// The predicted time of a call's schedule: the overlapped one's with the
-/// per-call cost its groups do not show, or the sequential one's.
-pub(crate) fn call_us(schedule: Schedule, timeline: &Timeline, fixed_us: f64) -> f64 {
-    match schedule {
-        Schedule::Overlap => timeline.overlap_us + fixed_us,
-        Schedule::Sequential => timeline.sequential_us,
-    }
-}
-
 /// The predicted time of the call [`plan_for`] plans (for "auto" backend choice).
 pub fn predicted_us(
     args: &GemmArgs,
@@ -311,16 +302,7 @@ pub fn predicted_us(
     sms: u32,
     major: i32,
 ) -> Result<f64> {
-    let (kernel, plan) = plan_for(args, world, opts, sms, major)?;
-    let machine = Machine {
-        sms,
-        major,
-        backend: opts.backend,
-        reserved: plan.request.reserved_sms,
-        fused_norm: opts.fused_norm,
-    };
-    let hw = machine.model(args, world, kernel, CollectiveKind::AllReduce);
-    Ok(call_us(plan.schedule, &plan.timeline, hw.overlap_fixed_us))
+    Ok(plan_for(args, world, opts, sms, major)?.1.predicted_us())
 }
 
 fn prepare(

@@ -17,7 +17,7 @@
 
 use super::copy_engine::{self, Exchange};
 use super::gemm::{self, CounterSlots, GemmArgs, Signals};
-use super::gemm_all_reduce::{call_us, fastest_reservation, Backend, Machine};
+use super::gemm_all_reduce::{fastest_reservation, Backend, Machine};
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
 use crate::cuda::kernels::GemmKernel;
@@ -72,16 +72,7 @@ pub fn predicted_us(
     sms: u32,
     major: i32,
 ) -> Result<f64> {
-    let (kernel, plan) = plan_for(args, world, opts, sms, major)?;
-    let machine = Machine {
-        sms,
-        major,
-        backend: opts.backend,
-        reserved: plan.request.reserved_sms,
-        fused_norm: false,
-    };
-    let hw = machine.model(args, world, kernel, CollectiveKind::ReduceScatter);
-    Ok(call_us(plan.schedule, &plan.timeline, hw.overlap_fixed_us))
+    Ok(plan_for(args, world, opts, sms, major)?.1.predicted_us())
 }
 
 fn plan_reserving(

@@ -77,6 +77,8 @@ pub struct ReduceScatterPlan {
     pub store_rows: Vec<u32>,
     pub tile_group: Vec<u32>,
     pub timeline: Timeline,
+    /// The hardware's per-call cost of overlapping (`overlap_fixed_us`).
+    pub overlap_fixed_us: f64,
 }
 
 impl ReduceScatterRequest {
@@ -173,6 +175,7 @@ pub fn plan_gemm_reduce_scatter(
         store_rows: Vec::with_capacity(total as usize),
         tile_group: Vec::with_capacity(total as usize),
         timeline,
+        overlap_fixed_us: hw.overlap_fixed_us,
     };
     let bm = tile.bm;
     for (g, group) in (0u32..).zip(&partition.groups) {
@@ -205,6 +208,12 @@ pub fn plan_gemm_reduce_scatter(
 }
 
 impl ReduceScatterPlan {
+    /// What the call is predicted to take on the schedule chosen.
+    pub fn predicted_us(&self) -> f64 {
+        self.schedule
+            .predicted_us(&self.timeline, self.overlap_fixed_us)
+    }
+
     /// Rows of the send buffer the GEMM stores into.
     pub fn send_rows(&self) -> u64 {
         u64::from(self.request.world) * self.out_rows()

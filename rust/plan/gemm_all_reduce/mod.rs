@@ -53,6 +53,17 @@ pub enum Schedule {
     Sequential,
 }
 
+impl Schedule {
+    /// The predicted time of this schedule: the overlapped one's with the
+    /// per-call cost (`fixed_us`) its groups do not show, or the sequential one's.
+    pub fn predicted_us(self, timeline: &Timeline, fixed_us: f64) -> f64 {
+        match self {
+            Schedule::Overlap => timeline.overlap_us + fixed_us,
+            Schedule::Sequential => timeline.sequential_us,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanRequest {
     pub m: u32,
@@ -142,6 +153,8 @@ pub struct GemmAllReducePlan {
     /// Group id per position of `order`, uploaded for the kernel.
     pub tile_group: Vec<u32>,
     pub timeline: Timeline,
+    /// The hardware's per-call cost of overlapping (`overlap_fixed_us`).
+    pub overlap_fixed_us: f64,
 }
 
 /// Validates (m,n,k >= 1, world >= 1, reserved_sms < hw.sms, max_groups >= 1,
@@ -234,10 +247,17 @@ pub fn plan_gemm_all_reduce(
         partition,
         timeline,
         tiles,
+        overlap_fixed_us: hw.overlap_fixed_us,
     })
 }
 
 impl GemmAllReducePlan {
+    /// What the call is predicted to take on the schedule chosen.
+    pub fn predicted_us(&self) -> f64 {
+        self.schedule
+            .predicted_us(&self.timeline, self.overlap_fixed_us)
+    }
+
     /// Row bands per raster block of the tile order (1: row by row).
     pub fn raster_bands(&self) -> u32 {
         self.order.raster_bands()
