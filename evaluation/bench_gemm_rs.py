@@ -198,9 +198,7 @@ def _worker(rank, world, init_method, shapes, dtype_name, iters, warmup, result_
         dist.destroy_process_group()
 
 
-def geo(rows, key):
-    vals = [r[key] for r in rows if not math.isnan(r[key])]
-    return (statistics.geometric_mean(vals), min(vals)) if vals else (math.nan, math.nan)
+geo = bench.geo_min
 
 
 def ce_verdict(rows: list) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -94,6 +95,13 @@ def interleaved_times_us(fns: dict[str, Callable[[int], object]], iters: int, wa
             events[name].append((start, end))
     torch.cuda.synchronize()
     return {name: [s.elapsed_time(e) * 1000.0 for s, e in pairs] for name, pairs in events.items()}
+
+
+def geo_min(rows: Sequence[dict], key: str) -> tuple[float, float]:
+    """(geometric mean, min) of rows[i][key] over the rows where it is not NaN (a variant that
+    could not run); (nan, nan) where none is."""
+    vals = [r[key] for r in rows if not math.isnan(r[key])]
+    return (statistics.geometric_mean(vals), min(vals)) if vals else (math.nan, math.nan)
 
 
 def _max_over_ranks(v: float) -> float:
