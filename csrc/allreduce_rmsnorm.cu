@@ -19,6 +19,12 @@
 //      raises done[b][rank] in every peer's buffer;
 //   3. gather: once done[b][p] is up for every peer, CTA b copies the rows
 //      peers wrote for chunk b of their slices from its out area to out.
+// Pull mode (x_offset != 0: gemm_all_reduce_rmsnorm, one call per wave
+// group): the producing GEMM stored each rank's partial straight into its
+// own buffer's x area, so step 1 pushes nothing and only raises ready[b];
+// step 2 reads every source's rows there (peer loads). A call then covers
+// rows [row0, row0 + tokens) of arrays of the whole output's rows, split
+// among the owners like the tokens of a plain call.
 // The flags hold the call's epoch (a counter in each rank's buffer, bumped
 // by the last CTA to finish), so they never need resetting and CUDA-graph
 // replays work. A wait that lasts longer than `timeout_ns` (0: forever)
@@ -80,9 +86,11 @@ struct Params {
   unsigned long long out_offset;           // the out area: [tokens, hidden]
   unsigned long long res_offset;           // the residual area (full mode): [tokens, hidden]
   unsigned long long timeout_ns;
+  unsigned long long x_offset;             // pull mode: every rank's partial, [row0 + tokens, hidden]; 0: push
   int rank, world, tokens, hidden;
   float eps;
   int residual_full;
+  int row0;                                // first row of this call (0 in push mode)
 };
 
 namespace {
@@ -97,7 +105,7 @@ __device__ __forceinline__ uint4* slot(const Params& p, int owner, int source) {
   return reinterpret_cast<uint4*>(area(p, owner, 65536ull + static_cast<unsigned long long>(source) * p.slot_bytes));
 }
 __device__ __forceinline__ int slice_start(const Params& p, int owner) {
-  return static_cast<int>(static_cast<long long>(p.tokens) * owner / p.world);
+  return p.row0 + static_cast<int>(static_cast<long long>(p.tokens) * owner / p.world);
 }
 // Chunk b of owner's slice: rows [first, last).
 __device__ __forceinline__ void chunk(const Params& p, int owner, int& first, int& last) {
@@ -171,8 +179,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
   const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own + EPOCH) + 1;
   int first, last;
 
-  // 1. Push chunk b of every other owner's slice into its slot for this rank.
-  for (int i = 1; i < p.world; ++i) {
+  // 1. Push chunk b of every other owner's slice into its slot for this rank
+  // (pull mode: the partial already lies in this rank's buffer).
+  const bool pull = p.x_offset != 0;
+  for (int i = 1; !pull && i < p.world; ++i) {
     const int owner = (p.rank + i) % p.world;
     chunk(p, owner, first, last);
     const long long offset = static_cast<long long>(first - slice_start(p, owner)) * vecs;
@@ -203,7 +213,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
       }
       // Rank order, so that every rank would get bit-identical sums.
       for (int src = 0; src < p.world; ++src) {
-        const uint4* from = src == p.rank ? p.x + base : slot(p, p.rank, src) + local;
+        const uint4* from = pull ? reinterpret_cast<const uint4*>(area(p, src, p.x_offset)) + base
+                            : src == p.rank ? p.x + base : slot(p, p.rank, src) + local;
         uint4 w[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {

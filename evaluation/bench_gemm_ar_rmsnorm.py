@@ -17,8 +17,11 @@ norm_weight, fp32 statistics, eps = 1e-6, vLLM's fused_add_rms_norm after a row-
            then flashoverlap's add + RMSNorm kernel; default backend)
   forced   the same with mode="overlap"
   fo_nccl  the same as fo with backend="nccl"
+  fo_peer  the same as fo with backend="peer" (each rank's GEMM stores its partial in its peer
+           buffer; one kernel per group reads every rank's rows over NVLink, sums, adds the
+           residual and normalizes, on the SMs the GEMM leaves free)
 
-Before timing, both outputs of seq, fo, forced and fo_nccl are checked against the fp32
+Before timing, both outputs of seq, fo, forced, fo_nccl and fo_peer are checked against the fp32
 composition (the fp32 product all-reduced in fp32, plus the residual, normalized in fp32): the
 relative error is the Frobenius norm of the difference over that of the reference, maximum over
 ranks. The schedule and group count are those of flashoverlap.plan_of(x, w, fused_norm=True),
@@ -46,9 +49,9 @@ from flashoverlap.cli import _shape
 SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 4096), (8192, 14336), (8192, 1024),
                                                                     (8192, 3584))]
 EPS = 1e-6
-VARIANTS = ("cublas", "nccl", "norm", "seq", "seq_fused", "fo", "forced", "fo_nccl")
-CHECKED = ("seq", "seq_fused", "fo", "forced", "fo_nccl")
-SPEEDUPS = ("fo", "forced", "fo_nccl")
+VARIANTS = ("cublas", "nccl", "norm", "seq", "seq_fused", "fo", "forced", "fo_nccl", "fo_peer")
+CHECKED = ("seq", "seq_fused", "fo", "forced", "fo_nccl", "fo_peer")
+SPEEDUPS = ("fo", "forced", "fo_nccl", "fo_peer")
 
 
 def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup: int) -> tuple[dict, dict]:
@@ -118,19 +121,23 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
         return flashoverlap.gemm_all_reduce_rmsnorm(xs[i % sets], ws[i % sets], residuals[i % sets], norm_weight, EPS,
                                                     backend="nccl")
 
+    def fo_peer(i):
+        return flashoverlap.gemm_all_reduce_rmsnorm(xs[i % sets], ws[i % sets], residuals[i % sets], norm_weight, EPS,
+                                                    backend="peer")
+
     # Correctness of the exact calls being timed, against the fp32 composition.
     res_ref = xs[0].float() @ ws[0].float().t()
     dist.all_reduce(res_ref)
     res_ref += residuals[0].float()
     out_ref = res_ref * torch.rsqrt(res_ref.pow(2).mean(-1, keepdim=True) + EPS) * norm_weight_f
     errors = {}
-    for name, f in (("seq", seq), ("seq_fused", seq_fused), ("fo", fo), ("forced", forced), ("fo_nccl", fo_nccl)):
-        out, res = f(0)
+    fns = {"cublas": cublas, "nccl": nccl, "norm": norm, "seq": seq, "seq_fused": seq_fused, "fo": fo,
+           "forced": forced, "fo_nccl": fo_nccl, "fo_peer": fo_peer}
+    for name in CHECKED:
+        out, res = fns[name](0)
         errors[f"err_out_{name}"] = float((out.float() - out_ref).norm() / out_ref.norm())
         errors[f"err_res_{name}"] = float((res.float() - res_ref).norm() / res_ref.norm())
     del res_ref, out_ref
-    fns = {"cublas": cublas, "nccl": nccl, "norm": norm, "seq": seq, "seq_fused": seq_fused, "fo": fo,
-           "forced": forced, "fo_nccl": fo_nccl}
     plan = flashoverlap.plan_of(xs[0], ws[0], fused_norm=True)
     dist.barrier()
     times = bench.interleaved_times_us(fns, iters, warmup)
@@ -192,18 +199,20 @@ def main() -> int:
              "# times in us (median, max over ranks); x = seq time / that variant's time; "
              "err = relative error vs fp32 of out (o) and residual_out (r)",
              f"{'M x N x K':>18} " + " ".join(f"{v:>10}" for v in VARIANTS) +
-             f" {'sched':>10} {'groups':>6} {'fo x':>7} {'forced x':>8} {'nccl x':>7}" +
+             f" {'sched':>10} {'groups':>6} {'fo x':>7} {'forced x':>8} {'nccl x':>7} {'peer x':>7}" +
              "".join(f" {f'{v} {o}':>10}" for v in SPEEDUPS for o in ("o", "r"))]
     for r in rows:
         lines.append(f"{r['m']:>6}x{r['n']}x{r['k']:<5} " + " ".join(f"{r[v + '_us']:10.1f}" for v in VARIANTS) +
                      f" {r['schedule']:>10} {r['groups']:>6} {r['fo_vs_seq']:6.3f}x {r['forced_vs_seq']:7.3f}x "
-                     f"{r['fo_nccl_vs_seq']:6.3f}x" +
+                     f"{r['fo_nccl_vs_seq']:6.3f}x {r['fo_peer_vs_seq']:6.3f}x" +
                      "".join(f" {r[f'err_{o}_{v}']:10.1e}" for v in SPEEDUPS for o in ("out", "res")))
     for key, what in (("fo_vs_seq", "fo over sequential cuBLAS + NCCL + torch add-RMSNorm"),
                       ("fo_vs_seq_fused", "fo over sequential cuBLAS + NCCL + one-kernel add-RMSNorm"),
                       ("forced_vs_seq", "forced overlap over sequential"),
                       ("fo_nccl_vs_seq", "fo with backend='nccl' over sequential"),
-                      ("fo_nccl_vs_seq_fused", "fo with backend='nccl' over sequential with the one-kernel norm")):
+                      ("fo_nccl_vs_seq_fused", "fo with backend='nccl' over sequential with the one-kernel norm"),
+                      ("fo_peer_vs_seq", "fo with backend='peer' over sequential"),
+                      ("fo_peer_vs_seq_fused", "fo with backend='peer' over sequential with the one-kernel norm")):
         g, lo = geo(rows, key)
         lines.append(f"{what}: geometric mean {g:.3f}x, min {lo:.3f}x")
     for base in ("seq", "seq_fused"):

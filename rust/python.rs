@@ -78,7 +78,7 @@ fn gemm_kernel(name: Option<&str>) -> PyResult<Option<GemmKernel>> {
 fn backend(name: &str) -> PyResult<gar::Backend> {
     gar::Backend::parse(name).ok_or_else(|| {
         PyValueError::new_err(format!(
-            "backend: expected 'nccl' or 'copy_engine', got {name:?}"
+            "backend: expected 'nccl', 'copy_engine' or 'peer', got {name:?}"
         ))
     })
 }
@@ -493,16 +493,23 @@ fn gemm_all_reduce(
     stream: usize,
     options: OpOptions,
     staging: u64,
-    norm: Option<(u64, u64, u64, f32)>,
+    norm: Option<NormArgs>,
 ) -> PyResult<(&'static str, u64)> {
     let (comm, _, opts) = call_of(group_name, m, n, k, dtype, &options)?;
     let args = operands(x, weight, out, m, n, k, dtype)?;
-    let norm = norm.map(|(residual_in, residual_out, weight, eps)| gar::Norm {
-        residual_in,
-        residual_out,
-        weight,
-        eps,
-    });
+    let norm = norm
+        .map(
+            |(residual_in, residual_out, weight, eps, peer)| -> PyResult<gar::Norm> {
+                Ok(gar::Norm {
+                    residual_in,
+                    residual_out,
+                    weight,
+                    eps,
+                    peer: peer.map(peer_norm).transpose()?,
+                })
+            },
+        )
+        .transpose()?;
     py.detach(|| {
         let caller = stream::from_handle(stream);
         gar::gemm_all_reduce(&comm, &args, &opts, staging, norm.as_ref(), caller)
@@ -513,6 +520,32 @@ fn gemm_all_reduce(
         gar::Enqueued::NeedsStaging(bytes) => ("staging", bytes),
     })
     .map_err(to_py)
+}
+
+/// The fused norm of gemm_all_reduce_rmsnorm: (residual_in, residual_out,
+/// norm weight, eps, peer buffers for backend="peer": (bases, bytes, rank,
+/// timeout_ns)).
+type NormArgs = (u64, u64, u64, f32, Option<(Vec<u64>, u64, usize, u64)>);
+
+fn peer_norm(
+    (bases, buffer_bytes, rank, timeout_ns): (Vec<u64>, u64, usize, u64),
+) -> PyResult<gar::PeerNorm> {
+    let world = bases.len();
+    if !(1..=arn::MAX_WORLD).contains(&world) || rank >= world || bases.contains(&0) {
+        return Err(PyValueError::new_err(format!(
+            "peer: expected 1 to {} mapped buffers and a rank among them, got {world} (rank {rank})",
+            arn::MAX_WORLD
+        )));
+    }
+    let mut all = [0u64; arn::MAX_WORLD];
+    all[..world].copy_from_slice(&bases);
+    Ok(gar::PeerNorm {
+        bases: all,
+        world,
+        rank,
+        buffer_bytes,
+        timeout_ns,
+    })
 }
 
 /// A collective op's options as Python passes them: (mode, bands_per_group,
@@ -835,6 +868,7 @@ fn add_rmsnorm(
         residual_out,
         weight,
         eps,
+        peer: None,
     };
     py.detach(|| {
         let dev = driver::bind(device)?;
@@ -853,25 +887,34 @@ fn add_rmsnorm(
 }
 
 /// Bytes each rank's peer buffer needs for an AllReduce + RMSNorm of
-/// `tokens` rows of `hidden` on `world` ranks.
+/// `tokens` rows of `hidden` on `world` ranks (`pull`: laid out for
+/// gemm_all_reduce_rmsnorm's backend="peer").
 #[pyfunction]
+#[pyo3(signature = (world, tokens, hidden, dtype, pull=false))]
 fn allreduce_rmsnorm_buffer_bytes(
     world: usize,
     tokens: u64,
     hidden: u32,
     dtype: &str,
+    pull: bool,
 ) -> PyResult<u64> {
     let dtype = self::dtype(dtype)?;
-    Ok(arn::Layout::new(world, tokens, hidden, dtype)
-        .map_err(to_py)?
-        .bytes)
+    let layout = if pull {
+        arn::Layout::pull(world, tokens, hidden, dtype)
+    } else {
+        arn::Layout::new(world, tokens, hidden, dtype)
+    };
+    Ok(layout.map_err(to_py)?.bytes)
 }
 
 /// Enqueues the peer-memory AllReduce + residual add + RMSNorm on `stream`:
 /// tensors = (x, residual, weight, out, residual_out) device pointers,
 /// bases = every rank's peer buffer as mapped in this process (zeroed
-/// before first use, `buffer_bytes` each), this rank at `rank`.
+/// before first use, `buffer_bytes` each), this rank at `rank`. `pull`:
+/// the buffers are laid out for gemm_all_reduce_rmsnorm's backend="peer";
+/// x is first copied into this rank's x area (its sequential schedule).
 #[pyfunction]
+#[pyo3(signature = (device, tensors, bases, buffer_bytes, rank, tokens, hidden, eps, residual_full, dtype, ctas, timeout_ns, stream, pull=false))]
 #[allow(clippy::too_many_arguments)]
 fn allreduce_rmsnorm_launch(
     py: Python<'_>,
@@ -888,8 +931,14 @@ fn allreduce_rmsnorm_launch(
     ctas: u32,
     timeout_ns: u64,
     stream: usize,
+    pull: bool,
 ) -> PyResult<()> {
     let dtype = self::dtype(dtype)?;
+    if pull && !residual_full {
+        return Err(PyValueError::new_err(
+            "residual_out: the pull layout keeps the full residual only",
+        ));
+    }
     let call = arn::Call {
         x: tensors.0,
         residual: tensors.1,
@@ -905,11 +954,22 @@ fn allreduce_rmsnorm_launch(
         timeout_ns,
         dtype,
         buffer_bytes,
+        pull: pull.then_some(arn::Pull {
+            first: 0,
+            rows: tokens,
+        }),
     };
     py.detach(|| {
         let dev = driver::bind(device)?;
         let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype))?;
-        arn::launch(&kernel, &call, ctas, stream::from_handle(stream))
+        let stream = stream::from_handle(stream);
+        let checked = arn::checked(&call, ctas)?;
+        if pull && tokens > 0 {
+            let partial = call.bases[rank] + call.layout()?.x_offset;
+            let bytes = tokens * u64::from(hidden) * u64::from(dtype.bytes());
+            stream::copy(stream, partial, call.x, bytes as usize)?;
+        }
+        checked.launch(&kernel, stream)
     })
     .map_err(to_py)
 }

@@ -440,6 +440,36 @@ def test_unknown_backend_is_named(no_distributed, call, backend) -> None:
     valid_plan_still_works()
 
 
+PEER_REFUSERS = {
+    "gemm_all_reduce": lambda x, w: gemm_all_reduce(x, w, backend="peer"),
+    "plan_of": lambda x, w: plan_of(x, w, backend="peer"),
+    "backend_of": lambda x, w: flashoverlap.backend_of(x, w, backend="peer"),
+    "gemm_reduce_scatter": lambda x, w: flashoverlap.gemm_reduce_scatter(x, w, backend="peer"),
+    "gemm_all_to_all": lambda x, w: flashoverlap.gemm_all_to_all(x, w, [16], [16], backend="peer"),
+}
+
+
+@pytest.mark.parametrize("op", PEER_REFUSERS)
+def test_peer_backend_is_the_fused_norms_alone(no_distributed, op) -> None:
+    # Refused before any process group is needed, with the op that does take it named.
+    x, w = operands()
+    with raises_naming(ValueError, "backend", "gemm_all_reduce_rmsnorm"):
+        PEER_REFUSERS[op](x, w)
+    valid_plan_still_works()
+
+
+@pytest.mark.parametrize("call", [
+    lambda x, w: flashoverlap.gemm_all_reduce_rmsnorm(x, w, *_norm_args(x, w), backend="peer"),
+    lambda x, w: plan_of(x, w, backend="peer", fused_norm=True),
+], ids=["gemm_all_reduce_rmsnorm", "plan_of_fused_norm"])
+def test_peer_backend_passes_the_fused_norms_checks(no_distributed, call) -> None:
+    # The backend check lets it through: the next check (an initialised process group) fails.
+    x, w = operands()
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        call(x, w)
+    assert not str(info.value).startswith("backend:"), info.value
+
+
 def test_bad_backend_in_the_environment(no_distributed, monkeypatch: pytest.MonkeyPatch) -> None:
     from flashoverlap import _env
 

@@ -77,6 +77,8 @@ def _resolve_backend(comm: Communicator, backend: Optional[str]) -> str:
     else it is the one the communicator can run."""
     if backend is None:
         backend = _env.backend()
+    if backend == "peer":  # gemm_all_reduce_rmsnorm's own; its caller checked it
+        return backend
     _check_backend(backend)
     if backend == "auto":
         allowed = _allowed_backends(comm)
@@ -131,13 +133,16 @@ def _rs_options(mode, bands_per_group, kernel, backend: str) -> tuple:
 
 
 def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, backend, order, norm=None):
-    """The op's body: (out, schedule). norm: (residual_in, residual_out, weight, eps) pointers and
-    eps of the fused add + RMSNorm run on each group's rows after its AllReduce (overlap only:
-    the caller norms the whole output itself where the schedule is "sequential")."""
+    """The op's body: (out, schedule). norm: (residual_in, residual_out, weight) pointers, eps and
+    the peer buffers (backend "peer"; else None) of the fused add + RMSNorm run on each group's
+    rows after its AllReduce (overlap only: where the schedule is "sequential" the caller reduces
+    (peer) and norms the whole output itself)."""
     m, n, k = check_gemm_operands(x, weight)
     comm = communicator_by_name(group_name)
     _check_mode(mode, bands_per_group)
     backend = _resolve_backend(comm, backend)
+    if backend == "peer" and norm is None:
+        raise ValueError("backend: 'peer' runs gemm_all_reduce_rmsnorm only; use 'nccl', 'copy_engine' or 'auto'")
     order = _resolve_order(order)
     check_device("x", x, comm.device)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -169,8 +174,11 @@ def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, b
         schedule, _ = call(staging.data_ptr())
     if schedule == "sequential":
         # Overlap does not pay here (or was not asked for): exactly the unfused
-        # composition, torch's library GEMM (cuBLAS) then one AllReduce.
+        # composition, torch's library GEMM (cuBLAS) then one AllReduce (the peer
+        # backend's caller reduces and normalizes in one kernel).
         torch.matmul(x, weight.t(), out=out)
+        if backend == "peer":
+            return out, schedule
         if comm.torch_collectives:
             torch.distributed.all_reduce(out, group=comm.group)
         else:
@@ -205,23 +213,46 @@ def _check_norm_operands(x: torch.Tensor, weight: torch.Tensor, residual, norm_w
 def _gemm_all_reduce_rmsnorm_impl(x, weight, residual, norm_weight, eps: float, group_name: str,
                                   mode: str = "auto", bands_per_group: Optional[int] = None,
                                   kernel: Optional[str] = None, backend: Optional[str] = None):
-    check_gemm_operands(x, weight)
+    m, n, _ = check_gemm_operands(x, weight)
     _check_norm_operands(x, weight, residual, norm_weight, eps)
+    _check_backend(backend, norm=True)
     comm = communicator_by_name(group_name)
     for name, t in (("residual", residual), ("norm_weight", norm_weight)):
         check_device(name, t, comm.device)
     residual_out = torch.empty_like(residual)
-    norm = (residual.data_ptr(), residual_out.data_ptr(), norm_weight.data_ptr(), float(eps))
+    peer = _peer_norm_buffers(comm, m, n, x.dtype) if backend == "peer" and m else None
+    norm = (residual.data_ptr(), residual_out.data_ptr(), norm_weight.data_ptr(), float(eps), peer)
     # Groups of whole rows: the norm of a group needs every column of its rows.
     out, schedule = _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, backend,
                                          "banded", norm)
     if schedule == "sequential" and out.numel():
-        n = weight.shape[0]
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        _core.add_rmsnorm(out.data_ptr(), residual.data_ptr(), residual_out.data_ptr(), norm_weight.data_ptr(),
-                          out.numel() // n, n, float(eps), dtype_name(x.dtype), x.device.index,
-                          _stream_handle(x.device), sms)
+        dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
+        if peer is not None:
+            # The whole output as one group: its partial is copied into the peer buffer first.
+            bases, nbytes, rank, timeout_ns = peer
+            _core.allreduce_rmsnorm_launch(x.device.index, (out.data_ptr(), residual.data_ptr(),
+                                                            norm_weight.data_ptr(), out.data_ptr(),
+                                                            residual_out.data_ptr()),
+                                           bases, nbytes, rank, m, n, float(eps), True, dtype, min(sms, 256),
+                                           timeout_ns, stream, pull=True)
+        else:
+            _core.add_rmsnorm(out.data_ptr(), residual.data_ptr(), residual_out.data_ptr(), norm_weight.data_ptr(),
+                              out.numel() // n, n, float(eps), dtype, x.device.index, stream, sms)
     return out, residual_out
+
+
+def _peer_norm_buffers(comm: Communicator, m: int, n: int, dtype: torch.dtype) -> tuple:
+    """backend="peer": the communicator's peer-norm buffers (made by the public op), grown
+    (collectively, outside capture) to an [m, n] output, as the core takes them."""
+    from . import peer_norm
+
+    state = peer_norm.gemm_peer_group(comm)
+    world = comm.world_size
+    if not state.ensure(_core.allreduce_rmsnorm_buffer_bytes(world, m, n, dtype_name(dtype), pull=True)):
+        raise RuntimeError(f"backend: 'peer' could not map the peer buffers of communicator {comm.name!r} "
+                           "on every rank (see the warning above); use backend='nccl' or 'copy_engine'")
+    return state.memory.bases, state.memory.bytes, comm.rank, peer_norm.wait_timeout_ns()
 
 
 def _gemm_all_reduce_rmsnorm_fake(x, weight, residual, norm_weight, eps: float, group_name: str,
@@ -458,9 +489,12 @@ def _check_kernel(kernel: Optional[str]) -> None:
         raise ValueError(f"kernel: expected one of {KERNELS} or None, got {kernel!r}")
 
 
-def _check_backend(backend: Optional[str]) -> None:
-    if backend is not None and backend not in _env.BACKENDS:
-        raise ValueError(f"backend: expected one of {_env.BACKENDS} or None, got {backend!r}")
+def _check_backend(backend: Optional[str], norm: bool = False) -> None:
+    """norm: gemm_all_reduce_rmsnorm's, which also runs on "peer"."""
+    allowed = (*_env.BACKENDS, "peer") if norm else _env.BACKENDS
+    if backend is not None and backend not in allowed:
+        hint = " ('peer' runs gemm_all_reduce_rmsnorm only)" if backend == "peer" else ""
+        raise ValueError(f"backend: expected one of {allowed} or None, got {backend!r}{hint}")
 
 
 def _check_order(order: Optional[str]) -> None:
@@ -502,14 +536,16 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, *, kernel: Optional[str] = None,
     return torch.ops.flashoverlap.gemm(x, weight, kernel, raster_bands, sms)
 
 
-def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order=None):
+def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order=None,
+                  norm: bool = False):
     """The argument checks of the collective ops, in the documented order (shapes and dtypes,
     options, an initialised process group, devices), then the communicator (created
-    collectively on first use). Returns (M, N, K, communicator)."""
+    collectively on first use). Returns (M, N, K, communicator). norm: the fused-norm op's
+    (backend "peer" allowed)."""
     m, n, k = check_gemm_operands(x, weight, devices=False)
     _check_mode(mode, bands_per_group)
     _check_kernel(kernel)
-    _check_backend(backend)
+    _check_backend(backend, norm)
     _check_order(order)
     return m, n, k, _communicator_of(x, group, communicator, weight)
 
@@ -565,7 +601,8 @@ def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, c
     """The plan ``gemm_all_reduce`` runs for these arguments (tiles, waves, groups, predicted timeline);
     with ``fused_norm=True``, the plan ``gemm_all_reduce_rmsnorm`` runs (banded, the norm charged to
     each group)."""
-    m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order)
+    m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order,
+                                  norm=bool(fused_norm))
     order = "banded" if fused_norm else _resolve_order(order)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
@@ -662,14 +699,25 @@ def gemm_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: tor
     completes, on the SMs the GEMM leaves free, so most of the norm hides behind the rest of the
     GEMM. residual: the shape of ``x @ weight.T``; norm_weight: [N], N <= 16384; all one dtype.
     The other arguments are those of :func:`gemm_all_reduce` (the groups are always whole row
-    bands). Returns (out, residual_out)."""
+    bands), and one more backend: "peer" (ranks of one node with peer access): each rank's GEMM
+    stores its partial into a peer buffer of its own, and one kernel per wave group, on the SMs
+    the GEMM leaves free, reads the group's rows of every rank's partial over NVLink, sums each
+    owner's slice, adds the residual, normalizes and stores the rows into every rank: one pass
+    over the data, no NCCL, no copy engine. Its buffers hold three [M, N] areas per rank (made
+    and grown collectively, outside CUDA graph capture, and kept until
+    :func:`destroy_peer_groups`); "auto" never picks it yet (its timings on two GPUs are still
+    unmeasured). Returns (out, residual_out)."""
     # Every argument is checked before the communicator is looked up (or created, collectively).
     check_gemm_operands(x, weight, devices=False)
     _check_norm_operands(x, weight, residual, norm_weight, eps)
-    _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
+    _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, norm=True)
     comm = get_communicator(group, communicator=communicator)
     for name, t in (("residual", residual), ("norm_weight", norm_weight)):
         check_device(name, t, comm.device)
+    if backend == "peer":
+        from . import peer_norm
+
+        peer_norm.gemm_peer_group(comm, create=True).check_error()
     return torch.ops.flashoverlap.gemm_all_reduce_rmsnorm(x, weight, residual, norm_weight, float(eps), comm.name,
                                                           mode, bands_per_group, kernel, backend)
 

@@ -36,7 +36,7 @@ _LIB.define("all_reduce_rmsnorm(Tensor x, Tensor residual, Tensor weight, float 
             "str residual_out='full', int? ctas=None) -> (Tensor, Tensor)")
 
 
-def _wait_timeout_ns() -> int:
+def wait_timeout_ns() -> int:
     """FLASHOVERLAP_PEER_TIMEOUT_S: give up a peer wait after this many seconds (the call's
     outputs are then garbage and the error is raised at the next call); unset: wait forever."""
     raw = os.environ.get("FLASHOVERLAP_PEER_TIMEOUT_S", "").strip()
@@ -53,8 +53,8 @@ class PeerGroup:
     """The peer buffers of one ProcessGroup on this rank's device. Creation and growth are
     collective over the group (every rank calls with the same sizes, as the op's callers do)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device):
-        self.group, self.device = group, device
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, op: str = "all_reduce_rmsnorm"):
+        self.group, self.device, self.op = group, device, op
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         hosts = [None] * self.world
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
@@ -66,7 +66,7 @@ class PeerGroup:
         if not self.peer or (self.memory is not None and self.memory.bytes >= nbytes):
             return self.peer
         if torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"all_reduce_rmsnorm: the peer buffers must grow to {nbytes} bytes, which cannot "
+            raise ValueError(f"{self.op}: the peer buffers must grow to {nbytes} bytes, which cannot "
                              "happen during CUDA graph capture; run the op once with this many tokens first")
         size = max(16 << 20, 1 << (nbytes - 1).bit_length())
         # Every rank's kernels on the old buffers must be done before any rank frees its own.
@@ -89,8 +89,9 @@ class PeerGroup:
         if failed:
             memory.close()
             self.peer = False
-            _log.warning("all_reduce_rmsnorm: peer buffers could not be mapped (%s); using torch.distributed "
-                         "all_reduce and a torch RMSNorm for this group", failed[0])
+            _log.warning("%s: peer buffers could not be mapped (%s); %s", self.op, failed[0],
+                         "using torch.distributed all_reduce and a torch RMSNorm for this group"
+                         if self.op == "all_reduce_rmsnorm" else "backend='peer' cannot run on this group")
             return False
         self.memory = memory
         return True
@@ -98,11 +99,12 @@ class PeerGroup:
     def check_error(self) -> None:
         # Only a bounded wait can record an error, and reading the word waits for the device:
         # calls without FLASHOVERLAP_PEER_TIMEOUT_S never pay that host round trip.
-        if not _wait_timeout_ns() or self.memory is None:
+        # (Nor during graph capture, where a synchronous copy would break it.)
+        if not wait_timeout_ns() or self.memory is None or torch.cuda.is_current_stream_capturing():
             return
         if self.memory.header_word(_core.ALLREDUCE_RMSNORM_ERROR_WORD):
-            raise RuntimeError("all_reduce_rmsnorm: a peer wait timed out (FLASHOVERLAP_PEER_TIMEOUT_S); the "
-                               "ranks did not call the op together. The group's peer buffers are unusable.")
+            raise RuntimeError(f"{self.op}: a peer wait timed out (FLASHOVERLAP_PEER_TIMEOUT_S); the ranks did not "
+                               "call the op together. The group's peer buffers are unusable.")
 
 
 _GROUPS: dict[str, PeerGroup] = {}
@@ -110,6 +112,24 @@ _GROUPS: dict[str, PeerGroup] = {}
 
 def _name(group: dist.ProcessGroup, device: torch.device) -> str:
     return f"pg:{group.group_name}:{device.index}"
+
+
+def gemm_peer_group(comm, create: bool = False) -> PeerGroup:
+    """gemm_all_reduce_rmsnorm's backend="peer" buffers for a communicator: a group of their own
+    (laid out for the GEMM's partials), never shared with all_reduce_rmsnorm's, whose calls might
+    otherwise write a layout the other op is still reading. create: make it (collective) where
+    it does not exist; raises where the communicator's ranks cannot map each other's memory."""
+    name = f"{_name(comm.group, comm.device)}:gemm"
+    state = _GROUPS.get(name)
+    if state is None:
+        if not create:
+            raise ValueError(f"backend: no peer buffers for communicator {comm.name!r}; call "
+                             "flashoverlap.gemm_all_reduce_rmsnorm(..., backend='peer') first")
+        state = _GROUPS[name] = PeerGroup(comm.group, comm.device, op="gemm_all_reduce_rmsnorm")
+    if not state.peer:
+        raise ValueError(f"backend: 'peer' needs every rank of communicator {comm.name!r} on one node (at most "
+                         f"{MAX_WORLD}) with peer access; use backend='nccl' or 'copy_engine'")
+    return state
 
 
 def _slice(tokens: int, world: int, rank: int) -> tuple[int, int]:
@@ -173,7 +193,7 @@ def _impl(x, residual, weight, eps: float, group_name: str, residual_out: str = 
     _core.allreduce_rmsnorm_launch(state.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
                                                         out.data_ptr(), res.data_ptr()),
                                    state.memory.bases, state.memory.bytes, rank, tokens, hidden, float(eps),
-                                   residual_out == "full", dtype, min(ctas or DEFAULT_CTAS, sms), _wait_timeout_ns(),
+                                   residual_out == "full", dtype, min(ctas or DEFAULT_CTAS, sms), wait_timeout_ns(),
                                    torch.cuda.current_stream(state.device).cuda_stream)
     return out, res
 

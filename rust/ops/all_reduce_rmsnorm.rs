@@ -11,6 +11,12 @@
 //!   out area                 [tokens, hidden]: rows other owners normalized
 //!   residual area            [tokens, hidden]: their residual rows (full mode)
 //! The header starts zeroed and is never reset: flags carry epochs.
+//!
+//! Pull mode (gemm_all_reduce_rmsnorm with `backend="peer"`): the GEMM stores
+//! its partial straight into an x area of its own buffer, no slots; one call
+//! per wave group covers that group's rows, every owner reading its slice of
+//! them from each peer's x area:
+//!   [0, 64 KiB) header | out area [rows, hidden] | residual area | x area
 
 use std::ffi::c_void;
 
@@ -32,17 +38,16 @@ pub struct Layout {
     pub slot_bytes: u64,
     pub out_offset: u64,
     pub res_offset: u64,
+    /// Pull mode: where each rank's partial lies; 0 in push mode.
+    pub x_offset: u64,
     /// Bytes a buffer needs for this call.
     pub bytes: u64,
 }
 
 impl Layout {
+    /// Push mode: a call of `tokens` rows.
     pub fn new(world: usize, tokens: u64, hidden: u32, dtype: Dtype) -> Result<Self> {
-        if !(1..=MAX_WORLD).contains(&world) {
-            return Err(Error::Invalid(format!(
-                "group: the peer-memory AllReduce + RMSNorm serves 1 to {MAX_WORLD} ranks of one node, got {world}"
-            )));
-        }
+        check_world(world)?;
         let row = u64::from(hidden) * u64::from(dtype.bytes());
         let slot_bytes = tokens.div_ceil(world as u64) * row;
         let out_offset = HEADER_BYTES + world as u64 * slot_bytes;
@@ -51,9 +56,41 @@ impl Layout {
             slot_bytes,
             out_offset,
             res_offset,
+            x_offset: 0,
             bytes: res_offset + tokens * row,
         })
     }
+
+    /// Pull mode: calls over row ranges of an output of `rows` rows.
+    pub fn pull(world: usize, rows: u64, hidden: u32, dtype: Dtype) -> Result<Self> {
+        check_world(world)?;
+        let area = rows * u64::from(hidden) * u64::from(dtype.bytes());
+        Ok(Self {
+            slot_bytes: 0,
+            out_offset: HEADER_BYTES,
+            res_offset: HEADER_BYTES + area,
+            x_offset: HEADER_BYTES + 2 * area,
+            bytes: HEADER_BYTES + 3 * area,
+        })
+    }
+}
+
+fn check_world(world: usize) -> Result<()> {
+    if (1..=MAX_WORLD).contains(&world) {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!(
+            "group: the peer-memory AllReduce + RMSNorm serves 1 to {MAX_WORLD} ranks of one node, got {world}"
+        )))
+    }
+}
+
+/// A pull-mode call: rows [first, first + tokens) of an output of `rows`
+/// rows whose partials the GEMM stored in each rank's x area.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pull {
+    pub first: u64,
+    pub rows: u64,
 }
 
 /// Rows [start, end) of `tokens` that `rank` owns (the kernel's split).
@@ -76,18 +113,21 @@ struct Params {
     out_offset: u64,
     res_offset: u64,
     timeout_ns: u64,
+    x_offset: u64,
     rank: i32,
     world: i32,
     tokens: i32,
     hidden: i32,
     eps: f32,
     residual_full: i32,
+    row0: i32,
 }
 
 /// One call: device pointers of this rank's tensors, every rank's buffer
 /// base as mapped in this process (own at `rank`).
 #[derive(Debug, Clone)]
 pub struct Call {
+    /// This rank's partial (push mode; ignored in pull mode).
     pub x: u64,
     pub residual: u64,
     pub weight: u64,
@@ -103,13 +143,46 @@ pub struct Call {
     pub dtype: Dtype,
     /// Bytes of each rank's buffer (the same on every rank).
     pub buffer_bytes: u64,
+    /// Pull mode (`tokens` rows from `first`; the full residual only).
+    pub pull: Option<Pull>,
+}
+
+impl Call {
+    pub fn layout(&self) -> Result<Layout> {
+        match self.pull {
+            None => Layout::new(self.bases.len(), self.tokens, self.hidden, self.dtype),
+            Some(p) => Layout::pull(self.bases.len(), p.rows, self.hidden, self.dtype),
+        }
+    }
 }
 
 /// Enqueues the kernel on `ctas` CTAs. Every rank enqueues it with the same
 /// tokens, hidden size, CTA count and residual mode.
 pub fn launch(kernel: &Kernel, call: &Call, ctas: u32, stream: RawStream) -> Result<()> {
+    checked(call, ctas)?.launch(kernel, stream)
+}
+
+/// A call whose arguments passed every check, ready to launch (nothing
+/// to launch when it has no rows).
+pub struct Checked {
+    params: Option<Params>,
+    ctas: u32,
+}
+
+impl Checked {
+    pub fn launch(self, kernel: &Kernel, stream: RawStream) -> Result<()> {
+        let Some(mut params) = self.params else {
+            return Ok(());
+        };
+        let mut args: [*mut c_void; 1] = [(&mut params as *mut Params).cast()];
+        kernel.launch(self.ctas, ALLREDUCE_RMSNORM_THREADS, stream, &mut args)
+    }
+}
+
+/// Checks a call on `ctas` CTAs before anything is enqueued.
+pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
     let world = call.bases.len();
-    let layout = Layout::new(world, call.tokens, call.hidden, call.dtype)?;
+    let layout = call.layout()?;
     if !(1..=MAX_CTAS).contains(&ctas) {
         return Err(Error::Invalid(format!(
             "ctas: expected 1 to {MAX_CTAS}, got {ctas}"
@@ -121,10 +194,17 @@ pub fn launch(kernel: &Kernel, call: &Call, ctas: u32, stream: RawStream) -> Res
             call.hidden
         )));
     }
-    if call.tokens > i32::MAX as u64 || call.rank >= world {
+    let (row0, end) = match call.pull {
+        None => (0, call.tokens),
+        Some(p) => (p.first, p.first + call.tokens),
+    };
+    let pull_ok = call
+        .pull
+        .map_or(true, |p| end <= p.rows && call.residual_full);
+    if end > i32::MAX as u64 || call.rank >= world || !pull_ok {
         return Err(Error::Invalid(format!(
-            "internal: tokens {} / rank {} of {world}",
-            call.tokens, call.rank
+            "internal: tokens {} from {row0} / rank {} of {world} / {:?}",
+            call.tokens, call.rank, call.pull
         )));
     }
     if layout.bytes > call.buffer_bytes || call.bases.contains(&0) {
@@ -134,11 +214,11 @@ pub fn launch(kernel: &Kernel, call: &Call, ctas: u32, stream: RawStream) -> Res
         )));
     }
     if call.tokens == 0 {
-        return Ok(());
+        return Ok(Checked { params: None, ctas });
     }
     let mut bases = [0u64; MAX_WORLD];
     bases[..world].copy_from_slice(&call.bases);
-    let mut params = Params {
+    let params = Params {
         x: call.x,
         residual: call.residual,
         weight: call.weight,
@@ -149,15 +229,19 @@ pub fn launch(kernel: &Kernel, call: &Call, ctas: u32, stream: RawStream) -> Res
         out_offset: layout.out_offset,
         res_offset: layout.res_offset,
         timeout_ns: call.timeout_ns,
+        x_offset: layout.x_offset,
         rank: call.rank as i32,
         world: world as i32,
         tokens: call.tokens as i32,
         hidden: call.hidden as i32,
         eps: call.eps,
         residual_full: i32::from(call.residual_full),
+        row0: row0 as i32,
     };
-    let mut args: [*mut c_void; 1] = [(&mut params as *mut Params).cast()];
-    kernel.launch(ctas, ALLREDUCE_RMSNORM_THREADS, stream, &mut args)
+    Ok(Checked {
+        params: Some(params),
+        ctas,
+    })
 }
 
 #[cfg(test)]
@@ -189,7 +273,18 @@ mod tests {
         assert_eq!(l.bytes, l.res_offset + 1001 * 16384);
         assert!(Layout::new(0, 1, 8, Dtype::Bf16).is_err());
         assert!(Layout::new(9, 1, 8, Dtype::Bf16).is_err());
-        // The CUDA struct: 5 pointers, 8 bases, 4 u64, 4 ints, a float, an int.
-        assert_eq!(std::mem::size_of::<Params>(), 160);
+        // The CUDA struct: 5 pointers, 8 bases, 5 u64, 4 ints, a float, 2 ints (padded to 8).
+        assert_eq!(std::mem::size_of::<Params>(), 176);
+        let p = Layout::pull(2, 100, 8192, Dtype::Bf16).unwrap();
+        let area = 100 * 16384;
+        assert_eq!(
+            (p.out_offset, p.res_offset),
+            (HEADER_BYTES, HEADER_BYTES + area)
+        );
+        assert_eq!(
+            (p.x_offset, p.bytes),
+            (HEADER_BYTES + 2 * area, HEADER_BYTES + 3 * area)
+        );
+        assert_eq!(l.x_offset, 0);
     }
 }

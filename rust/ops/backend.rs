@@ -13,6 +13,12 @@ pub enum Backend {
     /// Copy-engine copies into peers' staging slots plus a reduction on
     /// the reserved SMs; ranks of one node with peer access only.
     CopyEngine,
+    /// gemm_all_reduce_rmsnorm only: each rank's GEMM stores its partial in
+    /// its own peer buffer, and one kernel per group on the reserved SMs
+    /// sums each owner's slice of the group's rows from every rank (NVLink
+    /// loads), adds the residual, normalizes and stores the rows into every
+    /// rank (csrc/allreduce_rmsnorm.cu, pull mode); one node only.
+    Peer,
 }
 
 impl Backend {
@@ -20,6 +26,7 @@ impl Backend {
         match name {
             "nccl" => Some(Backend::Nccl),
             "copy_engine" => Some(Backend::CopyEngine),
+            "peer" => Some(Backend::Peer),
             _ => None,
         }
     }
@@ -28,7 +35,15 @@ impl Backend {
         match self {
             Backend::Nccl => "nccl",
             Backend::CopyEngine => "copy_engine",
+            Backend::Peer => "peer",
         }
+    }
+
+    /// The error of an op that has no `Peer` path (every op but the fused norm).
+    pub fn peer_unsupported(op: &str) -> Error {
+        Error::Invalid(format!(
+            "backend: 'peer' runs gemm_all_reduce_rmsnorm only, not {op}; use 'nccl', 'copy_engine' or 'auto'"
+        ))
     }
 }
 
@@ -80,7 +95,7 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for b in [Backend::Nccl, Backend::CopyEngine] {
+        for b in [Backend::Nccl, Backend::CopyEngine, Backend::Peer] {
             assert_eq!(Backend::parse(b.name()), Some(b));
         }
         assert_eq!(Backend::parse("auto"), None);

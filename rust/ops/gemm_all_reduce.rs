@@ -12,10 +12,16 @@
 //! no SM moves a byte: each group goes to every peer by copy engine and is
 //! summed on the few SMs the GEMM leaves free (ops/copy_engine.rs).
 //!
+//! With the peer backend (`Backend::Peer`, gemm_all_reduce_rmsnorm only)
+//! the GEMM stores its partial into this rank's peer buffer and each group's
+//! AllReduce, residual add and RMSNorm is one kernel on the reserved SMs
+//! that reads every rank's partial over NVLink (ops/all_reduce_rmsnorm.rs).
+//!
 //! Where the plan says overlap does not pay, nothing is enqueued here: the
 //! caller runs its library GEMM (cuBLAS, faster than ours today) and then
 //! `all_reduce::all_reduce`.
 
+use super::all_reduce_rmsnorm as arn;
 use super::copy_engine::{self, Exchange};
 use super::gemm::{self, CounterSlots, GemmArgs, Signals};
 use super::profile;
@@ -101,6 +107,7 @@ fn hardware_for(
                 CollectiveModel::analytic(8.0, copy_engine_gbps(kind, reserved, world)),
                 40.0,
             ),
+            Backend::Peer => (CollectiveModel::analytic(12.0, peer_gbps(reserved)), 0.0),
         };
         HardwareModel {
             gemm_tflops,
@@ -147,6 +154,15 @@ fn copy_engine_gbps(kind: CollectiveKind, reserved: u32, world: u32) -> f64 {
     // Thousands of output bytes per us = GB/s of output.
     let sums_gbps = ctas * 87.0 / (w + 1.0) / summed_per_moved;
     COPIES_GBPS.min(sums_gbps)
+}
+
+/// The peer backend's fused kernel on H200 in GB/s of AllReduce bus
+/// traffic, NOT yet measured on two GPUs (issue 6's CTA sweep will): each
+/// CTA is taken to move ~20 GB/s (it keeps 32 KB of NVLink loads in flight,
+/// ~1.5 us per round trip), at most the ~360 GB/s the links gave NCCL; the
+/// model's 12 us per group stands for its launch and two cross-GPU barriers.
+fn peer_gbps(reserved: u32) -> f64 {
+    (20.0 * f64::from(reserved.max(1))).min(360.0)
 }
 
 /// Where a call is planned: the device, the backend and SMs left to it.
@@ -221,6 +237,8 @@ pub const COPY_ENGINE_RESERVED_SMS: [u32; 2] = [4, 8];
 /// With a fused norm after each group, 16 is a candidate too: the norm runs
 /// on every reserved SM (the sum still on at most 8).
 const COPY_ENGINE_NORM_RESERVED_SMS: [u32; 3] = [4, 8, 16];
+/// The peer backend moves, sums and normalizes on the reserved SMs alone.
+pub const PEER_RESERVED_SMS: [u32; 3] = [8, 16, 32];
 
 /// The plan predicted fastest over the SM reservations a call may use: the
 /// caller's, else the backend's candidates (all below `sms`, unless there is
@@ -238,6 +256,7 @@ pub(crate) fn fastest_reservation<P>(
         (None, Backend::Nccl) => vec![NCCL_RESERVED_SMS],
         (None, Backend::CopyEngine) if fused_norm => COPY_ENGINE_NORM_RESERVED_SMS.to_vec(),
         (None, Backend::CopyEngine) => COPY_ENGINE_RESERVED_SMS.to_vec(),
+        (None, Backend::Peer) => PEER_RESERVED_SMS.to_vec(),
     };
     let single = candidates.len() == 1;
     let mut best: Option<(GemmKernel, P)> = None;
@@ -269,6 +288,9 @@ pub fn plan_for(
     sms: u32,
     major: i32,
 ) -> Result<(GemmKernel, GemmAllReducePlan)> {
+    if opts.backend == Backend::Peer && !opts.fused_norm {
+        return Err(Backend::peer_unsupported("gemm_all_reduce"));
+    }
     fastest_reservation(
         opts.reserved_sms,
         opts.backend,
@@ -362,6 +384,68 @@ pub struct Norm {
     pub residual_out: u64,
     pub weight: u64,
     pub eps: f32,
+    /// The peer backend's buffers (its calls only).
+    pub peer: Option<PeerNorm>,
+}
+
+/// The peer buffers `backend="peer"` runs on: every rank's, as mapped in
+/// this process (this rank's at `rank`), each `buffer_bytes` long and laid
+/// out as [`arn::Layout::pull`] for the whole output.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerNorm {
+    pub bases: [u64; arn::MAX_WORLD],
+    pub world: usize,
+    pub rank: usize,
+    pub buffer_bytes: u64,
+    /// A cross-GPU wait gives up after this long (0: never), recording the
+    /// error in the buffer's header.
+    pub timeout_ns: u64,
+}
+
+impl PeerNorm {
+    /// The pull-mode call over rows `first..first + tokens` of an [m, n] output.
+    #[allow(clippy::too_many_arguments)]
+    pub fn call(
+        &self,
+        norm: &Norm,
+        out: u64,
+        first: u64,
+        tokens: u64,
+        m: u64,
+        n: u32,
+        dtype: crate::dtype::Dtype,
+    ) -> arn::Call {
+        arn::Call {
+            x: 0,
+            residual: norm.residual_in,
+            weight: norm.weight,
+            out,
+            residual_out: norm.residual_out,
+            bases: self.bases[..self.world].to_vec(),
+            rank: self.rank,
+            tokens,
+            hidden: n,
+            eps: norm.eps,
+            residual_full: true,
+            timeout_ns: self.timeout_ns,
+            dtype,
+            buffer_bytes: self.buffer_bytes,
+            pull: Some(arn::Pull { first, rows: m }),
+        }
+    }
+
+    /// Where the GEMM stores this rank's partial of an [m, n] output.
+    pub fn partial(&self, m: u64, n: u32, dtype: crate::dtype::Dtype) -> Result<u64> {
+        let layout = arn::Layout::pull(self.world, m, n, dtype)?;
+        if layout.bytes > self.buffer_bytes || self.rank >= self.world {
+            return Err(Error::Invalid(format!(
+                "backend: the peer buffers hold {} bytes per rank, this call needs {}; \
+                 the flashoverlap ops grow them (collectively) before the call",
+                self.buffer_bytes, layout.bytes
+            )));
+        }
+        Ok(self.bases[self.rank] + layout.x_offset)
+    }
 }
 
 /// Enqueues the fused add + RMSNorm over `rows` of an [.., n] output on at
@@ -433,6 +517,11 @@ pub fn gemm_all_reduce(
         fused_norm: norm.is_some(),
         ..*opts
     };
+    let peer = match (opts.backend, norm.and_then(|n| n.peer)) {
+        (Backend::Peer, Some(p)) => Some(p),
+        (Backend::Peer, None) => return Err(Backend::peer_unsupported("gemm_all_reduce")),
+        _ => None,
+    };
     let prepared = prepare(comm, args, opts, caller)?;
     let plan = &prepared.plan;
     if plan.schedule == Schedule::Sequential {
@@ -463,8 +552,22 @@ pub fn gemm_all_reduce(
         })
         .transpose()?;
     let norm_kernel = norm
-        .map(|_| kernels::load(&comm.device, &kernels::add_rmsnorm_spec(args.dtype)))
+        .map(|_| {
+            let spec = match peer {
+                Some(_) => kernels::allreduce_rmsnorm_spec(args.dtype),
+                None => kernels::add_rmsnorm_spec(args.dtype),
+            };
+            kernels::load(&comm.device, &spec)
+        })
         .transpose()?;
+    // The peer backend's GEMM stores into this rank's peer buffer.
+    let gemm_args = match peer {
+        Some(p) => GemmArgs {
+            out: p.partial(u64::from(args.m), args.n, args.dtype)?,
+            ..*args
+        },
+        None => *args,
+    };
     let counters = prepared.counters.next();
     let signals = Signals {
         tile_order: prepared.tile_order.as_ref().map_or(0, |b| b.ptr),
@@ -474,7 +577,7 @@ pub fn gemm_all_reduce(
         ..Signals::default()
     };
     let run = Run {
-        args,
+        args: &gemm_args,
         plan,
         collectives: &prepared.collectives,
         signals,
@@ -484,6 +587,7 @@ pub fn gemm_all_reduce(
     match opts.backend {
         Backend::Nccl => enqueue_nccl(comm, &run, &kernel, caller)?,
         Backend::CopyEngine => enqueue_copy_engine(comm, &run, &kernel, caller)?,
+        Backend::Peer => enqueue_peer(comm, &run, &kernel, args.out, caller)?,
     }
     Ok(Enqueued::Overlap)
 }
@@ -579,6 +683,57 @@ fn enqueue_nccl(
     comm.join.order(comm_stream, caller)
 }
 
+/// The peer backend: per group, the comm stream waits for the GEMM's
+/// counter and runs the fused AllReduce + add + RMSNorm of the group's rows
+/// (pull mode) on the reserved SMs, every SM for the last group (the GEMM is
+/// done by then). Every rank launches the same kernels on the same CTA
+/// counts: the kernels' barriers pair CTA b of every rank.
+fn enqueue_peer(
+    comm: &Communicator,
+    run: &Run,
+    kernel: &gemm::LoadedGemm,
+    out: u64,
+    caller: RawStream,
+) -> Result<()> {
+    let (Some((norm, fused)), Some(peer)) =
+        (&run.norm, run.norm.as_ref().and_then(|(n, _)| n.peer))
+    else {
+        return Err(Error::Invalid(
+            "internal: the peer backend without its buffers".into(),
+        ));
+    };
+    let (m, n) = (u64::from(run.args.m), u64::from(run.args.n));
+    // Every group's call is checked before anything is enqueued.
+    let calls = run
+        .collectives
+        .iter()
+        .map(|group| {
+            let (first, end) = (
+                group.slice.offset / n,
+                (group.slice.offset + group.slice.count) / n,
+            );
+            let ctas = if end == m {
+                comm.device.sms.min(arn::MAX_CTAS)
+            } else {
+                run.plan.request.reserved_sms.clamp(1, arn::MAX_CTAS)
+            };
+            let call = peer.call(norm, out, first, end - first, m, run.args.n, run.args.dtype);
+            arn::checked(&call, ctas)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let comm_stream = comm.stream.0;
+    let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+    comm.fork.order(caller, comm_stream)?;
+    gemm::launch(kernel, run.args, &run.signals, run.plan.ctas, caller)?;
+    for (g, (group, call)) in run.collectives.iter().zip(calls).enumerate() {
+        let counter = run.signals.counter(g);
+        stream::wait_geq(comm_stream, counter, group.tiles)?;
+        stream::write(comm_stream, counter, 0)?;
+        call.launch(fused, comm_stream)?;
+    }
+    comm.join.order(comm_stream, caller)
+}
+
 /// Each group's AllReduce as a copy-engine exchange over `base` (the
 /// output, or the staging buffer): every peer gets the whole group, summed in place.
 fn exchanges(collectives: &[Collective], base: u64, elem: u64) -> Vec<Exchange> {
@@ -666,6 +821,52 @@ mod tests {
         // at world 8 even 4 CTAs keep up with the copies.
         assert_eq!(copy_engine_gbps(rs, 4, 8), 240.0);
         assert_eq!(copy_engine_gbps(CollectiveKind::AllToAll, 0, 4), 240.0);
+    }
+
+    #[test]
+    fn the_peer_backend_plans_the_fused_norm_alone() {
+        let opts = Options {
+            kernel: None,
+            mode: ModeRequest::Auto,
+            bands_per_group: None,
+            reserved_sms: None,
+            max_groups: 16,
+            raster_bands: None,
+            backend: Backend::Peer,
+            order: OrderRequest::Banded,
+            fused_norm: false,
+        };
+        let a = args(8192, 8192, 4096);
+        assert!(plan_for(&a, 2, &opts, 132, 9).is_err());
+        let fused = Options {
+            fused_norm: true,
+            ..opts
+        };
+        let (_, plan) = plan_for(&a, 2, &fused, 132, 9).unwrap();
+        assert!(PEER_RESERVED_SMS.contains(&plan.request.reserved_sms));
+        // More CTAs move more, up to the links.
+        assert!(peer_gbps(8) < peer_gbps(16) && peer_gbps(132) == 360.0);
+    }
+
+    #[test]
+    fn the_gemm_stores_its_partial_in_the_x_area_of_its_own_buffer() {
+        let layout = arn::Layout::pull(2, 100, 64, Dtype::Bf16).unwrap();
+        let mut bases = [0u64; arn::MAX_WORLD];
+        bases[..2].copy_from_slice(&[1 << 40, 2 << 40]);
+        let peer = PeerNorm {
+            bases,
+            world: 2,
+            rank: 1,
+            buffer_bytes: layout.bytes,
+            timeout_ns: 0,
+        };
+        assert_eq!(
+            peer.partial(100, 64, Dtype::Bf16).unwrap(),
+            (2 << 40) + layout.x_offset
+        );
+        // A larger output than the buffers hold is refused, naming what it needs.
+        let err = peer.partial(101, 64, Dtype::Bf16).unwrap_err().to_string();
+        assert!(err.contains("peer buffers"), "{err}");
     }
 
     /// The whole per-shape decision a first call makes on an H200 (every SM

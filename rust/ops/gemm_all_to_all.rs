@@ -46,7 +46,7 @@ impl Options {
     fn reserved(&self) -> u32 {
         self.reserved_sms.unwrap_or(match self.backend {
             Backend::Nccl => NCCL_RESERVED_SMS,
-            Backend::CopyEngine => 0,
+            Backend::CopyEngine | Backend::Peer => 0,
         })
     }
 }
@@ -60,6 +60,9 @@ pub fn plan_for(
     sms: u32,
     major: i32,
 ) -> Result<(GemmKernel, AllToAllPlan)> {
+    if opts.backend == Backend::Peer {
+        return Err(Backend::peer_unsupported("gemm_all_to_all"));
+    }
     let sent: u64 = send_splits.iter().sum();
     if sent != u64::from(args.m) {
         return Err(Error::Invalid(format!(
@@ -252,6 +255,7 @@ pub fn gemm_all_to_all(
         Ok(())
     };
     match opts.backend {
+        Backend::Peer => Err(Backend::peer_unsupported("gemm_all_to_all")),
         Backend::Nccl => enqueue_nccl(comm, &plan, args, buffers, caller, launch),
         Backend::CopyEngine => {
             let groups = moves(

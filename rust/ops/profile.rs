@@ -157,6 +157,8 @@ pub fn apply(hw: HardwareModel, q: &Lookup) -> HardwareModel {
     }
     let group = match q.backend {
         Backend::Nccl => curve(CurveOf::NcclGroup),
+        // Not profiled yet: the constants stand.
+        Backend::Peer => None,
         // The curve measured on the most CTAs the reservation covers: fewer
         // sum slower, so a curve of more CTAs than the call has would flatter it.
         Backend::CopyEngine => with(|r| {

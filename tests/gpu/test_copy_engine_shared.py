@@ -1,8 +1,8 @@
 """The copy-engine backend across processes that share one GPU: ranks in a gloo group, each
 with a flashoverlap communicator made without NCCL (NCCL refuses two ranks on one device), so
 that the peer buffers, the copies, the cross-process flags and the reductions of gemm_all_reduce,
-gemm_reduce_scatter, gemm_all_to_all and gemm_all_reduce_rmsnorm are checked against the fp32 composition on a
-machine with a single GPU. The ranks' kernels time-slice the device: correctness, not speed."""
+gemm_reduce_scatter, gemm_all_to_all and gemm_all_reduce_rmsnorm (and the latter's own "peer" backend) are
+checked against the fp32 composition on a machine with a single GPU. The ranks' kernels time-slice the device: correctness, not speed."""
 
 from __future__ import annotations
 
@@ -54,6 +54,18 @@ def test_gemm_reduce_scatter(tmp_path: Path, world: int) -> None:
 def test_gemm_all_reduce_rmsnorm(tmp_path: Path) -> None:
     results = run_workers(tmp_path, "rmsnorm_cases", 2, cases=_some(norm_cases(SEED + 3), 10), replays=20, **CE)
     assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in results[0]["records"])
+
+
+# backend="peer" (the fused-norm op's own): the GEMM's partials in IPC peer buffers and one
+# pull-mode kernel per group whose cross-process barriers time-slice the shared device.
+@pytest.mark.parametrize("world", [2, 3])
+def test_gemm_all_reduce_rmsnorm_peer(tmp_path: Path, world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHOVERLAP_PEER_TIMEOUT_S", "60")  # a lost barrier fails, never hangs
+    results = run_workers(tmp_path, "rmsnorm_cases", world, cases=_some(norm_cases(SEED + 12 + world), 10),
+                          replays=20, backend="peer", shared=True)
+    records = results[0]["records"]
+    assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in records), records
+    assert any(r["schedule"] == "sequential" for r in records), records
 
 
 def test_without_nccl(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ import pytest
 from test_gemm_all_reduce import BACKENDS, run_workers, world_size
 
 SEED = 777
+# The fused-norm op also runs on "peer": the GEMM's partials in peer buffers, one kernel per group.
+NORM_BACKENDS = dict(BACKENDS, peer=53)
 COMBOS = [("auto", None), ("overlap", None), ("sequential", None), ("overlap", 1), ("overlap", 3), ("auto", 2)]
 
 
@@ -26,17 +28,20 @@ def norm_cases(seed: int) -> list:
 
 
 @pytest.mark.gpus(1)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_single_rank(tmp_path: Path, backend: str) -> None:
-    (result,) = run_workers(tmp_path, "rmsnorm_cases", 1, cases=norm_cases(SEED + BACKENDS[backend]), replays=20,
+@pytest.mark.parametrize("backend", NORM_BACKENDS)
+def test_single_rank(tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHOVERLAP_PEER_TIMEOUT_S", "60")  # a lost barrier fails, never hangs
+    (result,) = run_workers(tmp_path, "rmsnorm_cases", 1, cases=norm_cases(SEED + NORM_BACKENDS[backend]), replays=20,
                             backend=backend)
     assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in result["records"])
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_matches_reference(tmp_path: Path, backend: str) -> None:
-    results = run_workers(tmp_path, "rmsnorm_cases", world_size(), cases=norm_cases(SEED + 1 + BACKENDS[backend]),
+@pytest.mark.parametrize("backend", NORM_BACKENDS)
+def test_matches_reference(tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHOVERLAP_PEER_TIMEOUT_S", "60")  # a lost barrier fails, never hangs
+    results = run_workers(tmp_path, "rmsnorm_cases", world_size(),
+                          cases=norm_cases(SEED + 1 + NORM_BACKENDS[backend]),
                           replays=50, backend=backend)
     records = results[0]["records"]
     assert sum(r["schedule"] == "overlap" and r["groups"] > 1 for r in records) >= 5, records
