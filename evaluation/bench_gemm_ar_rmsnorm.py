@@ -65,10 +65,11 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     sets = max(2, min(8, (256 << 20) // ((m * k + n * k + 2 * m * n) * 2)))
     xs = [torch.randn(m, k, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5 for _ in range(sets)]
-    residuals = [torch.randn(m, n, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
     ys = [torch.randn(m, n, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
-    # The norm weight is replicated in tensor parallelism: the same on every rank.
+    # The residual stream and the norm weight are replicated in tensor parallelism: the same on
+    # every rank (backend="peer" relies on it: ranks normalize each other's rows).
     norm_gen = torch.Generator(device="cuda").manual_seed(1234)
+    residuals = [torch.randn(m, n, device="cuda", dtype=dtype, generator=norm_gen) for _ in range(sets)]
     norm_weight = (torch.rand(n, device="cuda", generator=norm_gen) + 0.5).to(dtype)
     norm_weight_f = norm_weight.float()
     # Zeros: summed in place every iteration, random values would grow to inf over the run.

@@ -703,7 +703,9 @@ def gemm_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: tor
     stores its partial into a peer buffer of its own, and one kernel per wave group, on the SMs
     the GEMM leaves free, reads the group's rows of every rank's partial over NVLink, sums each
     owner's slice, adds the residual, normalizes and stores the rows into every rank: one pass
-    over the data, no NCCL, no copy engine. Its buffers hold three [M, N] areas per rank (made
+    over the data, no NCCL, no copy engine. Each rank's rows are thus normalized by another rank
+    with that rank's residual and norm_weight, so "peer" needs both the same on every rank (as
+    tensor parallelism has them); the other backends use each rank's own. Its buffers hold three [M, N] areas per rank (made
     and grown collectively, outside CUDA graph capture, and kept until
     :func:`destroy_peer_groups`); "auto" never picks it yet (its timings on two GPUs are still
     unmeasured). Returns (out, residual_out)."""

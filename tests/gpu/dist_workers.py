@@ -640,8 +640,10 @@ def rmsnorm_cases(rank: int, world: int, cases: list, replays: int = 0, backend=
     failures, records = [], []
 
     def norm_inputs(seed, lead, n, dtype):
+        # Each rank its own residual and weight, but for "peer", whose ranks normalize each
+        # other's rows: it needs them replicated (as tensor parallelism has them).
         gen = torch.Generator(device=device)
-        gen.manual_seed(seed * 31 + rank)
+        gen.manual_seed(seed * 31 + (0 if backend == "peer" else rank))
         residual = torch.randn(*lead, n, generator=gen, device=device, dtype=dtype)
         weight = torch.rand(n, generator=gen, device=device, dtype=dtype) + 0.5
         return residual, weight
