@@ -823,18 +823,26 @@ mod tests {
         assert_eq!(copy_engine_gbps(CollectiveKind::AllToAll, 0, 4), 240.0);
     }
 
-    #[test]
-    fn the_peer_backend_plans_the_fused_norm_alone() {
-        let opts = Options {
+    /// What a call with no option given plans with, on `backend`.
+    fn defaults(backend: Backend) -> Options {
+        Options {
             kernel: None,
             mode: ModeRequest::Auto,
             bands_per_group: None,
             reserved_sms: None,
             max_groups: 16,
             raster_bands: None,
-            backend: Backend::Peer,
-            order: OrderRequest::Banded,
+            backend,
+            order: OrderRequest::Auto,
             fused_norm: false,
+        }
+    }
+
+    #[test]
+    fn the_peer_backend_plans_the_fused_norm_alone() {
+        let opts = Options {
+            order: OrderRequest::Banded,
+            ..defaults(Backend::Peer)
         };
         let a = args(8192, 8192, 4096);
         assert!(plan_for(&a, 2, &opts, 132, 9).is_err());
@@ -882,17 +890,7 @@ mod tests {
             })
             .collect();
         for backend in [Backend::Nccl, Backend::CopyEngine] {
-            let opts = Options {
-                kernel: None,
-                mode: ModeRequest::Auto,
-                bands_per_group: None,
-                reserved_sms: None,
-                max_groups: 16,
-                raster_bands: None,
-                backend,
-                order: OrderRequest::Auto,
-                fused_norm: false,
-            };
+            let opts = defaults(backend);
             let started = Instant::now();
             let mut worst = 0.0f64;
             for &(m, n, k) in &shapes {
