@@ -132,7 +132,8 @@ def check_timeline(plan, groups, world: int) -> None:
         if world > 1:
             assert g["comm_end_us"] > g["comm_start_us"]
         previous_end, previous_done = g["comm_end_us"], g["gemm_done_us"]
-    assert plan.predicted_us == pytest.approx(groups[-1]["comm_end_us"])
+    # The overlapped call pays the backend's per-call cost after its last group (0 with NCCL).
+    assert plan.predicted_overlap_us == pytest.approx(groups[-1]["comm_end_us"] + plan.overlap_fixed_us)
     if plan.schedule == "overlap":
         assert plan.predicted_us == plan.predicted_overlap_us
     else:
@@ -463,6 +464,9 @@ def test_copy_engine_groups_cost_less_than_nccl_ones() -> None:
         nccl = plan_gemm_all_reduce(m, 8192, 4096, 2, mode="overlap", backend="nccl", reserved_sms=16)
         ce = plan_gemm_all_reduce(m, 8192, 4096, 2, mode="overlap", backend="copy_engine", reserved_sms=16)
         assert ce.predicted_overlap_us <= nccl.predicted_overlap_us
+        # The copy engines' per-call cost is part of their overlapped prediction; NCCL has none.
+        assert (nccl.overlap_fixed_us, ce.overlap_fixed_us) == (0.0, 40.0)
+        assert ce.predicted_overlap_us == pytest.approx(ce.groups[-1]["comm_end_us"] + 40.0)
         # The sequential schedule is the same cuBLAS + NCCL for both.
         assert ce.predicted_sequential_us == pytest.approx(nccl.predicted_sequential_us)
 
