@@ -1306,6 +1306,29 @@ fn collective_kind(name: &str) -> PyResult<CollectiveKind> {
     }
 }
 
+/// What `tune` measured a plain collective of `bytes` per rank to take on
+/// `backend` ("nccl": this library's capped communicator; "copy_engine":
+/// the exchange with its sums on at most `ctas` CTAs), on devices with `sms`
+/// SMs at `world_size` ranks; None where no curve was measured.
+#[pyfunction]
+fn measured_collective_us(
+    collective: &str,
+    backend: &str,
+    world_size: u32,
+    sms: u32,
+    ctas: u32,
+    bytes: u64,
+) -> PyResult<Option<f64>> {
+    Ok(profile::measured_collective_us(
+        sms,
+        world_size,
+        collective_kind(collective)?,
+        self::backend(backend)?,
+        ctas,
+        bytes,
+    ))
+}
+
 /// Registers a measured curve (input bytes per rank, microseconds) of
 /// `collective` for devices with `sms` SMs at `world_size` ranks: the
 /// overlapped groups' where `overlapped` (this library's capped NCCL
@@ -1391,6 +1414,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(copy_engine_collective, m)?)?;
     m.add_function(wrap_pyfunction!(choose_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(measured_collective_us, m)?)?;
     m.add_function(wrap_pyfunction!(add_rmsnorm, m)?)?;
     m.add_function(wrap_pyfunction!(register_collective_curve, m)?)?;
     m.add_function(wrap_pyfunction!(register_gemm_sample, m)?)?;

@@ -283,6 +283,27 @@ def test_auto_backend_follows_the_measured_curves(op):
         _core.choose_backend("gemm", *shape, 2, "bfloat16", SMS, 9, options, both)
 
 
+def test_plain_collectives_auto_follows_the_measured_curves():
+    """flashoverlap.all_reduce(backend="auto") runs the backend tune measured faster at the size:
+    with copy-engine curves 8 + b/100e3 us against NCCL's 20 + b/150e3, the copy engines below
+    3.6 MB and NCCL above; no answer without both curves."""
+    from flashoverlap.collectives import measured_faster
+
+    assert measured_faster("all_reduce", 1 << 20, 2, SMS, 8) is None
+    save(make(copy_engine_scale=1.0))
+    profiles.load_for_device(GPU, SMS, "2.99.1")
+    assert measured_faster("all_reduce", 1 << 20, 2, SMS, 8) == "copy_engine"
+    assert measured_faster("all_reduce", 64 << 20, 2, SMS, 8) == "nccl"
+    # No copy-engine curve on as few CTAs, none for ReduceScatter, none at another world size.
+    assert measured_faster("all_reduce", 1 << 20, 2, SMS, 2) is None
+    assert measured_faster("reduce_scatter", 1 << 20, 2, SMS, 8) is None
+    assert measured_faster("all_reduce", 1 << 20, 4, SMS, 8) is None
+    profiles.reset()
+    save(make(copy_engine_scale=50.0))
+    profiles.load_for_device(GPU, SMS, "2.99.1")
+    assert measured_faster("all_reduce", 1 << 20, 2, SMS, 8) == "nccl"
+
+
 def test_auto_backend_of_all_to_all_needs_the_matrix():
     options = (1, None, None, "auto")
     matrix = [[4096, 4096], [4096, 4096]]

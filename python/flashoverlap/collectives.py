@@ -33,19 +33,41 @@ def _unit(kind: str, world: int) -> int:
     return 16 if kind == "all_reduce" else 16 * world
 
 
-def _backend_for(comm: Communicator, kind: str, x: torch.Tensor, backend: Optional[str]) -> str:
-    """The caller's backend, else FLASHOVERLAP_BACKEND; "auto" is the copy engines where every rank
-    is on one node and the input is whole 16-byte vectors, else NCCL."""
+def _backend_for(comm: Communicator, kind: str, x: torch.Tensor, backend: Optional[str], ctas: Optional[int]) -> str:
+    """The caller's backend, else FLASHOVERLAP_BACKEND. "auto" (where the communicator runs both):
+    NCCL where x is not whole 16-byte vectors (per rank block), else the backend `flashoverlap
+    tune` measured faster at this size where this GPU's profile has both curves, else the copy
+    engines. The same on every rank: same size, same profiles."""
     explicit = backend is not None and backend != "auto"
     chosen = _resolve_backend(comm, backend)
-    fits = (x.numel() * x.element_size()) % _unit(kind, comm.world_size) == 0
+    nbytes = x.numel() * x.element_size()
+    fits = nbytes % _unit(kind, comm.world_size) == 0
     if chosen == "copy_engine" and not fits:
         if explicit or not comm.nccl:
             raise ValueError(f"x: the copy-engine {kind} moves 16-byte vectors"
                              f"{' per rank block' if kind == 'reduce_scatter' else ''}: {x.numel()} elements of "
                              f"{x.dtype} over {comm.world_size} ranks do not divide; use backend='nccl'")
         return "nccl"
+    if chosen == "auto":
+        if not fits:
+            return "nccl"
+        sms = torch.cuda.get_device_properties(comm.device).multi_processor_count
+        return measured_faster(kind, nbytes, comm.world_size, sms, _sum_ctas(ctas, sms)) or "copy_engine"
     return chosen
+
+
+def measured_faster(kind: str, nbytes: int, world: int, sms: int, ctas: int) -> Optional[str]:
+    """Of NCCL and the copy engines (their sums on `ctas` CTAs), the one whose tuned curve times a
+    plain `kind` of `nbytes` per rank faster on this device and world size; None unless the
+    registered profile measured both."""
+    times = {b: _core.measured_collective_us(kind, b, world, sms, ctas, nbytes) for b in ("nccl", "copy_engine")}
+    if None in times.values():
+        return None
+    return "nccl" if times["nccl"] < times["copy_engine"] else "copy_engine"
+
+
+def _sum_ctas(ctas: Optional[int], sms: int) -> int:
+    return min(ctas or DEFAULT_CTAS, sms)
 
 
 def _run(kind: str, x: torch.Tensor, group_name: str, backend: Optional[str], ctas: Optional[int]) -> torch.Tensor:
@@ -55,7 +77,7 @@ def _run(kind: str, x: torch.Tensor, group_name: str, backend: Optional[str], ct
     _check_ctas(ctas)
     world = comm.world_size
     _check_rows(kind, x, world)
-    backend = _backend_for(comm, kind, x, backend)
+    backend = _backend_for(comm, kind, x, backend, ctas)
     shape = x.shape if kind == "all_reduce" else (x.shape[0] // world, *x.shape[1:])
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
     if x.numel() == 0:
@@ -74,7 +96,7 @@ def _run(kind: str, x: torch.Tensor, group_name: str, backend: Optional[str], ct
     out = x.new_empty(shape)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     _core.copy_engine_collective(comm.name, kind, x.data_ptr(), out.data_ptr(), nbytes, dtype,
-                                 min(ctas or DEFAULT_CTAS, sms), stream)
+                                 _sum_ctas(ctas, sms), stream)
     return out
 
 
@@ -120,8 +142,10 @@ def all_reduce(x: torch.Tensor, group: GroupLike = None, *, communicator=None, b
 
     backend: "copy_engine" (every rank copies its x into each peer's staging slot on the copy
     engines; each rank sums the world's copies on ``ctas`` CTAs, default 8), "nccl" (flashoverlap's
-    NCCL communicator, capped to its max_ctas), or "auto" (copy engines where every rank is on one
-    node and x is whole 16-byte vectors, else NCCL); default: FLASHOVERLAP_BACKEND, else "auto".
+    NCCL communicator, capped to its max_ctas), or "auto" (where every rank is on one node and x is
+    whole 16-byte vectors: the backend ``flashoverlap tune`` measured faster at this size where
+    this GPU's profile has both curves, else the copy engines; otherwise NCCL); default:
+    FLASHOVERLAP_BACKEND, else "auto".
     x: bfloat16 or float16, contiguous, the same shape on every rank. The first call of a larger
     size on the copy engines grows the staging slots (collective, not during graph capture)."""
     comm = _checked("all_reduce", x, group, communicator, backend, ctas)

@@ -147,6 +147,54 @@ pub struct Lookup<'a> {
     pub reserved: u32,
 }
 
+/// The measured curve of one group's collective on `backend` (None where
+/// `tune` measured none): NCCL's as this library's capped communicator runs
+/// it; the copy engines' on the most CTAs `ctas` covers (fewer sum slower,
+/// so a curve of more CTAs than the call has would flatter it).
+fn group_curve(
+    sms: u32,
+    world: u32,
+    kind: CollectiveKind,
+    backend: Backend,
+    ctas: u32,
+) -> Option<Curve> {
+    with(|r| match backend {
+        Backend::Nccl => r
+            .curves
+            .get(&(sms, world, kind, CurveOf::NcclGroup))
+            .copied(),
+        // Not profiled yet: the constants stand.
+        Backend::Peer => None,
+        Backend::CopyEngine => r
+            .curves
+            .iter()
+            .filter_map(|(&(s, w, k, of), c)| match of {
+                CurveOf::CopyEngineGroup { ctas: measured }
+                    if (s, w, k) == (sms, world, kind) && measured <= ctas =>
+                {
+                    Some((measured, *c))
+                }
+                _ => None,
+            })
+            .max_by_key(|&(measured, _)| measured)
+            .map(|(_, c)| c),
+    })
+}
+
+/// What `tune` measured a plain collective of `bytes` per rank to take on
+/// `backend` (its sums on `ctas` CTAs for the copy engines), or None where
+/// it measured no curve for this device, world size and collective.
+pub fn measured_collective_us(
+    sms: u32,
+    world: u32,
+    kind: CollectiveKind,
+    backend: Backend,
+    ctas: u32,
+    bytes: u64,
+) -> Option<f64> {
+    group_curve(sms, world, kind, backend, ctas).map(|c| c.at(bytes))
+}
+
 /// `hw` with what the profile measured in place of its constants.
 pub fn apply(hw: HardwareModel, q: &Lookup) -> HardwareModel {
     let mut hw = hw.with_collective(q.kind);
@@ -155,27 +203,7 @@ pub fn apply(hw: HardwareModel, q: &Lookup) -> HardwareModel {
     if let Some(c) = curve(CurveOf::Sequential) {
         hw.comm.curve = Some(c);
     }
-    let group = match q.backend {
-        Backend::Nccl => curve(CurveOf::NcclGroup),
-        // Not profiled yet: the constants stand.
-        Backend::Peer => None,
-        // The curve measured on the most CTAs the reservation covers: fewer
-        // sum slower, so a curve of more CTAs than the call has would flatter it.
-        Backend::CopyEngine => with(|r| {
-            r.curves
-                .iter()
-                .filter_map(|(&(s, w, k, of), c)| match of {
-                    CurveOf::CopyEngineGroup { ctas }
-                        if (s, w, k) == (sms, world, kind) && ctas <= q.reserved =>
-                    {
-                        Some((ctas, *c))
-                    }
-                    _ => None,
-                })
-                .max_by_key(|&(ctas, _)| ctas)
-                .map(|(_, c)| c)
-        }),
-    };
+    let group = group_curve(sms, world, kind, q.backend, q.reserved);
     if let Some(c) = group {
         hw.overlap_comm.curve = Some(c);
         if q.backend == Backend::CopyEngine {
@@ -298,6 +326,19 @@ mod tests {
         assert_eq!(apply(base, &ce2).overlap_comm.curve, None);
         assert_eq!(apply(base, &ce2).overlap_comm_slowdown, 1.0);
         assert_eq!(apply(base, &q).overlap_comm.time_us(1 << 20, 2), 20.0);
+        // A plain collective's measured time on each backend (what "auto" compares).
+        let (ar, mib) = (CollectiveKind::AllReduce, 1 << 20);
+        let plain = |b, ctas| measured_collective_us(131, 2, ar, b, ctas, mib);
+        assert_eq!(plain(Backend::Nccl, 8), Some(20.0));
+        assert_eq!(plain(Backend::CopyEngine, 8), Some(30.0));
+        assert_eq!(plain(Backend::CopyEngine, 100), Some(25.0));
+        assert_eq!(plain(Backend::CopyEngine, 2), None);
+        assert_eq!(plain(Backend::Peer, 8), None);
+        let rs = CollectiveKind::ReduceScatter;
+        assert_eq!(
+            measured_collective_us(131, 2, rs, Backend::Nccl, 8, mib),
+            None
+        );
         let no_ctas = CurveOf::CopyEngineGroup { ctas: 0 };
         assert!(register_curve(131, 2, CollectiveKind::AllReduce, no_ctas, &slow).is_err());
         assert!(register_gemm("x", Dtype::Bf16, 132, 133, (1, 1, 1), 1.0).is_err());
