@@ -24,6 +24,9 @@ computes r = all_reduce(x) + residual, out = r * rsqrt(mean(r^2) + eps) * weight
                    8192 tokens, 2, 4, 64 and 132 for the CTA curve; clamped to the SM count)
   fo_sharded_<c>   the same with residual_out="sharded" (each rank gets only its rows of r)
   api_16           flashoverlap.all_reduce_rmsnorm(..., ctas=16), the public function, timed alone
+  fo_<c>@<T>x<U>   (--configs) the fused kernel compiled with T threads per CTA and U vectors in
+                   flight per lane (the default is 512x4), full residual, c in 8, 16, 32: the sweep
+                   that picks the kernel's compiled shape (its best<=32 per config is listed)
 
 fo_<c> and fo_sharded_<c> call the registered op torch.ops.flashoverlap.all_reduce_rmsnorm, what
 the public function dispatches to and what a CUDA graph replays; the public function adds its
@@ -172,6 +175,36 @@ def best_of(times: dict, ctas: Sequence[int], prefix: str = "fo_") -> tuple[int,
     return c, us
 
 
+def parse_config(text: str) -> tuple[int, int]:
+    """'256x2' -> (256, 2): threads per CTA and vectors in flight per lane of the fused kernel."""
+    try:
+        threads, unroll = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected THREADSxUNROLL such as 256x2, got {text!r}") from None
+    return threads, unroll
+
+
+def config_name(config: Sequence[int]) -> str:
+    return f"{config[0]}x{config[1]}"
+
+
+def config_lines(rows: list, configs: Sequence[Sequence[int]], fo_ctas: Sequence[int]) -> list[str]:
+    """Per token count, best<=32 (full residual) of the default kernel and of each swept config,
+    with the config's time over the default's (< 1: the config is faster)."""
+    if not configs:
+        return []
+    names = [config_name(c) for c in configs]
+    lines = ["", "# kernel config sweep: best<=32 us (full residual), and / default best",
+             f"{'tokens':>6} {'default':>9} " + " ".join(f"{n:>16}" for n in names)]
+    for r in rows:
+        cells = []
+        for n in names:
+            _, us = best_of({f"fo_{c}": r.get(f"fo_{c}@{n}_us", math.nan) for c in fo_ctas}, fo_ctas)
+            cells.append(f"{fmt(us, 8)} {fmt(us / r['best_us'] if _finite(us) else math.nan, 6, '.3f', 'x')}")
+        lines.append(f"{r['tokens']:>6} {fmt(r['best_us'], 9)} " + " ".join(f"{c:>16}" for c in cells))
+    return lines
+
+
 def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error of got against the fp32 reference; inf for a wrong shape or a NaN."""
     if tuple(got.shape) != tuple(ref.shape):
@@ -204,7 +237,8 @@ def judge(row: dict) -> dict:
 
 
 def make_row(tokens: int, hidden: int, dtype: str, world: int, sets: int, times: dict, errors: dict,
-             symm_note: str, fo_ctas: Sequence[int], all_ctas: Sequence[int]) -> dict:
+             symm_note: str, fo_ctas: Sequence[int], all_ctas: Sequence[int],
+             configs: Sequence[Sequence[int]] = ()) -> dict:
     """A token count's row from the per-variant times (us, max over ranks; a missing variant is nan)
     and the check's errors (max over ranks). Same keys for every token count (one CSV)."""
     nan = math.nan
@@ -216,6 +250,10 @@ def make_row(tokens: int, hidden: int, dtype: str, world: int, sets: int, times:
     for c in fo_ctas:
         row[f"fo_sharded_{c}_us"] = times.get(f"fo_sharded_{c}", nan)
     row[f"api_{API_CTAS}_us"] = times.get(f"api_{API_CTAS}", nan)
+    for config in configs:
+        for c in fo_ctas:
+            name = f"fo_{c}@{config_name(config)}"
+            row[f"{name}_us"] = times.get(name, nan)
     row["best_ctas"], row["best_us"] = best_of(times, fo_ctas)
     row["best_sharded_ctas"], row["best_sharded_us"] = best_of(times, fo_ctas, "fo_sharded_")
     baselines = [t for t in (row["nccl_norm_us"], row["nccl_cnorm_us"]) if _finite(t)]
@@ -447,6 +485,22 @@ class _Case:
         def fo(ctas, mode):
             return lambda i: op(xs[i % sets], residuals[i % sets], weight, EPS, ctx.op_name, mode, ctas)
 
+        def fo_config(ctas, config):
+            """The kernel compiled as `config`, launched on the op's peer buffers (made by api_16's
+            first call, which runs before any of these)."""
+            from flashoverlap import _core, peer_norm
+
+            def call(i):
+                state = peer_norm._GROUPS[ctx.op_name]
+                x, residual = xs[i % sets], residuals[i % sets]
+                out, r = torch.empty_like(x), torch.empty_like(x)
+                _core.allreduce_rmsnorm_launch(
+                    x.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                     r.data_ptr()), state.memory.bases, state.memory.bytes, state.rank, tokens, h,
+                    EPS, True, ctx.cfg["dtype"], ctas, 0, torch.cuda.current_stream().cuda_stream, config=config)
+                return out, r
+            return call
+
         def api(i):
             return flashoverlap.all_reduce_rmsnorm(xs[i % sets], residuals[i % sets], weight, EPS, ctas=API_CTAS)
 
@@ -463,6 +517,9 @@ class _Case:
             v[f"fo_{c}"] = (fo(c, "full"), "norm", "full")
         for c in ctx.fo_ctas:
             v[f"fo_sharded_{c}"] = (fo(c, "sharded"), "norm", "sharded")
+        for config in ctx.configs:
+            for c in ctx.fo_ctas:
+                v[f"fo_{c}@{config_name(config)}"] = (fo_config(c, tuple(config)), "norm", "full")
         self.variants = v
 
     def check(self, ctx: "_Rank") -> dict:
@@ -520,6 +577,7 @@ class _Rank:
         self.fo_ctas = clamp_ctas(cfg["fo_ctas"], self.sms)
         self.curve_ctas = clamp_ctas(cfg["curve_ctas"], self.sms)
         self.curve_tokens = tuple(cfg["curve_tokens"])
+        self.configs = [tuple(c) for c in cfg.get("configs", [])]
         self.group_name = dist.group.WORLD.group_name
         self.op_name = _name(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
         self.symm: dict[int, tuple] = {}
@@ -707,7 +765,8 @@ def _worker(rank, world, init_method, cfg, result_path):
         for (tokens,) in shapes:
             times = {name: bench._max_over_ranks(statistics.median(v)) for name, v in pooled[(tokens,)].items()}
             rows.append(make_row(tokens, ctx.hidden, cfg["dtype"], world, ctx.sets(tokens), times,
-                                 checks[tokens]["errors"], ctx.symm[tokens][1], ctx.fo_ctas, all_ctas))
+                                 checks[tokens]["errors"], ctx.symm[tokens][1], ctx.fo_ctas, all_ctas,
+                                 ctx.configs))
         conc = measure_concurrency(ctx, cfg, cfg["iters"], cfg["warmup"])
         if rank == 0:
             meta = {**bench.environment(world), "hidden": ctx.hidden, "sms": ctx.sms, "l2_bytes": ctx.l2,
@@ -740,6 +799,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--conc-ctas", type=int, default=CONC_CTAS)
     p.add_argument("--compiled-norm", action="store_true",
                    help="also time NCCL + a torch.compile'd add-RMSNorm (then the bar's baseline is the faster)")
+    p.add_argument("--configs", type=parse_config, nargs="*", default=[],
+                   help="also time the fused kernel compiled as each THREADSxUNROLL (e.g. 512x2 256x4 256x2)")
     p.add_argument("--out", default=None, help="path without extension (default: evaluation/results/"
                                                "bench_all_reduce_rmsnorm_<gpu>x<world>_<dtype>)")
     args = p.parse_args(argv)
@@ -753,11 +814,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = {"timed": timed, "checked": checked, "hidden": args.hidden, "dtype": args.dtype, "iters": iters,
            "warmup": args.warmup, "fo_ctas": list(FO_CTAS), "curve_ctas": list(CURVE_CTAS),
            "curve_tokens": list(CURVE_TOKENS), "conc_tokens": args.conc_tokens, "conc_ctas": args.conc_ctas,
-           "gemm": list(args.gemm), "compiled_norm": args.compiled_norm}
+           "gemm": list(args.gemm), "compiled_norm": args.compiled_norm,
+           "configs": [list(c) for c in args.configs]}
     data = bench.spawn_ranks(_worker, world, cfg)
     rows, meta = data["rows"], data["meta"]
     lines = table(rows, meta, args.dtype, meta["fo_ctas"])
     lines += curve_lines(rows, meta["curve_ctas"])
+    lines += config_lines(rows, cfg["configs"], meta["fo_ctas"])
     lines += conc_lines(meta["concurrency"])
     lines += ["", "# correctness (relative error vs fp32, max over ranks, every variant; checked before timing)"]
     wrong = False

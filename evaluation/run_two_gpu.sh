@@ -12,6 +12,7 @@
 #   a2a    bench_gemm_a2a.py, both backends (issue 4)             [3]
 #   arn    bench_gemm_ar_rmsnorm.py (issue 4)                     [3]
 #   norm   bench_all_reduce_rmsnorm.py (issue 6)                  [4]
+#   normcfg  the same at 1K and 8K tokens, each kernel config (issue 6) [3]
 #   coll   bench_collectives.py (issue 8)                         [4]
 #   e1     e1_correctness.py (issues 4, 8)                        [2]
 #   e2     e2_predictive_search.py, NCCL (issue 5)                [8]
@@ -24,7 +25,7 @@
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
-  sed -n '2,23p' "$0"
+  sed -n '2,24p' "$0"
   exit 2
 fi
 out="$1"
@@ -43,6 +44,7 @@ part_command() {
     a2a) echo "timeout 360 python $here/bench_gemm_a2a.py --out $out/bench_gemm_a2a_h200x2" ;;
     arn) echo "timeout 360 python $here/bench_gemm_ar_rmsnorm.py --out $out/bench_gemm_ar_rmsnorm_h200x2" ;;
     norm) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --out $out/bench_all_reduce_rmsnorm_h200x2" ;;
+    normcfg) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --quick --configs 512x2 256x4 256x2 --out $out/bench_all_reduce_rmsnorm_configs_h200x2" ;;
     coll) echo "timeout 420 python $here/bench_collectives.py --world-size 2 --out $out/bench_collectives_h200x2" ;;
     e1) echo "timeout 300 python $here/e1_correctness.py --world-size 2 --out $out/e1_correctness_h200x2.txt" ;;
     e2) echo "timeout 570 python $here/e2_predictive_search.py --world-size 2 --out $out/e2_predictive_search_h200x2" ;;

@@ -923,8 +923,10 @@ fn allreduce_rmsnorm_buffer_bytes(
 /// before first use, `buffer_bytes` each), this rank at `rank`. `pull`:
 /// the buffers are laid out for gemm_all_reduce_rmsnorm's backend="peer";
 /// x is first copied into this rank's x area (its sequential schedule).
+/// `config`: (threads, unroll) of the kernel (default the library's; other
+/// values for the benchmark's sweep).
 #[pyfunction]
-#[pyo3(signature = (device, tensors, bases, buffer_bytes, rank, tokens, hidden, eps, residual_full, dtype, ctas, timeout_ns, stream, pull=false))]
+#[pyo3(signature = (device, tensors, bases, buffer_bytes, rank, tokens, hidden, eps, residual_full, dtype, ctas, timeout_ns, stream, pull=false, config=None))]
 #[allow(clippy::too_many_arguments)]
 fn allreduce_rmsnorm_launch(
     py: Python<'_>,
@@ -942,8 +944,13 @@ fn allreduce_rmsnorm_launch(
     timeout_ns: u64,
     stream: usize,
     pull: bool,
+    config: Option<(u32, u32)>,
 ) -> PyResult<()> {
     let dtype = self::dtype(dtype)?;
+    let config = match config {
+        Some((threads, unroll)) => kernels::NormConfig::new(threads, unroll).map_err(to_py)?,
+        None => kernels::NormConfig::DEFAULT,
+    };
     if pull && !residual_full {
         return Err(PyValueError::new_err(
             "residual_out: the pull layout keeps the full residual only",
@@ -968,10 +975,11 @@ fn allreduce_rmsnorm_launch(
             first: 0,
             rows: tokens,
         }),
+        config,
     };
     py.detach(|| {
         let dev = driver::bind(device)?;
-        let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype))?;
+        let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype, config))?;
         let stream = stream::from_handle(stream);
         let checked = arn::checked(&call, ctas)?;
         if pull && tokens > 0 {

@@ -4,6 +4,7 @@ concurrency test's chain and coverage arithmetic."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from pathlib import Path
@@ -305,3 +306,22 @@ def test_help_needs_no_gpu(capsys) -> None:
     out = capsys.readouterr().out
     for option in ("--tokens", "--hidden", "--dtype", "--iters", "--world-size", "--quick", "--out", "--gemm"):
         assert option in out
+
+
+def test_config_sweep_rows_and_lines() -> None:
+    """--configs adds fo_<c>@<T>x<U> columns and a table of each config's best<=32 over the default's."""
+    times = {"nccl_norm": 300.0, "fo_8": 120.0, "fo_16": 100.0, "fo_32": 110.0,
+             "fo_8@256x2": 90.0, "fo_16@256x2": 80.0, "fo_32@256x2": 95.0}
+    configs = [(256, 2), (512, 2)]
+    row = ar.make_row(1024, 8192, "bfloat16", 2, 4, times, {"fo_16": 1e-3}, "", ar.FO_CTAS, ALL_CTAS, configs)
+    assert row["fo_16@256x2_us"] == 80.0 and math.isnan(row["fo_16@512x2_us"])
+    # Without configs the columns are absent: rows of one run share their keys.
+    assert "fo_16@256x2_us" not in _row(1024)
+    lines = ar.config_lines([row], configs, ar.FO_CTAS)
+    assert "256x2" in lines[2] and "512x2" in lines[2]
+    cells = lines[3].split()
+    assert cells[:4] == ["1024", "100.0", "80.0", "0.800x"] and cells[4:] == ["n/a", "n/a"]
+    assert ar.config_lines([row], [], ar.FO_CTAS) == []
+    assert ar.parse_config("256X2") == (256, 2)
+    with pytest.raises(argparse.ArgumentTypeError):
+        ar.parse_config("256")

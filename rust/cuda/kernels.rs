@@ -252,19 +252,67 @@ pub fn add_rmsnorm_spec(dtype: Dtype) -> KernelSpec {
     }
 }
 
-/// Threads per block of the peer-memory AllReduce + add + RMSNorm.
-pub const ALLREDUCE_RMSNORM_THREADS: u32 = 512;
+/// The peer-memory AllReduce + add + RMSNorm's compile-time shape: threads
+/// per block and 16-byte vectors each lane keeps in flight. The default is
+/// the first written (512 x 4: 128 registers, 48 bytes of spill under
+/// ptxas); 256 threads or 2 vectors spill nothing. Which is fastest over
+/// NVLink is for the 2-GPU sweep (evaluation/bench_all_reduce_rmsnorm.py
+/// --configs) to say; the others exist for that sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NormConfig {
+    pub threads: u32,
+    pub unroll: u32,
+}
+
+impl NormConfig {
+    pub const DEFAULT: Self = Self {
+        threads: 512,
+        unroll: 4,
+    };
+    /// What the 2-GPU sweep times (the default first); CI compiles each.
+    pub const SWEEP: [Self; 4] = [
+        Self::DEFAULT,
+        Self {
+            threads: 512,
+            unroll: 2,
+        },
+        Self {
+            threads: 256,
+            unroll: 4,
+        },
+        Self {
+            threads: 256,
+            unroll: 2,
+        },
+    ];
+
+    /// A config the kernel supports: 128 to 1024 threads (whole warps, a
+    /// power of two) and 1, 2, 4 or 8 vectors in flight.
+    pub fn new(threads: u32, unroll: u32) -> crate::error::Result<Self> {
+        if !(128..=1024).contains(&threads)
+            || !threads.is_power_of_two()
+            || ![1, 2, 4, 8].contains(&unroll)
+        {
+            return Err(crate::error::Error::Invalid(format!(
+                "config: expected (threads, unroll) with threads a power of two in 128..=1024 and unroll \
+                 in 1, 2, 4, 8, got ({threads}, {unroll})"
+            )));
+        }
+        Ok(Self { threads, unroll })
+    }
+}
 
 /// The peer-memory AllReduce + residual add + RMSNorm (one warp per row,
-/// plain loads, 4 vectors per lane in flight; no shared-memory ring).
-pub fn allreduce_rmsnorm_spec(dtype: Dtype) -> KernelSpec {
+/// plain loads, `config.unroll` vectors per lane in flight; no shared-memory ring).
+pub fn allreduce_rmsnorm_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
     let bf16 = if dtype == Dtype::Bf16 { "1" } else { "0" }.to_string();
     KernelSpec {
         source: "allreduce_rmsnorm.cu",
         entry: "fo_allreduce_rmsnorm",
         defines: vec![
             ("FO_BF16", bf16),
-            ("FO_THREADS", ALLREDUCE_RMSNORM_THREADS.to_string()),
+            ("FO_THREADS", config.threads.to_string()),
+            ("FO_UNROLL", config.unroll.to_string()),
         ],
         dynamic_smem: 0,
     }
@@ -295,7 +343,10 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
     let unreorders = widths.into_iter().map(|(bm, bn)| unreorder_spec(bm, bn));
     let norms = [Dtype::Bf16, Dtype::F16]
         .into_iter()
-        .flat_map(|d| [add_rmsnorm_spec(d), allreduce_rmsnorm_spec(d)])
+        .flat_map(|d| {
+            std::iter::once(add_rmsnorm_spec(d))
+                .chain(NormConfig::SWEEP.map(|c| allreduce_rmsnorm_spec(d, c)))
+        })
         .filter(move |_| runs);
     gemms
         .chain(reduces.filter(|_| runs))
@@ -406,5 +457,26 @@ impl Kernel {
             },
             "cuLaunchKernel",
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn norm_configs_are_whole_warps_and_few_vectors() {
+        assert_eq!(NormConfig::new(512, 4).unwrap(), NormConfig::DEFAULT);
+        assert_eq!(NormConfig::SWEEP[0], NormConfig::DEFAULT);
+        for (threads, unroll) in [(96, 2), (2048, 2), (384, 2), (256, 3), (256, 0), (256, 16)] {
+            let err = NormConfig::new(threads, unroll).unwrap_err().to_string();
+            assert!(err.contains("config"), "{err}");
+        }
+        // Each config compiles to its own kernel.
+        let specs: std::collections::HashSet<_> = NormConfig::SWEEP
+            .iter()
+            .map(|&c| allreduce_rmsnorm_spec(Dtype::Bf16, c).defines)
+            .collect();
+        assert_eq!(specs.len(), NormConfig::SWEEP.len());
     }
 }

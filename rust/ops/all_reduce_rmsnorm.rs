@@ -20,7 +20,7 @@
 
 use std::ffi::c_void;
 
-use crate::cuda::kernels::{Kernel, ALLREDUCE_RMSNORM_THREADS};
+use crate::cuda::kernels::{Kernel, NormConfig};
 use crate::cuda::stream::RawStream;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
@@ -145,6 +145,8 @@ pub struct Call {
     pub buffer_bytes: u64,
     /// Pull mode (`tokens` rows from `first`; the full residual only).
     pub pull: Option<Pull>,
+    /// The compiled shape of the kernel the call is launched with.
+    pub config: NormConfig,
 }
 
 impl Call {
@@ -167,6 +169,7 @@ pub fn launch(kernel: &Kernel, call: &Call, ctas: u32, stream: RawStream) -> Res
 pub struct Checked {
     params: Option<Params>,
     ctas: u32,
+    threads: u32,
 }
 
 impl Checked {
@@ -175,7 +178,7 @@ impl Checked {
             return Ok(());
         };
         let mut args: [*mut c_void; 1] = [(&mut params as *mut Params).cast()];
-        kernel.launch(self.ctas, ALLREDUCE_RMSNORM_THREADS, stream, &mut args)
+        kernel.launch(self.ctas, self.threads, stream, &mut args)
     }
 }
 
@@ -214,7 +217,11 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         )));
     }
     if call.tokens == 0 {
-        return Ok(Checked { params: None, ctas });
+        return Ok(Checked {
+            params: None,
+            ctas,
+            threads: call.config.threads,
+        });
     }
     let mut bases = [0u64; MAX_WORLD];
     bases[..world].copy_from_slice(&call.bases);
@@ -241,6 +248,7 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
     Ok(Checked {
         params: Some(params),
         ctas,
+        threads: call.config.threads,
     })
 }
 

@@ -431,6 +431,7 @@ impl PeerNorm {
             dtype,
             buffer_bytes: self.buffer_bytes,
             pull: Some(arn::Pull { first, rows: m }),
+            config: crate::cuda::kernels::NormConfig::DEFAULT,
         }
     }
 
@@ -554,7 +555,9 @@ pub fn gemm_all_reduce(
     let norm_kernel = norm
         .map(|_| {
             let spec = match peer {
-                Some(_) => kernels::allreduce_rmsnorm_spec(args.dtype),
+                Some(_) => {
+                    kernels::allreduce_rmsnorm_spec(args.dtype, kernels::NormConfig::DEFAULT)
+                }
                 None => kernels::add_rmsnorm_spec(args.dtype),
             };
             kernels::load(&comm.device, &spec)
