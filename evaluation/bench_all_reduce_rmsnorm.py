@@ -488,16 +488,12 @@ class _Case:
         def fo_config(ctas, config):
             """The kernel compiled as `config`, launched on the op's peer buffers (made by api_16's
             first call, which runs before any of these)."""
-            from flashoverlap import _core, peer_norm
+            from flashoverlap import peer_norm
 
             def call(i):
-                state = peer_norm._GROUPS[ctx.op_name]
                 x, residual = xs[i % sets], residuals[i % sets]
                 out, r = torch.empty_like(x), torch.empty_like(x)
-                _core.allreduce_rmsnorm_launch(
-                    x.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                     r.data_ptr()), state.memory.bases, state.memory.bytes, state.rank, tokens, h,
-                    EPS, True, ctx.cfg["dtype"], ctas, 0, torch.cuda.current_stream().cuda_stream, config=config)
+                peer_norm._GROUPS[ctx.op_name].launch(x, residual, weight, out, r, EPS, ctas, config=config)
                 return out, r
             return call
 

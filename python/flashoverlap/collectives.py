@@ -33,11 +33,12 @@ def _unit(kind: str, world: int) -> int:
     return 16 if kind == "all_reduce" else 16 * world
 
 
-def _backend_for(comm: Communicator, kind: str, x: torch.Tensor, backend: Optional[str], ctas: Optional[int]) -> str:
+def _backend_for(comm: Communicator, kind: str, x: torch.Tensor, backend: Optional[str], ctas: int,
+                 sms: int) -> str:
     """The caller's backend, else FLASHOVERLAP_BACKEND. "auto" (where the communicator runs both):
     NCCL where x is not whole 16-byte vectors (per rank block), else the backend `flashoverlap
-    tune` measured faster at this size where this GPU's profile has both curves, else the copy
-    engines. The same on every rank: same size, same profiles."""
+    tune` measured faster at this size (its sums on `ctas` CTAs) where the profile of this GPU (`sms`) has both
+    curves, else the copy engines. The same on every rank: same size, same profiles."""
     explicit = backend is not None and backend != "auto"
     chosen = _resolve_backend(comm, backend)
     nbytes = x.numel() * x.element_size()
@@ -51,8 +52,7 @@ def _backend_for(comm: Communicator, kind: str, x: torch.Tensor, backend: Option
     if chosen == "auto":
         if not fits:
             return "nccl"
-        sms = torch.cuda.get_device_properties(comm.device).multi_processor_count
-        return measured_faster(kind, nbytes, comm.world_size, sms, _sum_ctas(ctas, sms)) or "copy_engine"
+        return measured_faster(kind, nbytes, comm.world_size, sms, ctas) or "copy_engine"
     return chosen
 
 
@@ -66,10 +66,6 @@ def measured_faster(kind: str, nbytes: int, world: int, sms: int, ctas: int) -> 
     return "nccl" if times["nccl"] < times["copy_engine"] else "copy_engine"
 
 
-def _sum_ctas(ctas: Optional[int], sms: int) -> int:
-    return min(ctas or DEFAULT_CTAS, sms)
-
-
 def _run(kind: str, x: torch.Tensor, group_name: str, backend: Optional[str], ctas: Optional[int]) -> torch.Tensor:
     comm = communicator_by_name(group_name)
     check_tensor("x", x)
@@ -77,7 +73,9 @@ def _run(kind: str, x: torch.Tensor, group_name: str, backend: Optional[str], ct
     _check_ctas(ctas)
     world = comm.world_size
     _check_rows(kind, x, world)
-    backend = _backend_for(comm, kind, x, backend, ctas)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    ctas = min(ctas or DEFAULT_CTAS, sms)  # the copy engines' sums
+    backend = _backend_for(comm, kind, x, backend, ctas, sms)
     shape = x.shape if kind == "all_reduce" else (x.shape[0] // world, *x.shape[1:])
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
     if x.numel() == 0:
@@ -94,9 +92,7 @@ def _run(kind: str, x: torch.Tensor, group_name: str, backend: Optional[str], ct
     nbytes = x.numel() * x.element_size()
     comm.ensure_peer_buffers(nbytes if kind == "all_reduce" else nbytes // world)
     out = x.new_empty(shape)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    _core.copy_engine_collective(comm.name, kind, x.data_ptr(), out.data_ptr(), nbytes, dtype,
-                                 _sum_ctas(ctas, sms), stream)
+    _core.copy_engine_collective(comm.name, kind, x.data_ptr(), out.data_ptr(), nbytes, dtype, ctas, stream)
     return out
 
 

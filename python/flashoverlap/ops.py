@@ -220,8 +220,9 @@ def _gemm_all_reduce_rmsnorm_impl(x, weight, residual, norm_weight, eps: float, 
     for name, t in (("residual", residual), ("norm_weight", norm_weight)):
         check_device(name, t, comm.device)
     residual_out = torch.empty_like(residual)
-    peer = _peer_norm_buffers(comm, m, n, x.dtype) if backend == "peer" and m else None
-    norm = (residual.data_ptr(), residual_out.data_ptr(), norm_weight.data_ptr(), float(eps), peer)
+    peer = _peer_norm_group(comm, m, n, x.dtype) if backend == "peer" and m else None
+    buffers = None if peer is None else peer.core_buffers()
+    norm = (residual.data_ptr(), residual_out.data_ptr(), norm_weight.data_ptr(), float(eps), buffers)
     # Groups of whole rows: the norm of a group needs every column of its rows.
     out, schedule = _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, backend,
                                          "banded", norm)
@@ -230,21 +231,16 @@ def _gemm_all_reduce_rmsnorm_impl(x, weight, residual, norm_weight, eps: float, 
         dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
         if peer is not None:
             # The whole output as one group: its partial is copied into the peer buffer first.
-            bases, nbytes, rank, timeout_ns = peer
-            _core.allreduce_rmsnorm_launch(x.device.index, (out.data_ptr(), residual.data_ptr(),
-                                                            norm_weight.data_ptr(), out.data_ptr(),
-                                                            residual_out.data_ptr()),
-                                           bases, nbytes, rank, m, n, float(eps), True, dtype, min(sms, 256),
-                                           timeout_ns, stream, pull=True)
+            peer.launch(out, residual, norm_weight, out, residual_out, eps, min(sms, 256), pull=True)
         else:
             _core.add_rmsnorm(out.data_ptr(), residual.data_ptr(), residual_out.data_ptr(), norm_weight.data_ptr(),
                               out.numel() // n, n, float(eps), dtype, x.device.index, stream, sms)
     return out, residual_out
 
 
-def _peer_norm_buffers(comm: Communicator, m: int, n: int, dtype: torch.dtype) -> tuple:
-    """backend="peer": the communicator's peer-norm buffers (made by the public op), grown
-    (collectively, outside capture) to an [m, n] output, as the core takes them."""
+def _peer_norm_group(comm: Communicator, m: int, n: int, dtype: torch.dtype):
+    """backend="peer": the communicator's peer-norm group (made by the public op), its buffers
+    grown (collectively, outside capture) to an [m, n] output."""
     from . import peer_norm
 
     state = peer_norm.gemm_peer_group(comm)
@@ -252,7 +248,7 @@ def _peer_norm_buffers(comm: Communicator, m: int, n: int, dtype: torch.dtype) -
     if not state.ensure(_core.allreduce_rmsnorm_buffer_bytes(world, m, n, dtype_name(dtype), pull=True)):
         raise RuntimeError(f"backend: 'peer' could not map the peer buffers of communicator {comm.name!r} "
                            "on every rank (see the warning above); use backend='nccl' or 'copy_engine'")
-    return state.memory.bases, state.memory.bytes, comm.rank, peer_norm.wait_timeout_ns()
+    return state
 
 
 def _gemm_all_reduce_rmsnorm_fake(x, weight, residual, norm_weight, eps: float, group_name: str,

@@ -96,6 +96,23 @@ class PeerGroup:
         self.memory = memory
         return True
 
+    def core_buffers(self) -> tuple:
+        """(every rank's buffer base, bytes each, this rank, wait timeout in ns), as the core takes them."""
+        return self.memory.bases, self.memory.bytes, self.rank, wait_timeout_ns()
+
+    def launch(self, x, residual, weight, out, residual_out, eps: float, ctas: int, *, full: bool = True,
+               pull: bool = False, config=None) -> None:
+        """Enqueues the kernel over x's rows on this device's current stream, on this group's
+        buffers (made and large enough: `ensure`). pull: the buffers are laid out for
+        gemm_all_reduce_rmsnorm's backend="peer" (x is copied into this rank's partial first);
+        config: (threads, unroll) of the kernel, default the library's."""
+        hidden = x.shape[-1]
+        _core.allreduce_rmsnorm_launch(self.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                                                           out.data_ptr(), residual_out.data_ptr()),
+                                       self.memory.bases, self.memory.bytes, self.rank, x.numel() // hidden, hidden, float(eps), full,
+                                       dtype_name(x.dtype), ctas, wait_timeout_ns(),
+                                       torch.cuda.current_stream(self.device).cuda_stream, pull=pull, config=config)
+
     def check_error(self) -> None:
         # Only a bounded wait can record an error, and reading the word waits for the device:
         # calls without FLASHOVERLAP_PEER_TIMEOUT_S never pay that host round trip.
@@ -190,11 +207,7 @@ def _impl(x, residual, weight, eps: float, group_name: str, residual_out: str = 
     out = torch.empty_like(x)
     res = torch.empty_like(x) if residual_out == "full" else x.new_empty((b - a, hidden))
     sms = torch.cuda.get_device_properties(state.device).multi_processor_count
-    _core.allreduce_rmsnorm_launch(state.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                                                        out.data_ptr(), res.data_ptr()),
-                                   state.memory.bases, state.memory.bytes, rank, tokens, hidden, float(eps),
-                                   residual_out == "full", dtype, min(ctas or DEFAULT_CTAS, sms), wait_timeout_ns(),
-                                   torch.cuda.current_stream(state.device).cuda_stream)
+    state.launch(x, residual, weight, out, res, eps, min(ctas or DEFAULT_CTAS, sms), full=residual_out == "full")
     return out, res
 
 
