@@ -917,12 +917,29 @@ fn allreduce_rmsnorm_buffer_bytes(
     Ok(layout.map_err(to_py)?.bytes)
 }
 
+/// Byte offset of a rank's partial (x area) in its peer buffer, laid out
+/// for gemm_all_reduce_rmsnorm's backend="peer" over an output of `tokens`
+/// rows: a producer that stores its partial there spares the launch's copy.
+#[pyfunction]
+fn allreduce_rmsnorm_partial_offset(
+    world: usize,
+    tokens: u64,
+    hidden: u32,
+    dtype: &str,
+) -> PyResult<u64> {
+    let dtype = self::dtype(dtype)?;
+    Ok(arn::Layout::pull(world, tokens, hidden, dtype)
+        .map_err(to_py)?
+        .x_offset)
+}
+
 /// Enqueues the peer-memory AllReduce + residual add + RMSNorm on `stream`:
 /// tensors = (x, residual, weight, out, residual_out) device pointers,
 /// bases = every rank's peer buffer as mapped in this process (zeroed
 /// before first use, `buffer_bytes` each), this rank at `rank`. `pull`:
 /// the buffers are laid out for gemm_all_reduce_rmsnorm's backend="peer";
-/// x is first copied into this rank's x area (its sequential schedule).
+/// x is first copied into this rank's x area unless it lies there already
+/// (its sequential schedule).
 /// `config`: (threads, unroll) of the kernel (default the library's; other
 /// values for the benchmark's sweep).
 #[pyfunction]
@@ -982,8 +999,9 @@ fn allreduce_rmsnorm_launch(
         let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype, config))?;
         let stream = stream::from_handle(stream);
         let checked = arn::checked(&call, ctas)?;
-        if pull && tokens > 0 {
-            let partial = call.bases[rank] + call.layout()?.x_offset;
+        let partial = call.bases[rank] + call.layout()?.x_offset;
+        // A partial already in place (the producer stored it there) needs no copy.
+        if pull && tokens > 0 && call.x != partial {
             let bytes = tokens * u64::from(hidden) * u64::from(dtype.bytes());
             stream::copy(stream, partial, call.x, bytes as usize)?;
         }
@@ -1433,6 +1451,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_all_to_all_groups, m)?)?;
     m.add_function(wrap_pyfunction!(all_to_all, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_buffer_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_rmsnorm_partial_offset, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_launch, m)?)?;
     m.add_class::<PyPeerMemory>()?;
     m.add("ALLREDUCE_RMSNORM_ERROR_WORD", arn::ERROR_WORD)?;

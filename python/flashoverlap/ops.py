@@ -176,9 +176,9 @@ def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, b
         # Overlap does not pay here (or was not asked for): exactly the unfused
         # composition, torch's library GEMM (cuBLAS) then one AllReduce (the peer
         # backend's caller reduces and normalizes in one kernel).
-        torch.matmul(x, weight.t(), out=out)
         if backend == "peer":
-            return out, schedule
+            return out, schedule  # the caller runs the GEMM into its peer buffer
+        torch.matmul(x, weight.t(), out=out)
         if comm.torch_collectives:
             torch.distributed.all_reduce(out, group=comm.group)
         else:
@@ -230,8 +230,11 @@ def _gemm_all_reduce_rmsnorm_impl(x, weight, residual, norm_weight, eps: float, 
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
         if peer is not None:
-            # The whole output as one group: its partial is copied into the peer buffer first.
-            peer.launch(out, residual, norm_weight, out, residual_out, eps, min(sms, 256), pull=True)
+            # The whole output as one group: cuBLAS stores the partial straight into this
+            # rank's peer buffer, where the other ranks read it.
+            partial = peer.partial(out.numel() // n, n, x.dtype)
+            torch.matmul(x.reshape(-1, x.shape[-1]), weight.t(), out=partial)
+            peer.launch(partial, residual, norm_weight, out, residual_out, eps, min(sms, 256), pull=True)
         else:
             _core.add_rmsnorm(out.data_ptr(), residual.data_ptr(), residual_out.data_ptr(), norm_weight.data_ptr(),
                               out.numel() // n, n, float(eps), dtype, x.device.index, stream, sms)

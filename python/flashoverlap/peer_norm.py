@@ -100,11 +100,19 @@ class PeerGroup:
         """(every rank's buffer base, bytes each, this rank, wait timeout in ns), as the core takes them."""
         return self.memory.bases, self.memory.bytes, self.rank, wait_timeout_ns()
 
+    def partial(self, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's partial area (pull layout, an output of [rows, hidden]) as a tensor that
+        aliases the buffer: a producer storing there spares `launch(pull=True)` its copy.
+        Valid until the buffers grow."""
+        offset = _core.allreduce_rmsnorm_partial_offset(self.world, rows, hidden, dtype_name(dtype))
+        return _alias(self.memory.bases[self.rank] + offset, (rows, hidden), dtype)
+
     def launch(self, x, residual, weight, out, residual_out, eps: float, ctas: int, *, full: bool = True,
                pull: bool = False, config=None) -> None:
         """Enqueues the kernel over x's rows on this device's current stream, on this group's
         buffers (made and large enough: `ensure`). pull: the buffers are laid out for
-        gemm_all_reduce_rmsnorm's backend="peer" (x is copied into this rank's partial first);
+        gemm_all_reduce_rmsnorm's backend="peer" (x is copied into this rank's partial first,
+        unless x is `partial(...)`);
         config: (threads, unroll) of the kernel, default the library's."""
         hidden = x.shape[-1]
         _core.allreduce_rmsnorm_launch(self.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
@@ -122,6 +130,21 @@ class PeerGroup:
         if self.memory.header_word(_core.ALLREDUCE_RMSNORM_ERROR_WORD):
             raise RuntimeError(f"{self.op}: a peer wait timed out (FLASHOVERLAP_PEER_TIMEOUT_S); the ranks did not "
                                "call the op together. The group's peer buffers are unusable.")
+
+
+class _DeviceArray:
+    """Device memory torch does not own, described by the CUDA array interface
+    (2-byte elements: the interface has no bf16, the tensor is viewed as the dtype)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, int]):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<i2", "data": (ptr, False),
+                                         "strides": None, "version": 2}
+
+
+def _alias(ptr: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    if dtype.itemsize != 2:
+        raise TypeError(f"peer buffers hold bf16 or fp16, got {dtype}")
+    return torch.as_tensor(_DeviceArray(ptr, shape), device="cuda").view(dtype)
 
 
 _GROUPS: dict[str, PeerGroup] = {}
