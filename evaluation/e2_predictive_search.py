@@ -1,5 +1,6 @@
 """FlashOverlap's E2: how well the predictor's numbers and its choice of partition hold up against
-measurement, on all local GPUs, for GEMM + AllReduce, GEMM + ReduceScatter and GEMM + All-to-All.
+measurement, on all local GPUs, for GEMM + AllReduce, GEMM + ReduceScatter, GEMM + All-to-All and
+GEMM + AllReduce + residual + RMSNorm.
 
 Every op runs on one communication backend, --backend (default nccl, or copy_engine): its
 candidates, its predictions and its auto reference alike, so that a case compares partitions and
@@ -14,6 +15,11 @@ the candidates are partitions of the GEMM into wave groups:
                   predictor's own partition (bands_per_group unset), which is usually not uniform
   reduce_scatter  the same with flashoverlap.gemm_reduce_scatter(mode="overlap", backend=B), over the
                   row bands of each rank's shard
+  all_reduce_rmsnorm  the same as all_reduce with flashoverlap.gemm_all_reduce_rmsnorm (each group's
+                  fused add + RMSNorm runs after its collective on the communication stream; the
+                  plans are plan_of(..., fused_norm=True)); its sequential schedule is the op's
+                  own (mode="sequential": cuBLAS, the collective, one fused add-RMSNorm kernel),
+                  which is what the predictor's sequential time models
   all_to_all      flashoverlap.gemm_all_to_all(groups=G, backend=B; with copy_engine also
                   split_matrix=, from which every rank sizes its staging slots alike), G in 1, 2,
                   3, 4, 6, 8, 12, 16 and the predictor's G, at most 8 (the op keeps the tables of 8
@@ -43,12 +49,12 @@ partition (best ratio = best measured / predicted-best measured, <= 1), and the 
 against the best of the partitions and the sequential schedule. Bars (issue: E2 on 2x H200 over
 >= 20 cases): mean |prediction error| over the measured partitions <= 5%; best ratio mean >= 0.99
 and never below 0.95; relative error vs fp32 <= 1e-2. The best ratio needs every candidate
-measured, so the default run is exhaustive: it measures every candidate of the 24 default cases
-(8 shapes x 3 ops: ~20 s of GPU time by the committed 2x H200 AllReduce timings, an estimated 1-2
-minutes with start-up and kernels in the cache; --cases all, 48 cases: ~35 s, 2-3 minutes). --no-exhaustive
+measured, so the default run is exhaustive: it measures every candidate of the 32 default cases
+(8 shapes x 4 ops: ~30 s of GPU time by the committed 2x H200 AllReduce timings, an estimated 2-3
+minutes with start-up and kernels in the cache; --cases all, 64 cases: ~50 s, 3-4 minutes). --no-exhaustive
 measures only the predictor's choice, one group, the choice's neighbours in group count, auto and
 the sequential schedule (enough for the prediction error; the best-ratio bars are then not
-evaluated); --quick is a smoke run (3 small cases, few iterations, not exhaustive, outputs named
+evaluated); --quick is a smoke run (4 small cases, few iterations, not exhaustive, outputs named
 *_quick). World size 1 works as a smoke test (the collectives are trivial there).
 
 Writes <out>.csv (one row per case and candidate), <out>.json (environment with the backend, and
@@ -77,9 +83,9 @@ import torch
 
 from flashoverlap import bench
 
-OPS = ("all_reduce", "reduce_scatter", "all_to_all")
-OP_ALIASES = {"ar": "all_reduce", "rs": "reduce_scatter", "a2a": "all_to_all"}
-SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_to_all": "A2A"}
+OPS = ("all_reduce", "reduce_scatter", "all_to_all", "all_reduce_rmsnorm")
+OP_ALIASES = {"ar": "all_reduce", "rs": "reduce_scatter", "a2a": "all_to_all", "arn": "all_reduce_rmsnorm"}
+SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_to_all": "A2A", "all_reduce_rmsnorm": "ARN"}
 ALL_SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 4096), (8192, 1024), (8192, 14336),
                                                                         (8192, 3584))]
 # Every M twice and every K twice: communication-bound (K 1024) to GEMM-bound (K 14336).
@@ -416,7 +422,10 @@ def parse_cases(specs: Sequence[str]) -> list[tuple]:
     return list(dict.fromkeys(cases))
 
 
-def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+def _rel_error(out, ref) -> float:
+    """Relative error of a tensor, or the worst of a tuple's (an op with several outputs)."""
+    if isinstance(ref, tuple):
+        return max(_rel_error(o, r) for o, r in zip(out, ref, strict=True))
     return float((out.float() - ref).norm() / ref.norm())
 
 
@@ -431,27 +440,37 @@ def _reference_info(kind: str, groups: int, band_counts: Sequence[int], schedule
             "chosen": False, "schedule": schedule, "predicted_us": predicted_us}
 
 
-def _all_reduce_case(xs, ws, exhaustive: bool, max_candidates: int, backend: str):
-    import torch.distributed as dist
-
+def _banded_candidates(xs, ws, exhaustive: bool, max_candidates: int, run, plan_opts: dict):
+    """The partitions and auto of an op planned by plan_of (GEMM + AllReduce, with or without the
+    fused norm): (fns, info) where run(i, **options) calls the op on input set i."""
     import flashoverlap
     from flashoverlap import _env
 
-    sets, opts = len(xs), {"backend": backend, "order": "banded"}
-    own = flashoverlap.plan_of(xs[0], ws[0], mode="overlap", **opts)
+    own = flashoverlap.plan_of(xs[0], ws[0], mode="overlap", **plan_opts)
     counts = [g["bands"][1] - g["bands"][0] for g in own.groups]
     fns, info = {}, {}
     for c in select_measured(partition_candidates(own.tiles[0], counts, _env.max_groups(), max_candidates),
                              exhaustive):
         plan = own if c.bands_per_group is None else flashoverlap.plan_of(
-            xs[0], ws[0], mode="overlap", bands_per_group=c.bands_per_group, **opts)
-        fns[c.name] = lambda i, b=c.bands_per_group: flashoverlap.gemm_all_reduce(
-            xs[i % sets], ws[i % sets], mode="overlap", bands_per_group=b, **opts)
+            xs[0], ws[0], mode="overlap", bands_per_group=c.bands_per_group, **plan_opts)
+        fns[c.name] = lambda i, b=c.bands_per_group: run(i, mode="overlap", bands_per_group=b)
         info[c.name] = _partition_info(c, plan.predicted_overlap_us, plan.schedule)
-    auto = flashoverlap.plan_of(xs[0], ws[0], **opts)
-    fns["auto"] = lambda i: flashoverlap.gemm_all_reduce(xs[i % sets], ws[i % sets], **opts)
+    auto = flashoverlap.plan_of(xs[0], ws[0], **plan_opts)
+    fns["auto"] = lambda i: run(i)
     info["auto"] = _reference_info("auto", len(auto.groups), [g["bands"][1] - g["bands"][0] for g in auto.groups],
                                    auto.schedule, auto.predicted_us)
+    return fns, info, own
+
+
+def _all_reduce_case(xs, ws, exhaustive: bool, max_candidates: int, backend: str):
+    import torch.distributed as dist
+
+    import flashoverlap
+
+    sets, opts = len(xs), {"backend": backend, "order": "banded"}
+    fns, info, own = _banded_candidates(
+        xs, ws, exhaustive, max_candidates,
+        lambda i, **kw: flashoverlap.gemm_all_reduce(xs[i % sets], ws[i % sets], **kw, **opts), opts)
 
     def sequential(i):
         out = torch.matmul(xs[i % sets], ws[i % sets].t())
@@ -557,8 +576,41 @@ def _all_to_all_case(xs, ws, exhaustive: bool, max_candidates: int, backend: str
     return fns, info, reference
 
 
+NORM_EPS = 1e-5
+
+
+def _all_reduce_rmsnorm_case(xs, ws, exhaustive: bool, max_candidates: int, backend: str):
+    import torch.distributed as dist
+
+    import flashoverlap
+
+    sets, n = len(xs), ws[0].shape[0]
+    # The same residual and norm weight on every rank, as tensor parallelism has them.
+    device, dtype = xs[0].device, xs[0].dtype
+    gen = torch.Generator(device=device).manual_seed(1357)
+    residuals = [torch.randn(xs[0].shape[0], n, device=device, dtype=dtype, generator=gen) for _ in range(sets)]
+    norm_weight = 1 + 0.1 * torch.randn(n, device=device, dtype=dtype, generator=gen)
+
+    def run(i, **kw):
+        return flashoverlap.gemm_all_reduce_rmsnorm(xs[i % sets], ws[i % sets], residuals[i % sets], norm_weight,
+                                                    NORM_EPS, backend=backend, **kw)
+
+    fns, info, own = _banded_candidates(xs, ws, exhaustive, max_candidates, run,
+                                        {"backend": backend, "fused_norm": True})
+    fns["sequential"] = lambda i: run(i, mode="sequential")
+    info["sequential"] = _reference_info("sequential", 1, [own.tiles[0]], "sequential", own.predicted_sequential_us)
+
+    def reference():
+        res = xs[0].float() @ ws[0].float().t()
+        dist.all_reduce(res)
+        res += residuals[0].float()
+        return res * torch.rsqrt(res.pow(2).mean(-1, keepdim=True) + NORM_EPS) * norm_weight.float(), res
+
+    return fns, info, reference
+
+
 CASE_BUILDERS = {"all_reduce": _all_reduce_case, "reduce_scatter": _reduce_scatter_case,
-                 "all_to_all": _all_to_all_case}
+                 "all_to_all": _all_to_all_case, "all_reduce_rmsnorm": _all_reduce_rmsnorm_case}
 
 
 def measure_case(op: str, m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup: int, *, exhaustive: bool,

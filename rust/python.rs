@@ -270,7 +270,7 @@ fn version() -> &'static str {
 /// Plans GEMM + AllReduce for a device described by `sms` and compute
 /// capability `major`; needs no GPU.
 #[pyfunction]
-#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl", order="auto"))]
+#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, mode="auto", bands_per_group=None, reserved_sms=None, max_groups=16, kernel=None, raster_bands=None, backend="nccl", order="auto", fused_norm=false))]
 #[allow(clippy::too_many_arguments)]
 fn plan_gemm_all_reduce(
     m: u32,
@@ -288,19 +288,23 @@ fn plan_gemm_all_reduce(
     raster_bands: Option<u32>,
     backend: &str,
     order: &str,
+    fused_norm: bool,
 ) -> PyResult<PyPlan> {
     // Planning needs the shape only; no pointer is ever read.
     let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let opts = options(
-        mode,
-        bands_per_group,
-        reserved_sms,
-        max_groups,
-        kernel,
-        raster_bands,
-        backend,
-        order,
-    )?;
+    let opts = gar::Options {
+        fused_norm,
+        ..options(
+            mode,
+            bands_per_group,
+            reserved_sms,
+            max_groups,
+            kernel,
+            raster_bands,
+            backend,
+            order,
+        )?
+    };
     gar::plan_for(&args, world_size, &opts, sms, major)
         .map(|(_, p)| PyPlan(p))
         .map_err(to_py)

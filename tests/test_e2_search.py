@@ -246,9 +246,10 @@ def test_plot_error_cdf_without_matplotlib(tmp_path: Path, monkeypatch: pytest.M
 def test_parse_cases() -> None:
     assert e2.parse_cases(["default"]) == e2.CASE_SETS["default"]
     assert len(e2.CASE_SETS["default"]) >= e2.MIN_CASES
-    assert len(e2.CASE_SETS["all"]) == 48 and set(e2.CASE_SETS["default"]) <= set(e2.CASE_SETS["all"])
-    assert e2.parse_cases(["ar:4096x8192x4096", "a2a:2048x8192x1024", "all_reduce:4096x8192x4096"]) == [
-        ("all_reduce", 4096, 8192, 4096), ("all_to_all", 2048, 8192, 1024)]
+    assert len(e2.CASE_SETS["all"]) == 16 * len(e2.OPS) and set(e2.CASE_SETS["default"]) <= set(e2.CASE_SETS["all"])
+    assert e2.parse_cases(["ar:4096x8192x4096", "a2a:2048x8192x1024", "all_reduce:4096x8192x4096",
+                           "arn:2048x8192x1024"]) == [
+        ("all_reduce", 4096, 8192, 4096), ("all_to_all", 2048, 8192, 1024), ("all_reduce_rmsnorm", 2048, 8192, 1024)]
     for bad in ("gemm:4096x8192x4096", "ar:4096x8192", "rs:0x8192x4096", "bogus"):
         with pytest.raises(argparse.ArgumentTypeError, match="--cases"):
             e2.parse_cases([bad])
@@ -313,7 +314,8 @@ def test_case_builders_pin_every_call_to_the_backend(backend: str, monkeypatch: 
                "predicted_overlap_us": 80.0, "predicted_sequential_us": 120.0}
     real_a2a_plan = flashoverlap.plan_gemm_all_to_all
     for name, result in (("plan_of", ar_plan), ("gemm_all_reduce", None), ("reduce_scatter_plan_of", rs_plan),
-                         ("gemm_reduce_scatter", None), ("gemm_all_to_all", None), ("get_communicator", None)):
+                         ("gemm_reduce_scatter", None), ("gemm_all_to_all", None), ("get_communicator", None),
+                         ("gemm_all_reduce_rmsnorm", None)):
         monkeypatch.setattr(flashoverlap, name, record(name, result))
     monkeypatch.setattr(flashoverlap, "plan_gemm_all_to_all",
                         lambda matrix, n, k, **kw: calls.append(("plan_gemm_all_to_all", kw)) or
@@ -328,14 +330,24 @@ def test_case_builders_pin_every_call_to_the_backend(backend: str, monkeypatch: 
         fns, info, _ = e2.CASE_BUILDERS[op](xs, ws, True, e2.MAX_CANDIDATES, backend)
         assert "auto" in fns and len(fns) >= 4
         for name, fn in fns.items():
-            if name != "sequential":  # torch.distributed's own collective, whatever the backend
+            # torch.distributed's own collective, whatever the backend (but the norm op's own
+            # sequential schedule, which the predictor models)
+            if name != "sequential" or op == "all_reduce_rmsnorm":
                 fn(0)
         made = [(f, kw) for f, kw in calls if f != "get_communicator"]
         assert made and all(kw.get("backend") == backend for _, kw in made), made
         # Partitions in mode overlap, auto in mode auto, on the same backend.
         if op != "all_to_all":
             runs = [kw for f, kw in made if f.startswith("gemm_")]
-            assert sorted(kw.get("mode", "auto") for kw in runs).count("auto") == 1
+            modes = sorted(kw.get("mode", "auto") for kw in runs)
+            assert modes.count("auto") == 1 and modes.count("overlap") == len(fns) - 2
+            norm = op == "all_reduce_rmsnorm"
+            assert {f for f, _ in made if f.startswith("gemm_")} == {
+                {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter"}.get(op,
+                                                                                       "gemm_all_reduce_rmsnorm")}
+            assert modes.count("sequential") == norm
+            # The norm op's plans charge the norm to each group.
+            assert all(kw.get("fused_norm", False) == norm for f, kw in made if f == "plan_of")
             continue
         matrix = e2.skewed_split_matrix(2, 2048)
         runs = [kw for f, kw in made if f == "gemm_all_to_all"]

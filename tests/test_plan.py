@@ -505,3 +505,28 @@ def test_swizzled_order_refuses_forced_bands() -> None:
     # Sequential plans are in place whatever the order asked for.
     plan = plan_gemm_all_reduce(4096, 8192, 4096, 2, mode="sequential", order="swizzled")
     assert plan.order == "banded" and plan.staging_elems == 0
+
+
+@pytest.mark.parametrize("backend", ["nccl", "copy_engine", "peer"])
+def test_fused_norm_plans_charge_the_norm(backend: str) -> None:
+    """plan_gemm_all_reduce(fused_norm=True) is gemm_all_reduce_rmsnorm's plan: banded, the norm
+    charged to the sequential schedule and to each group, and the backend 'peer' is allowed."""
+    m, n, k = 4096, 8192, 1024
+    normed = plan_gemm_all_reduce(m, n, k, 2, mode="overlap", backend=backend, fused_norm=True)
+    assert normed.order == "banded" and normed.staging_elems == 0
+    if backend != "peer":
+        plain = plan_gemm_all_reduce(m, n, k, 2, mode="overlap", backend=backend, bands_per_group=None)
+        assert normed.predicted_sequential_us > plain.predicted_sequential_us
+    # Small groups run on one CTA per 16 rows: one band per group costs more than a few bands per group.
+    few = plan_gemm_all_reduce(m, n, k, 2, mode="overlap", backend=backend, fused_norm=True, bands_per_group=4)
+    one = plan_gemm_all_reduce(m, n, k, 2, mode="overlap", backend=backend, fused_norm=True, bands_per_group=1)
+    assert one.predicted_overlap_us > few.predicted_overlap_us
+
+
+def test_fused_norm_option_errors() -> None:
+    with pytest.raises(ValueError, match="peer"):
+        plan_gemm_all_reduce(4096, 8192, 4096, 2, backend="peer")
+    with pytest.raises(ValueError, match="swizzled"):
+        plan_gemm_all_reduce(4096, 8192, 4096, 2, order="swizzled", fused_norm=True)
+    with pytest.raises(TypeError, match="fused_norm"):
+        plan_gemm_all_reduce(4096, 8192, 4096, 2, fused_norm=1)

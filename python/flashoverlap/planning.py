@@ -16,7 +16,7 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
                          bands_per_group: Optional[int] = None, reserved_sms: Optional[int] = None,
                          max_groups: Optional[int] = None, kernel: Optional[str] = None,
                          raster_bands: Optional[int] = None, backend: str = "nccl",
-                         order: str = "auto") -> "_core.Plan":
+                         order: str = "auto", fused_norm: bool = False) -> "_core.Plan":
     """The GEMM + AllReduce plan for out[m, n] = x[m, k] @ w[n, k]^T over ``world_size`` GPUs with
     ``sms`` multiprocessors (default: an H200). raster_bands: row bands per L2 raster block of the
     tile order inside each group (default: the planner's choice). backend: "nccl", "copy_engine"
@@ -24,13 +24,21 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
     up to 8 GPUs, taken to be one node). order: "banded"
     (groups of whole row bands, reduced in place), "swizzled" (groups of whole waves in one raster
     over the output, reduced in a staging buffer and un-reordered) or "auto" (the faster
-    prediction). Needs no GPU."""
+    prediction). fused_norm: the plan of gemm_all_reduce_rmsnorm instead (a fused add + RMSNorm
+    of each group's rows after its collective: banded order only, and backend "peer" too). Needs
+    no GPU."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
-    if backend not in _env.BACKENDS:
-        raise ValueError(f"backend: expected one of {_env.BACKENDS}, got {backend!r}")
+    if not isinstance(fused_norm, bool):
+        raise TypeError(f"fused_norm: expected a bool, got {type(fused_norm).__name__}")
+    backends = (*_env.BACKENDS, "peer") if fused_norm else _env.BACKENDS
+    if backend not in backends:
+        raise ValueError(f"backend: expected one of {backends}, got {backend!r}")
     if order not in _env.ORDERS:
         raise ValueError(f"order: expected one of {_env.ORDERS}, got {order!r}")
+    if fused_norm and order == "swizzled":
+        raise ValueError("order: the fused norm needs whole rows per group ('banded' or 'auto'), got 'swizzled'")
+    order = "banded" if fused_norm else order
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
     max_groups = _env.max_groups() if max_groups is None else max_groups
     for name, value, least in (("m", m, 1), ("n", n, 1), ("k", k, 1), ("world_size", world_size, 1), ("sms", sms, 1),
@@ -44,12 +52,12 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
             raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
     if backend == "auto":
         allowed = ["nccl", "copy_engine"] if world_size <= MAX_PEER_WORLD else ["nccl"]
-        options = (mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands, "auto", order, False)
+        options = (mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands, "auto", order, fused_norm)
         backend = _core.choose_backend("gemm_all_reduce", m, n, k, world_size, dtype_name(dtype), sms,
                                        compute_capability[0], options, allowed)
     return _core.plan_gemm_all_reduce(m, n, k, world_size, dtype_name(dtype), sms, compute_capability[0], mode,
                                       bands_per_group, reserved_sms, max_groups, kernel, raster_bands, backend,
-                                      order)
+                                      order, fused_norm)
 
 
 class AllToAllPrediction(NamedTuple):

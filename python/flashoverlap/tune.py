@@ -21,6 +21,7 @@ processes, one per GPU); with 1 only the GEMM part is measured.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -163,20 +164,40 @@ def summary(profile: dict) -> str:
 # ---- measurement (GPU) ----
 
 
-def _median_us(fn: Callable[[int], object], iters: int, warmup: int = 3) -> float:
+# A GPU under steady GEMM load runs ~15% slower than in the first tens of milliseconds (on H200:
+# 8192^2x4096 cuBLAS 707 us per call for ~40 ms, then 829; evaluation/results/tune_timing_h200.txt).
+# Ops inside a model, and every benchmark here, run in the steady state, so GEMMs are timed there.
+SETTLE_MS = 150.0
+
+
+def _median_us(fn: Callable[[int], object], iters: int, warmup: int = 3, settle_ms: float = 0.0) -> float:
+    """Median device time of fn(i) over `iters` calls after `warmup`. With settle_ms, calls run back
+    to back for that long first and the timed ones follow queued behind them (the GPU's steady
+    state under load); without, each timed call is queued behind a ~1 ms GPU sleep. Either way
+    the time is the GPU's, as inside an op whose launches are enqueued ahead: synchronizing after
+    every call (as this did first) timed the host's launch latency too (2048x8192x1024 GEMMs on
+    H200: 92 us instead of 62; evaluation/tune_timing.py)."""
     import torch
 
-    for i in range(warmup):
-        fn(i)
-    times = []
-    for i in range(iters):
+    from .bench import interleaved_times_us
+
+    if settle_ms <= 0:
+        return statistics.median(interleaved_times_us({"fn": fn}, iters, warmup)["fn"])
+    per_call_ms = statistics.median(interleaved_times_us({"fn": fn}, 3, warmup)["fn"]) / 1e3
+    turn = 0
+    for _ in range(max(1, math.ceil(settle_ms / max(per_call_ms, 1e-3)))):
+        fn(turn)
+        turn += 1
+    pairs = []
+    for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(i)
+        fn(turn)
+        turn += 1
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
 
 
 def _measure_gemm(item: dict, dtype, iters: int) -> float:
@@ -189,9 +210,9 @@ def _measure_gemm(item: dict, dtype, iters: int) -> float:
     xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(sets)]
     if item["kernel"] == "cublas":
-        return _median_us(lambda i: torch.matmul(xs[i % sets], ws[i % sets].t()), iters)
+        return _median_us(lambda i: torch.matmul(xs[i % sets], ws[i % sets].t()), iters, settle_ms=SETTLE_MS)
     return _median_us(lambda i: flashoverlap.gemm(xs[i % sets], ws[i % sets], kernel=item["kernel"],
-                                                  sms=item["ctas"]), iters)
+                                                  sms=item["ctas"]), iters, settle_ms=SETTLE_MS)
 
 
 def _measure_collective(item: dict, dtype, iters: int, comm) -> dict:

@@ -842,6 +842,15 @@ mod tests {
     }
 
     #[test]
+    fn the_predictor_knows_the_norm_kernels_rows_per_cta() {
+        // launch_add_rmsnorm gives each warp a row: a CTA takes THREADS / 32 rows at a time.
+        assert_eq!(
+            kernels::ADD_RMSNORM_THREADS / 32,
+            crate::plan::predictor::FUSED_NORM_ROWS_PER_CTA
+        );
+    }
+
+    #[test]
     fn the_peer_backend_plans_the_fused_norm_alone() {
         let opts = Options {
             order: OrderRequest::Banded,

@@ -73,14 +73,15 @@ impl<'a> OverlapCost<'a> {
     /// after the last group, when the GEMM is done and the norm gets every SM.
     pub(super) fn comm_us(&self, bands: std::ops::Range<u32>) -> f64 {
         let tail = bands.end == self.band_count();
-        let bytes = self.bytes(self.rows(bands));
+        let rows = self.rows(bands);
+        let bytes = self.bytes(rows);
         let norm_sms = if tail {
             self.hw.sms
         } else {
             self.hw.sms.saturating_sub(self.waves.ctas)
         };
         self.hw.overlap_comm_slowdown * self.hw.overlap_comm.time_us(bytes, self.world)
-            + self.hw.fused_norm_us(bytes, norm_sms)
+            + self.hw.fused_norm_us(bytes, rows, norm_sms)
     }
 
     /// Staged schedule: when the GEMM has stored every position of waves `0..end_wave`.
@@ -114,7 +115,9 @@ impl<'a> OverlapCost<'a> {
     /// The library GEMM on all SMs with nothing beside it, then one
     /// AllReduce of all of `out`.
     pub(super) fn sequential_us(&self) -> f64 {
-        let norm = self.hw.fused_norm_us(self.bytes(self.tiles.m), self.hw.sms);
+        let norm = self
+            .hw
+            .fused_norm_us(self.bytes(self.tiles.m), self.tiles.m, self.hw.sms);
         self.sequential_gemm_us() + self.collective_us(self.tiles.m) + norm
     }
 

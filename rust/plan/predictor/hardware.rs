@@ -123,16 +123,21 @@ pub struct HardwareModel {
 /// CTA on 16 CTAs and 12 K on 24, which is what a group's norm gets.
 pub const H200_FUSED_NORM_PER_SM: f64 = 12_000.0;
 pub const FUSED_NORM_CAP: f64 = 800_000.0;
+/// The fused norm takes a warp per row and 16 warps per CTA: a group of
+/// fewer than 16 rows per SM leaves SMs idle (128 rows run on 8 CTAs,
+/// whatever is reserved: measured ~22 us per group of 128 x 8192 on H200
+/// where 24 SMs at the per-SM rate would take 7).
+pub const FUSED_NORM_ROWS_PER_CTA: u32 = 16;
 
 impl HardwareModel {
-    /// Time of the fused add + RMSNorm over `bytes` of output on `sms` SMs
-    /// (0 when no norm follows the collectives).
-    pub fn fused_norm_us(&self, bytes: u64, sms: u32) -> f64 {
+    /// Time of the fused add + RMSNorm over `rows` rows (`bytes` of output)
+    /// on at most `sms` SMs (0 when no norm follows the collectives).
+    pub fn fused_norm_us(&self, bytes: u64, rows: u32, sms: u32) -> f64 {
         if self.fused_norm_bytes_per_us_per_sm <= 0.0 {
             return 0.0;
         }
-        let rate =
-            (self.fused_norm_bytes_per_us_per_sm * f64::from(sms.max(1))).min(FUSED_NORM_CAP);
+        let ctas = sms.min(rows.div_ceil(FUSED_NORM_ROWS_PER_CTA)).max(1);
+        let rate = (self.fused_norm_bytes_per_us_per_sm * f64::from(ctas)).min(FUSED_NORM_CAP);
         bytes as f64 / rate
     }
 
@@ -367,6 +372,23 @@ mod tests {
                 other => panic!("expected InvalidHardware for {field}, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn the_fused_norm_runs_on_one_cta_per_16_rows_at_most() {
+        let hw = HardwareModel {
+            fused_norm_bytes_per_us_per_sm: 10_000.0,
+            ..HardwareModel::h200()
+        };
+        // 128 rows: 8 CTAs, however many SMs are free.
+        assert_eq!(hw.fused_norm_us(80_000, 128, 24), 1.0);
+        assert_eq!(hw.fused_norm_us(80_000, 128, 132), 1.0);
+        // Enough rows: the SMs given, up to the cap over the GPU.
+        assert_eq!(hw.fused_norm_us(240_000, 4096, 24), 1.0);
+        assert_eq!(hw.fused_norm_us(800_000, 1 << 20, 132), 1.0);
+        // A single row still takes a CTA; no norm, no time.
+        assert_eq!(hw.fused_norm_us(10_000, 1, 24), 1.0);
+        assert_eq!(HardwareModel::h200().fused_norm_us(1 << 20, 1024, 24), 0.0);
     }
 
     proptest! {
