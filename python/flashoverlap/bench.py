@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
@@ -26,6 +27,8 @@ import torch
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 ROUNDS = 3
+# torch.cuda._sleep's cycles per second, roughly (H100/H200 SM clocks run at ~2 GHz).
+SLEEP_CYCLES_PER_S = 2e9
 
 DEFAULT_SHAPES = [(4096, 8192, 4096), (8192, 8192, 1024), (8192, 8192, 3584), (16384, 8192, 4096)]
 
@@ -76,16 +79,23 @@ def interleaved_times_us(fns: dict[str, Callable[[int], object]], iters: int, wa
     so that clock and thermal drift over the run affects every variant alike. Each call
     gets the next operand-set index, so no call finds its inputs in L2 from the call before."""
     turn = 0
+    enqueue_s = 0.0  # the host's time to enqueue a round: each variant's fastest warm-up call
     for name, fn in fns.items():
+        fastest = math.inf
         for _ in range(warmup):
+            t0 = time.perf_counter()
             fn(turn)
+            fastest = min(fastest, time.perf_counter() - t0)
             turn += 1
+        enqueue_s += fastest if math.isfinite(fastest) else 0.0
     torch.cuda.synchronize()
     events = {name: [] for name in fns}
-    # A head start for the host: ~1 ms of GPU sleep per 4 variants, so that on tiny shapes the
-    # GPU runs a queue of enqueued work instead of waiting on the host between events (a round
-    # of 14 candidates of ~60 us each outran a 1 ms head start: the last ones timed the host).
-    head_start = 2_000_000 * max(1, -(-len(fns) // 4))
+    # A head start for the host: GPU sleep for 1.5x the host's time to enqueue a round (1 to 20
+    # ms), so that on tiny shapes the GPU runs a queue of enqueued work instead of waiting on the
+    # host between events (14 candidates of ~60 us each outran a fixed 1 ms: the last ones timed
+    # the host), and no longer: a GPU idle for long between rounds leaves the steady state of a
+    # loaded one and times its GEMMs up to ~7% fast.
+    head_start = int(SLEEP_CYCLES_PER_S * min(20e-3, max(1e-3, 1.5 * enqueue_s)))
     for _ in range(iters):
         torch.cuda._sleep(head_start)
         for name, fn in fns.items():

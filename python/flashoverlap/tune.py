@@ -165,8 +165,9 @@ def summary(profile: dict) -> str:
 
 
 # A GPU under steady GEMM load runs ~15% slower than in the first tens of milliseconds (on H200:
-# 8192^2x4096 cuBLAS 707 us per call for ~40 ms, then 829; evaluation/results/tune_timing_h200.txt).
-# Ops inside a model, and every benchmark here, run in the steady state, so GEMMs are timed there.
+# 16384x8192x4096 cuBLAS 1442 us per call for ~40 ms, then 1674; evaluation/results/tune_timing_h200.txt).
+# Ops inside a model run in that steady state, so GEMMs are timed there (a benchmark that lets the
+# GPU idle between rounds times them somewhat faster: ~5% in E2 at world size 1).
 SETTLE_MS = 150.0
 
 
