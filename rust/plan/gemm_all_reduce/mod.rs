@@ -163,8 +163,9 @@ pub struct GemmAllReducePlan {
 /// partition = uniform(bands_per_group) if given, else the best of
 /// best_partition (banded) and best_staged_partition (swizzled) that the
 /// order request allows. Sequential plan: a single in-place group covering
-/// every band and ctas = hw.sms. Auto picks Overlap only when its predicted
-/// overlap_us + overlap_fixed_us < AUTO_OVERLAP_MARGIN * sequential_us, and a
+/// every band and ctas = hw.sms. Auto picks Overlap only on more than one rank
+/// and when its predicted overlap_us + overlap_fixed_us < AUTO_OVERLAP_MARGIN *
+/// sequential_us, and a
 /// forced bands_per_group implies Overlap unless mode is Sequential.
 /// timeline is always filled (for Sequential: the single group's timing
 /// under the sequential model).
@@ -212,8 +213,12 @@ pub fn plan_gemm_all_reduce(
                 }
             }
             let best = best.expect("some order is always allowed");
-            let pays = best.1.overlap_us + hw.overlap_fixed_us
-                < AUTO_OVERLAP_MARGIN * best.1.sequential_us;
+            // One rank communicates nothing: overlap could only hide a fused
+            // norm behind a GEMM that lost SMs, which measured slower on all 5
+            // shapes where the model said otherwise (world-1 E2 on H200).
+            let pays = world > 1
+                && best.1.overlap_us + hw.overlap_fixed_us
+                    < AUTO_OVERLAP_MARGIN * best.1.sequential_us;
             (mode == ModeRequest::Overlap || pays).then_some(best)
         }
     };
