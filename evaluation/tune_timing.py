@@ -37,24 +37,13 @@ MODES = ("sync", "sleep1", "burst", "settled")
 def timed(fn, iters: int, mode: str) -> float:
     if mode == "settled":
         return tune._median_us(fn, iters, settle_ms=tune.SETTLE_MS)
-    pairs = []
     for i in range(3):
         fn(i)
     torch.cuda.synchronize()
     if mode == "burst":
         torch.cuda._sleep(4_000_000)
-    for i in range(iters):
-        if mode == "sleep1":
-            torch.cuda._sleep(2_000_000)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(i)
-        end.record()
-        if mode == "sync":
-            end.synchronize()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+    return statistics.median(bench.call_times_us(fn, iters, sleep_cycles=2_000_000 if mode == "sleep1" else 0,
+                                                 sync=mode == "sync"))
 
 
 def main(argv=None) -> int:
@@ -93,15 +82,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             time.sleep(0.5)
             torch.cuda._sleep(20_000_000)
-            pairs = []
-            for _ in range(400):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                pairs.append((start, end))
-            torch.cuda.synchronize()
-            us = [s.elapsed_time(e) * 1e3 for s, e in pairs]
+            us = bench.call_times_us(lambda i: fn(), 400)
             at = [sum(us[:i + 1]) / 1e3 for i in range(len(us))]
             marks = " ".join(f"#{i}@{at[i]:.0f}ms:{us[i]:.0f}" for i in (0, 10, 20, 50, 100, 200, 399))
             lines.append(f"{f'{m}x{n}x{k}':>16} {name:9} {marks}; median of the first 20 "

@@ -921,20 +921,20 @@ fn allreduce_rmsnorm_buffer_bytes(
     Ok(layout.map_err(to_py)?.bytes)
 }
 
-/// Byte offset of a rank's partial (x area) in its peer buffer, laid out
-/// for gemm_all_reduce_rmsnorm's backend="peer" over an output of `tokens`
-/// rows: a producer that stores its partial there spares the launch's copy.
+/// Where this rank's partial (x area) lies in its peer buffer, laid out for
+/// gemm_all_reduce_rmsnorm's backend="peer" over an output of `rows` rows
+/// (`buffers` as PeerGroup.core_buffers gives them; refused where they are too
+/// small): a producer that stores its partial there spares the launch's copy.
 #[pyfunction]
-fn allreduce_rmsnorm_partial_offset(
-    world: usize,
-    tokens: u64,
+fn allreduce_rmsnorm_partial(
+    buffers: (Vec<u64>, u64, usize, u64),
+    rows: u64,
     hidden: u32,
     dtype: &str,
 ) -> PyResult<u64> {
-    let dtype = self::dtype(dtype)?;
-    Ok(arn::Layout::pull(world, tokens, hidden, dtype)
-        .map_err(to_py)?
-        .x_offset)
+    peer_norm(buffers)?
+        .partial(rows, hidden, self::dtype(dtype)?)
+        .map_err(to_py)
 }
 
 /// Enqueues the peer-memory AllReduce + residual add + RMSNorm on `stream`:
@@ -1003,11 +1003,13 @@ fn allreduce_rmsnorm_launch(
         let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype, config))?;
         let stream = stream::from_handle(stream);
         let checked = arn::checked(&call, ctas)?;
-        let partial = call.bases[rank] + call.layout()?.x_offset;
-        // A partial already in place (the producer stored it there) needs no copy.
-        if pull && tokens > 0 && call.x != partial {
-            let bytes = tokens * u64::from(hidden) * u64::from(dtype.bytes());
-            stream::copy(stream, partial, call.x, bytes as usize)?;
+        if pull && tokens > 0 {
+            let partial = call.bases[rank] + call.layout()?.x_offset;
+            // A partial already in place (the producer stored it there) needs no copy.
+            if call.x != partial {
+                let bytes = tokens * u64::from(hidden) * u64::from(dtype.bytes());
+                stream::copy(stream, partial, call.x, bytes as usize)?;
+            }
         }
         checked.launch(&kernel, stream)
     })
@@ -1455,7 +1457,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_all_to_all_groups, m)?)?;
     m.add_function(wrap_pyfunction!(all_to_all, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_buffer_bytes, m)?)?;
-    m.add_function(wrap_pyfunction!(allreduce_rmsnorm_partial_offset, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_rmsnorm_partial, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_launch, m)?)?;
     m.add_class::<PyPeerMemory>()?;
     m.add("ALLREDUCE_RMSNORM_ERROR_WORD", arn::ERROR_WORD)?;

@@ -54,3 +54,19 @@ def test_widest_hidden_size() -> None:
 def test_valid_arguments_need_torch_distributed() -> None:
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         flashoverlap.all_reduce_rmsnorm(*args())
+
+
+def test_partial_lies_in_this_ranks_x_area_and_needs_room() -> None:
+    """Where backend='peer' stores a rank's partial: its own buffer's x area (after the header and
+    the out and residual areas of the pull layout), refused where the buffers are too small."""
+    from flashoverlap import _core
+
+    rows, hidden = 100, 64
+    need = _core.allreduce_rmsnorm_buffer_bytes(2, rows, hidden, "bfloat16", pull=True)
+    area = rows * hidden * 2
+    bases = [1 << 40, 2 << 40]
+    assert _core.allreduce_rmsnorm_partial((bases, need, 1, 0), rows, hidden, "bfloat16") == bases[1] + need - area
+    with pytest.raises(ValueError, match="peer buffers"):
+        _core.allreduce_rmsnorm_partial((bases, need, 1, 0), rows + 1, hidden, "bfloat16")
+    with pytest.raises(ValueError, match="rank"):
+        _core.allreduce_rmsnorm_partial((bases, need, 2, 0), rows, hidden, "bfloat16")

@@ -74,6 +74,26 @@ class Row:
     forced_overlap_nccl_us: float
 
 
+def call_times_us(fn: Callable[[int], object], calls: int, *, first: int = 0, sleep_cycles: int = 0,
+                  sync: bool = False) -> list[float]:
+    """Each call's time of fn(first), fn(first + 1), ... with CUDA events, the calls queued back to
+    back; sleep_cycles: a GPU sleep enqueued before each call; sync: wait for each call before
+    enqueuing the next (the host's latency is then timed too)."""
+    pairs = []
+    for turn in range(first, first + calls):
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(turn)
+        end.record()
+        if sync:
+            end.synchronize()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1000.0 for s, e in pairs]
+
+
 def interleaved_times_us(fns: dict[str, Callable[[int], object]], iters: int, warmup: int) -> dict[str, list[float]]:
     """Per-iteration times of each function, their iterations interleaved (A B C A B C ...)
     so that clock and thermal drift over the run affects every variant alike. Each call

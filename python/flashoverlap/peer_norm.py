@@ -104,8 +104,8 @@ class PeerGroup:
         """This rank's partial area (pull layout, an output of [rows, hidden]) as a tensor that
         aliases the buffer: a producer storing there spares `launch(pull=True)` its copy.
         Valid until the buffers grow."""
-        offset = _core.allreduce_rmsnorm_partial_offset(self.world, rows, hidden, dtype_name(dtype))
-        return _alias(self.memory.bases[self.rank] + offset, (rows, hidden), dtype)
+        ptr = _core.allreduce_rmsnorm_partial(self.core_buffers(), rows, hidden, dtype_name(dtype))
+        return _alias(ptr, (rows, hidden), dtype)
 
     def launch(self, x, residual, weight, out, residual_out, eps: float, ctas: int, *, full: bool = True,
                pull: bool = False, config=None) -> None:

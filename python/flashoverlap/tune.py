@@ -178,27 +178,15 @@ def _median_us(fn: Callable[[int], object], iters: int, warmup: int = 3, settle_
     the time is the GPU's, as inside an op whose launches are enqueued ahead: synchronizing after
     every call (as this did first) timed the host's launch latency too (2048x8192x1024 GEMMs on
     H200: 92 us instead of 62; evaluation/tune_timing.py)."""
-    import torch
-
-    from .bench import interleaved_times_us
+    from .bench import call_times_us, interleaved_times_us
 
     if settle_ms <= 0:
         return statistics.median(interleaved_times_us({"fn": fn}, iters, warmup)["fn"])
     per_call_ms = statistics.median(interleaved_times_us({"fn": fn}, 3, warmup)["fn"]) / 1e3
-    turn = 0
-    for _ in range(max(1, math.ceil(settle_ms / max(per_call_ms, 1e-3)))):
+    settle = max(1, math.ceil(settle_ms / max(per_call_ms, 1e-3)))
+    for turn in range(settle):
         fn(turn)
-        turn += 1
-    pairs = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(turn)
-        turn += 1
-        end.record()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+    return statistics.median(call_times_us(fn, iters, first=settle))
 
 
 def _measure_gemm(item: dict, dtype, iters: int) -> float:
