@@ -1158,8 +1158,8 @@ fn all_to_all_tables<'py>(
     let args = operands(0, 0, 0, m, n, k, dtype)?;
     let opts = a2a_options(&options)?;
     let dev = driver::bind(device).map_err(to_py)?;
-    let (_, plan) = ga2a::plan_for(&args, &send_splits, &recv_splits, &opts, dev.sms, dev.major)
-        .map_err(to_py)?;
+    let (_, plan) =
+        ga2a::plan_for(&args, &send_splits, &recv_splits, &opts, dev.major).map_err(to_py)?;
     let words = ga2a::tables(&plan);
     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
     Ok((PyBytes::new(py, &bytes), plan.send_buffer_rows))

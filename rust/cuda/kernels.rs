@@ -143,14 +143,12 @@ impl GemmKernel {
         }
     }
 
-    /// The kernel a device uses for an `m` x `n` output on `ctas` CTAs when
-    /// the caller does not name one: on Hopper the wgmma kernel with the tile
-    /// width plan/ picks (H200: 1.01x cuBLAS geometric mean over 17 shapes),
-    /// elsewhere the mma.sync kernel.
-    pub fn default_for(major: i32, m: u32, n: u32, ctas: u32) -> Self {
+    /// The kernel a device uses when the caller does not name one: on Hopper
+    /// the wgmma kernel with plan/'s tile width, elsewhere the mma.sync kernel.
+    pub fn default_for(major: i32) -> Self {
         if major == 9 {
             GemmKernel::Sm90 {
-                bn: crate::plan::hopper_tile_n(m, n, ctas),
+                bn: crate::plan::HOPPER_TILE_N,
             }
         } else {
             GemmKernel::Sm80

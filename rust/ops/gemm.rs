@@ -353,7 +353,7 @@ fn resolve(args: &GemmArgs, ordinal: i32, how: &Launch, stream: RawStream) -> Re
     }
     let which = how
         .kernel
-        .unwrap_or_else(|| GemmKernel::default_for(device.major, args.m, args.n, sms));
+        .unwrap_or_else(|| GemmKernel::default_for(device.major));
     let kernel = load(&device, args.dtype, which)?;
     let tiles = OutputTiles::new(args.m, args.n, tile_shape(kernel.which))?;
     let raster = how

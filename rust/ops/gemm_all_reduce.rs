@@ -297,9 +297,9 @@ pub fn plan_for(
         opts.fused_norm,
         sms,
         |reserved| {
-            let kernel = opts.kernel.unwrap_or_else(|| {
-                GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved))
-            });
+            let kernel = opts
+                .kernel
+                .unwrap_or_else(|| GemmKernel::default_for(major));
             let machine = Machine {
                 sms,
                 major,

@@ -57,7 +57,6 @@ pub fn plan_for(
     send_splits: &[u64],
     recv_splits: &[u64],
     opts: &Options,
-    sms: u32,
     major: i32,
 ) -> Result<(GemmKernel, AllToAllPlan)> {
     if opts.backend == Backend::Peer {
@@ -70,10 +69,9 @@ pub fn plan_for(
             args.m
         )));
     }
-    let ctas = sms.saturating_sub(opts.reserved());
     let kernel = opts
         .kernel
-        .unwrap_or_else(|| GemmKernel::default_for(major, args.m, args.n, ctas.max(1)));
+        .unwrap_or_else(|| GemmKernel::default_for(major));
     let plan = plan_gemm_all_to_all(
         send_splits,
         recv_splits,
@@ -135,7 +133,7 @@ pub fn choose_groups(
     let ctas = sms.saturating_sub(reserved).max(1);
     let kernel = opts
         .kernel
-        .unwrap_or_else(|| GemmKernel::default_for(major, rows, n, ctas));
+        .unwrap_or_else(|| GemmKernel::default_for(major));
     let args = GemmArgs {
         x: 0,
         weight: 0,
@@ -217,14 +215,7 @@ pub fn gemm_all_to_all(
             recv_splits.len()
         )));
     }
-    let (kernel, plan) = plan_for(
-        args,
-        send_splits,
-        recv_splits,
-        opts,
-        comm.device.sms,
-        comm.device.major,
-    )?;
+    let (kernel, plan) = plan_for(args, send_splits, recv_splits, opts, comm.device.major)?;
     let positions = plan.tile_order.len() as u64;
     if plan.send_buffer_rows > buffers.send_rows
         || buffers.table_words < positions * 4

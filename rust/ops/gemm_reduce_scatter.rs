@@ -86,9 +86,9 @@ fn plan_reserving(
     major: i32,
     reserved: u32,
 ) -> Result<(GemmKernel, ReduceScatterPlan)> {
-    let kernel = opts.kernel.unwrap_or_else(|| {
-        GemmKernel::default_for(major, args.m, args.n, sms.saturating_sub(reserved).max(1))
-    });
+    let kernel = opts
+        .kernel
+        .unwrap_or_else(|| GemmKernel::default_for(major));
     let machine = Machine {
         sms,
         major,

@@ -33,5 +33,5 @@ pub use reduce_scatter::{
     plan_gemm_reduce_scatter, ReduceScatterPlan, ReduceScatterRequest, ScatterGroup,
 };
 pub use staged::{staging_elems, StagedGroup, StagedPartition};
-pub use tiles::{hopper_tile_n, OutputTiles, TileShape};
+pub use tiles::{OutputTiles, TileShape, HOPPER_TILE_N};
 pub use waves::Waves;

@@ -74,20 +74,13 @@ impl OutputTiles {
     }
 }
 
-/// The tile width (BN) of the Hopper kernel for an `m` x `n` output on
-/// `ctas` CTAs: 128 once the output holds at least 24 waves of 128 x 128
-/// tiles, else 256. Measured on H200 over the 17 shapes of
-/// evaluation/results/gemm_kernel_h200.txt: 128-wide tiles beat 256-wide ones
-/// by 1-5% at M >= 8192 (N = 8192: 31+ waves), and are within 1% either way
-/// at M <= 4096 (<= 16 waves), where 256 wins more often.
-pub fn hopper_tile_n(m: u32, n: u32, ctas: u32) -> u32 {
-    let tiles = u64::from(m.div_ceil(128)) * u64::from(n.div_ceil(128));
-    if tiles >= 24 * u64::from(ctas.max(1)) {
-        128
-    } else {
-        256
-    }
-}
+/// The tile width (BN) of the Hopper kernel when the caller names none: 256
+/// on every shape. Over the 17 shapes of evaluation/gemm_tile_sweep.py at the
+/// planner's raster, 128-wide tiles ran 1.039x cuBLAS on H200 (256-wide:
+/// 1.034x) but 0.85x on H100 (0.59x worst, at M >= 8192), where 256-wide
+/// ones ran 1.03x (1.00x worst): a small gain on one GPU is not worth a large
+/// loss on its sibling.
+pub const HOPPER_TILE_N: u32 = 256;
 
 #[cfg(test)]
 mod tests {
@@ -162,17 +155,5 @@ mod tests {
             }
             prop_assert_eq!(next_row, tiles.m);
         }
-    }
-
-    #[test]
-    fn hopper_tile_width_follows_the_measured_crossover() {
-        assert_eq!(hopper_tile_n(4096, 8192, 132), 256);
-        assert_eq!(hopper_tile_n(8192, 8192, 132), 128);
-        assert_eq!(hopper_tile_n(16384, 8192, 132), 128);
-        // Fewer CTAs: the same output is more waves.
-        assert_eq!(hopper_tile_n(4096, 8192, 80), 128);
-        assert_eq!(hopper_tile_n(6144, 8192, 100), 128);
-        assert_eq!(hopper_tile_n(6144, 8192, 132), 256);
-        assert_eq!(hopper_tile_n(1, 8, 0), 256);
     }
 }
