@@ -8,9 +8,11 @@ of warm-up, inputs rotated over buffers larger than L2:
   sleep1   a ~1 ms GPU sleep enqueued before every call, no synchronization (the call waits in
            the queue, as an op's launches do; tune times collectives so);
   burst    one sleep, then every call queued back to back;
-  settled  tune's GEMM timing: calls back to back for tune.SETTLE_MS first, then the timed ones
-           queued behind them (the steady state of a loaded GPU);
-  mixed    bench.interleaved_times_us over the three variants (what the E2 and E1 benchmarks do).
+  settled  GPU load (bench.keep_busy) for bench.SETTLE_S first, then the timed calls back to back
+           (the steady state of a loaded GPU);
+  tune     tune's timing: bench.interleaved_times_us of the variant alone (SETTLE_S of GPU load
+           first, then each call queued behind 1-20 ms of load);
+  mixed    bench.interleaved_times_us over the three variants (what the benchmarks do).
 
 Then the ramp: 400 calls of one GEMM back to back after 0.5 s idle, each call's time (a loaded
 GPU slows down after some tens of milliseconds: power, not heat).
@@ -31,15 +33,18 @@ import flashoverlap
 from flashoverlap import bench, tune
 
 SHAPES = [(16384, 8192, 4096), (8192, 8192, 1024), (8192, 8192, 3584), (4096, 8192, 14336), (2048, 8192, 1024)]
-MODES = ("sync", "sleep1", "burst", "settled")
+MODES = ("sync", "sleep1", "burst", "settled", "tune")
 
 
 def timed(fn, iters: int, mode: str) -> float:
-    if mode == "settled":
-        return tune._median_us(fn, iters, settle_ms=tune.SETTLE_MS)
+    if mode == "tune":
+        return tune._median_us(fn, iters)
     for i in range(3):
         fn(i)
     torch.cuda.synchronize()
+    if mode == "settled":
+        bench.keep_busy(bench.load_calls(bench.SETTLE_S)[0])
+        return statistics.median(bench.call_times_us(fn, iters))
     if mode == "burst":
         torch.cuda._sleep(4_000_000)
     return statistics.median(bench.call_times_us(fn, iters, sleep_cycles=2_000_000 if mode == "sleep1" else 0,
@@ -55,7 +60,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
     lines = [f"GPU: {torch.cuda.get_device_name()}; median us of {args.iters} calls; kernel@CTAs",
-             f"{'M x N x K':>16} {'variant':9} " + " ".join(f"{m:>8}" for m in (*MODES, "mixed")) + "  sync/settled"]
+             f"{'M x N x K':>16} {'variant':9} " + " ".join(f"{m:>8}" for m in (*MODES, "mixed")) + "  mixed/tune"]
     print("\n".join(lines), flush=True)
     for m, n, k in SHAPES:
         sets = max(2, min(8, (256 << 20) // ((m * k + n * k) * 2)))
@@ -69,7 +74,7 @@ def main(argv=None) -> int:
         for name, r in res.items():
             r["mixed"] = statistics.median(mixed[name])
             line = (f"{f'{m}x{n}x{k}':>16} {name:9} " + " ".join(f"{v:8.1f}" for v in r.values())
-                    + f"  {r['sync'] / r['settled']:.3f}x")
+                    + f"  {r['mixed'] / r['tune']:.3f}x")
             lines.append(line)
             print(line, flush=True)
     lines.append("ramp: call index @ GPU time since the first call: that call's us")

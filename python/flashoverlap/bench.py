@@ -29,6 +29,10 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 ROUNDS = 3
 # torch.cuda._sleep's cycles per second, roughly (H100/H200 SM clocks run at ~2 GHz).
 SLEEP_CYCLES_PER_S = 2e9
+# GPU time of back-to-back load before a timed loop: a loaded H200 slows ~15% after 40-70 ms
+# (evaluation/results/tune_timing_h200.txt). Ops inside a model run in that steady state, so
+# benchmarks and tune's profiles time them there.
+SETTLE_S = 0.15
 
 DEFAULT_SHAPES = [(4096, 8192, 4096), (8192, 8192, 1024), (8192, 8192, 3584), (16384, 8192, 4096)]
 
@@ -94,10 +98,48 @@ def call_times_us(fn: Callable[[int], object], calls: int, *, first: int = 0, sl
     return [s.elapsed_time(e) * 1000.0 for s, e in pairs]
 
 
+_LOAD: dict = {}  # device index -> (operand, output, seconds per load GEMM)
+
+
+def _load_gemm() -> tuple:
+    dev = torch.cuda.current_device()
+    if dev not in _LOAD:
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(a)
+        per_s = statistics.median(call_times_us(lambda i: torch.matmul(a, a, out=out), 5)) * 1e-6
+        _LOAD[dev] = (a, out, max(per_s, 1e-5))
+    return _LOAD[dev]
+
+
+def keep_busy(calls: int) -> None:
+    """Enqueues `calls` cuBLAS GEMMs (4096^3 bf16, ~0.2 ms each) on the current stream: every SM
+    and the memory stay loaded, as under a model's stream of kernels, while the host gets ahead
+    of the GPU by ~0.2 ms per few microseconds spent here."""
+    a, out, _ = _load_gemm()
+    for _ in range(calls):
+        torch.matmul(a, a, out=out)
+
+
+def load_calls(*seconds: float) -> list[int]:
+    """The number of load GEMMs for each duration; the same on every rank of an initialized
+    process group (the largest), so that ranks reach their first collective together."""
+    per_s = _load_gemm()[2]
+    counts = [max(1, round(s / per_s)) for s in seconds]
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor(counts, device="cuda", dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        counts = [int(c) for c in t.tolist()]
+    return counts
+
+
 def interleaved_times_us(fns: dict[str, Callable[[int], object]], iters: int, warmup: int) -> dict[str, list[float]]:
     """Per-iteration times of each function, their iterations interleaved (A B C A B C ...)
     so that clock and thermal drift over the run affects every variant alike. Each call
-    gets the next operand-set index, so no call finds its inputs in L2 from the call before."""
+    gets the next operand-set index, so no call finds its inputs in L2 from the call before.
+    The GPU is kept loaded throughout (SETTLE_S of load first, load between rounds), so the
+    times are those of its steady state under load, where tune's GEMM profile is taken."""
     turn = 0
     enqueue_s = 0.0  # the host's time to enqueue a round: each variant's fastest warm-up call
     for name, fn in fns.items():
@@ -110,14 +152,15 @@ def interleaved_times_us(fns: dict[str, Callable[[int], object]], iters: int, wa
         enqueue_s += fastest if math.isfinite(fastest) else 0.0
     torch.cuda.synchronize()
     events = {name: [] for name in fns}
-    # A head start for the host: GPU sleep for 1.5x the host's time to enqueue a round (1 to 20
-    # ms), so that on tiny shapes the GPU runs a queue of enqueued work instead of waiting on the
-    # host between events (14 candidates of ~60 us each outran a fixed 1 ms: the last ones timed
-    # the host), and no longer: a GPU idle for long between rounds leaves the steady state of a
-    # loaded one and times its GEMMs up to ~7% fast.
-    head_start = int(SLEEP_CYCLES_PER_S * min(20e-3, max(1e-3, 1.5 * enqueue_s)))
+    # A head start for the host before each round, as GPU load for 1.5x the host's time to
+    # enqueue a round (1 to 20 ms): on tiny shapes the GPU then runs a queue of enqueued work
+    # instead of waiting on the host between events (14 candidates of ~60 us each outran a fixed
+    # 1 ms: the last ones timed the host). Load, not a sleep: a GPU that idles between rounds
+    # leaves the steady state and times large GEMMs 5-12% fast (tune_timing_h200.txt, "mixed").
+    settle, head_start = load_calls(SETTLE_S, min(20e-3, max(1e-3, 1.5 * enqueue_s)))
+    keep_busy(settle)
     for _ in range(iters):
-        torch.cuda._sleep(head_start)
+        keep_busy(head_start)
         for name, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

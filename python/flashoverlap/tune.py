@@ -21,7 +21,6 @@ processes, one per GPU); with 1 only the GEMM part is measured.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import sys
@@ -164,29 +163,16 @@ def summary(profile: dict) -> str:
 # ---- measurement (GPU) ----
 
 
-# A GPU under steady GEMM load runs ~15% slower than in the first tens of milliseconds (on H200:
-# 16384x8192x4096 cuBLAS 1442 us per call for ~40 ms, then 1674; evaluation/results/tune_timing_h200.txt).
-# Ops inside a model run in that steady state, so GEMMs are timed there (a benchmark that lets the
-# GPU idle between rounds times them somewhat faster: ~5% in E2 at world size 1).
-SETTLE_MS = 150.0
+def _median_us(fn: Callable[[int], object], iters: int, warmup: int = 3) -> float:
+    """Median device time of fn(i) over `iters` calls after `warmup`, timed as the benchmarks time
+    ops (bench.interleaved_times_us): the calls queued behind GPU load, so that neither the host's
+    launch latency (synchronizing after every call, as this did first, timed 2048x8192x1024 GEMMs
+    on H200 at 92 us instead of 62) nor an idle GPU's boost (a loaded H200 runs large GEMMs ~15%
+    slower after 40-70 ms) is in the profile: ops inside a model run in that loaded steady state.
+    evaluation/tune_timing.py compares the ways."""
+    from .bench import interleaved_times_us
 
-
-def _median_us(fn: Callable[[int], object], iters: int, warmup: int = 3, settle_ms: float = 0.0) -> float:
-    """Median device time of fn(i) over `iters` calls after `warmup`. With settle_ms, calls run back
-    to back for that long first and the timed ones follow queued behind them (the GPU's steady
-    state under load); without, each timed call is queued behind a ~1 ms GPU sleep. Either way
-    the time is the GPU's, as inside an op whose launches are enqueued ahead: synchronizing after
-    every call (as this did first) timed the host's launch latency too (2048x8192x1024 GEMMs on
-    H200: 92 us instead of 62; evaluation/tune_timing.py)."""
-    from .bench import call_times_us, interleaved_times_us
-
-    if settle_ms <= 0:
-        return statistics.median(interleaved_times_us({"fn": fn}, iters, warmup)["fn"])
-    per_call_ms = statistics.median(interleaved_times_us({"fn": fn}, 3, warmup)["fn"]) / 1e3
-    settle = max(1, math.ceil(settle_ms / max(per_call_ms, 1e-3)))
-    for turn in range(settle):
-        fn(turn)
-    return statistics.median(call_times_us(fn, iters, first=settle))
+    return statistics.median(interleaved_times_us({"fn": fn}, iters, warmup)["fn"])
 
 
 def _measure_gemm(item: dict, dtype, iters: int) -> float:
@@ -199,9 +185,9 @@ def _measure_gemm(item: dict, dtype, iters: int) -> float:
     xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(sets)]
     if item["kernel"] == "cublas":
-        return _median_us(lambda i: torch.matmul(xs[i % sets], ws[i % sets].t()), iters, settle_ms=SETTLE_MS)
+        return _median_us(lambda i: torch.matmul(xs[i % sets], ws[i % sets].t()), iters)
     return _median_us(lambda i: flashoverlap.gemm(xs[i % sets], ws[i % sets], kernel=item["kernel"],
-                                                  sms=item["ctas"]), iters, settle_ms=SETTLE_MS)
+                                                  sms=item["ctas"]), iters)
 
 
 def _measure_collective(item: dict, dtype, iters: int, comm) -> dict:
