@@ -128,7 +128,7 @@ def load_calls(*seconds: float) -> list[int]:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor(counts, device="cuda", dtype=torch.int64)
+        t = torch.tensor(counts, device="cuda" if dist.get_backend() == "nccl" else "cpu", dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         counts = [int(c) for c in t.tolist()]
     return counts

@@ -938,7 +938,15 @@ def tune_copy_engine(rank: int, world: int, seed: int) -> dict:
     return {"curves": [c["us"] for c in profile["collectives"]]}
 
 
+def load_calls(rank: int, world: int) -> dict:
+    """bench.load_calls on every rank, each asking a different duration: all get the largest count."""
+    from flashoverlap import bench
+
+    return {"counts": bench.load_calls(0.002 * (rank + 1), 0.0)}
+
+
 TARGETS = {
+    "load_calls": load_calls,
     "tune_copy_engine": tune_copy_engine,
     "plain_collectives": plain_collectives,
     "without_nccl": without_nccl,

@@ -4,11 +4,13 @@ the interleaved loop's per-variant times."""
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
 from flashoverlap import bench
+from test_gemm_all_reduce import run_workers
 
 pytestmark = pytest.mark.gpus(1)
 
@@ -46,3 +48,12 @@ def test_interleaved_times_are_each_variants_own() -> None:
     big, small_t, twice = (statistics.median(times[k]) for k in ("big", "small", "big_twice"))
     assert 0 < small_t < big
     assert 1.6 <= twice / big <= 2.4, (big, twice)
+
+
+def test_ranks_agree_on_their_load(tmp_path: Path) -> None:
+    # Two ranks of a gloo group on one GPU asking different head starts: both enqueue the
+    # largest, so neither reaches its first collective a head-start difference early.
+    results = run_workers(tmp_path, "load_calls", 2, shared=True)
+    assert results[0]["counts"] == results[1]["counts"]
+    assert results[0]["counts"][1] == 1
+    assert results[0]["counts"][0] >= 1
