@@ -326,3 +326,21 @@ def test_planning_without_a_gpu_resolves_auto_by_prediction():
     # Beyond one node (more than 8 GPUs) only NCCL is a choice.
     big = flashoverlap.plan_gemm_all_reduce(4096, 8192, 4096, 16, backend="auto")
     assert big.predicted_us == flashoverlap.plan_gemm_all_reduce(4096, 8192, 4096, 16, backend="nccl").predicted_us
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_bundled_gemm_profiles_load_for_their_gpu(gpu):
+    paths = profiles.load_for_device(gpu, SMS, "2.28.9")
+    bundled = [p for p in paths if p.parent == profiles.bundled_dir()]
+    assert len(bundled) == 1, paths
+    data = profiles.read(bundled[0])
+    assert bundled[0].name == profiles.file_name(data["key"]) and data["meta"]["complete"]
+    # Every kernel the planner may pick, on every CTA count it gives the GEMM, for each shape.
+    entries = {(g["kernel"], g["ctas"], g["m"], g["n"], g["k"]) for g in data["gemm"]}
+    shapes = {(m, n, k) for (_, _, m, n, k) in entries}
+    assert len(shapes) == 16
+    for shape in shapes:
+        assert ("cublas", SMS, *shape) in entries
+        for kernel in ("sm90_n128", "sm90_n256"):
+            assert {c for (kern, c, *s) in entries if kern == kernel and tuple(s) == shape} == {108, 116, 124, 128}
+    assert _core.profile_counts()[1] == len(data["gemm"])
