@@ -38,7 +38,7 @@ import torch
 
 import flashoverlap
 from flashoverlap import _core
-from flashoverlap.bench import interleaved_times_us
+from flashoverlap.bench import interleaved_times_us, write_lines
 
 SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 4096), (8192, 14336), (8192, 1024),
                                                                     (8192, 3584))] + [(8192, 8192, 8192)]
@@ -260,8 +260,7 @@ def main() -> int:
                 f"(min {min(rates):.0f}, max {max(rates):.0f})")
     say(f"correct={ok}")
     if args.out:
-        with open(args.out + ".txt", "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write_lines(args.out + ".txt", lines)
         with open(args.out + ".json", "w") as f:
             json.dump({"device": props.name, "sms": sms, "configs": configs, "results": results, "staged": staged},
                       f, indent=1)

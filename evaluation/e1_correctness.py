@@ -139,9 +139,7 @@ def main() -> int:
         ok &= good
         lines.append(f"{op:<34} {dtype:<6} {err:14.2e} {cases:7d}  {'yes' if good else 'NO'}")
     print("\n".join(lines))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    bench.write_lines(out, lines)
     return 0 if ok else 1
 
 

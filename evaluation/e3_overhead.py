@@ -27,7 +27,7 @@ import time
 import torch
 
 from flashoverlap import _core
-from flashoverlap.bench import interleaved_times_us
+from flashoverlap.bench import interleaved_times_us, write_lines
 
 SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 4096), (8192, 14336), (8192, 1024),
                                                                     (8192, 3584))]
@@ -79,8 +79,7 @@ def main() -> int:
                  "for every group but the last when it overlaps)")
     print("\n".join(lines))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write_lines(args.out, lines)
     return 0
 
 

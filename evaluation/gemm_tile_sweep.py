@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from flashoverlap.bench import write_lines
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemm import SHAPES, time_shape  # noqa: E402
 
@@ -62,8 +64,7 @@ def main() -> int:
     for name, r in ratios.items():
         say(f"  {name:<12} {statistics.geometric_mean(r):.3f}  {min(r):.3f}")
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write_lines(args.out, lines)
     return 0
 
 

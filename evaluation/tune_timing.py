@@ -94,8 +94,7 @@ def main(argv=None) -> int:
                          f"{statistics.median(us[:20]):.0f}, of the last 100 {statistics.median(us[-100:]):.0f}")
             print(lines[-1], flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        bench.write_lines(args.out, lines)
     return 0
 
 

@@ -330,11 +330,16 @@ def spawn_ranks(worker: Callable, world: int, *args) -> dict:
             return json.load(f)
 
 
+def write_lines(path: str, lines: Sequence[str]) -> None:
+    """A report's lines to a text file, its folder made if missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def write_outputs(out: str, lines: list, rows: list, meta: dict) -> None:
     """<out>.txt (the printed table), <out>.csv (the rows) and <out>.json (the environment)."""
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".txt", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_lines(out + ".txt", lines)
     with open(out + ".csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
         writer.writeheader()
