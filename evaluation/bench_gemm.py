@@ -33,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -157,6 +158,20 @@ def time_shape(m: int, n: int, k: int, dt: torch.dtype, configs: dict, iters: in
     times = interleaved_times_us(runs, iters, warmup=BUFFERS)
     return {name: statistics.median(v) for name, v in times.items()}
 
+def report(props) -> tuple[list, Callable[[str], None]]:
+    """A report's lines and the function that prints a line and keeps it, headed by the date,
+    the GPU and the command."""
+    lines = []
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    say(f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {props.name}, {props.multi_processor_count} SMs, "
+        f"torch {torch.__version__}; command: python {' '.join(sys.argv)}")
+    return lines, say
+
+
 def geomean(values) -> float:
     return statistics.geometric_mean(list(values))
 
@@ -170,14 +185,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
-    lines = []
-
-    def say(text: str) -> None:
-        print(text, flush=True)
-        lines.append(text)
-
-    say(f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {props.name}, {sms} SMs, torch {torch.__version__}; "
-        f"command: python {' '.join(sys.argv)}")
+    lines, say = report(props)
     say(f"# ratio = cuBLAS time / flashoverlap time (>1: faster than cuBLAS); median of {args.iters} interleaved runs")
 
     # Configurations: default launch, orders x SM counts, signaling, other tile width.

@@ -13,14 +13,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 from flashoverlap.bench import write_lines
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gemm import SHAPES, time_shape  # noqa: E402
+from bench_gemm import SHAPES, report, time_shape  # noqa: E402
 
 
 def main() -> int:
@@ -40,14 +39,7 @@ def main() -> int:
             configs[f"n{bn}_r{raster}"] = {"kernel": f"sm90_n{bn}", "raster": raster}
     for bn in (128, 256):
         configs[f"n{bn}_sms{sms - 16}"] = {"kernel": f"sm90_n{bn}", "sms": sms - 16}
-    lines = []
-
-    def say(text: str) -> None:
-        print(text, flush=True)
-        lines.append(text)
-
-    say(f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {props.name}, {sms} SMs, torch {torch.__version__}; "
-        f"command: python {' '.join(sys.argv)}")
+    lines, say = report(props)
     say(f"# bf16 TFLOP/s, median of {args.iters} interleaved runs; nB_rR = sm90 kernel with B-wide tiles, raster "
         f"blocks of R bands; nB_smsS = default raster on S CTAs; default = what flashoverlap.gemm picks")
     names = ["cublas"] + list(configs)
