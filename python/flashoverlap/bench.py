@@ -134,12 +134,29 @@ def load_calls(*seconds: float) -> list[int]:
     return counts
 
 
+def _gpu_aligner() -> Optional[Callable[[], None]]:
+    """Where ranks of an NCCL process group time together: a one-element AllReduce to enqueue after
+    each head start, so that every rank's GPU starts the round together (the same load runs a little
+    faster on one GPU than on another; without it the first collective of a round would time that
+    skew on the faster rank, and the maximum over ranks would report it). It blocks no host."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    if dist.get_backend() != "nccl":
+        return None  # gloo runs on the host: it would align the hosts, not the GPUs
+    token = torch.zeros(1, device="cuda")
+    return lambda: dist.all_reduce(token)
+
+
 def interleaved_times_us(fns: dict[str, Callable[[int], object]], iters: int, warmup: int) -> dict[str, list[float]]:
     """Per-iteration times of each function, their iterations interleaved (A B C A B C ...)
     so that clock and thermal drift over the run affects every variant alike. Each call
     gets the next operand-set index, so no call finds its inputs in L2 from the call before.
     The GPU is kept loaded throughout (SETTLE_S of load first, load between rounds), so the
-    times are those of its steady state under load, where tune's GEMM profile is taken."""
+    times are those of its steady state under load, where tune's GEMM profile is taken. Ranks
+    of a process group must call it together, with the same variants: they agree on the load
+    and, under NCCL, start each round together."""
     turn = 0
     enqueue_s = 0.0  # the host's time to enqueue a round: each variant's fastest warm-up call
     for name, fn in fns.items():
@@ -158,9 +175,12 @@ def interleaved_times_us(fns: dict[str, Callable[[int], object]], iters: int, wa
     # 1 ms: the last ones timed the host). Load, not a sleep: a GPU that idles between rounds
     # leaves the steady state and times large GEMMs 5-12% fast (tune_timing_h200.txt, "mixed").
     settle, head_start = load_calls(SETTLE_S, min(20e-3, max(1e-3, 1.5 * enqueue_s)))
+    align = _gpu_aligner()
     keep_busy(settle)
     for _ in range(iters):
         keep_busy(head_start)
+        if align is not None:
+            align()
         for name, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

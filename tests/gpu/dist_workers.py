@@ -945,8 +945,25 @@ def load_calls(rank: int, world: int) -> dict:
     return {"counts": bench.load_calls(0.002 * (rank + 1), 0.0)}
 
 
+def timing_rounds(rank: int, world: int) -> dict:
+    """bench.interleaved_times_us over a local GEMM and a 1 MiB AllReduce on every rank."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from flashoverlap import bench
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    buf = torch.randn(1 << 19, device="cuda", dtype=torch.bfloat16)
+    times = bench.interleaved_times_us({"gemm": lambda i: a @ a, "all_reduce": lambda i: dist.all_reduce(buf)},
+                                       iters=10, warmup=2)
+    return {name: [len(v), statistics.median(v)] for name, v in times.items()}
+
+
 TARGETS = {
     "load_calls": load_calls,
+    "timing_rounds": timing_rounds,
     "tune_copy_engine": tune_copy_engine,
     "plain_collectives": plain_collectives,
     "without_nccl": without_nccl,

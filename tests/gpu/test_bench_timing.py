@@ -57,3 +57,13 @@ def test_ranks_agree_on_their_load(tmp_path: Path) -> None:
     assert results[0]["counts"] == results[1]["counts"]
     assert results[0]["counts"][1] == 1
     assert results[0]["counts"][0] >= 1
+
+
+@pytest.mark.gpus(2)
+def test_two_ranks_time_rounds_together(tmp_path: Path) -> None:
+    # Under NCCL each round starts with the ranks aligned: the AllReduce after a ~1 ms GEMM
+    # times the transfer, not one rank waiting for the other's load to finish.
+    results = run_workers(tmp_path, "timing_rounds", 2)
+    for r in results:
+        assert r["gemm"][0] == r["all_reduce"][0] == 10
+        assert 0 < r["all_reduce"][1] < 500, r
