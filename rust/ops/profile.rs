@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::backend::Backend;
+use crate::cuda::kernels::GemmKernel;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::{CollectiveKind, Curve, HardwareModel};
@@ -110,22 +111,40 @@ pub fn counts() -> (usize, usize) {
 }
 
 /// TFLOP/s of `kernel` on `ctas` CTAs for an m x n x k GEMM: the sample of
-/// that shape, else the geometric mean of the kernel's samples there.
+/// that shape (true), else the geometric mean of the kernel's samples there
+/// (false).
 fn gemm_tflops(
     kernel: &str,
     dtype: Dtype,
     sms: u32,
     ctas: u32,
     shape: (u32, u32, u32),
-) -> Option<f64> {
+) -> Option<(f64, bool)> {
     with(|r| {
         let samples = r.gemms.get(&(kernel.to_string(), dtype, sms, ctas))?;
         if let Some(s) = samples.iter().find(|s| (s.m, s.n, s.k) == shape) {
-            return Some(s.tflops());
+            return Some((s.tflops(), true));
         }
         let logs: f64 = samples.iter().map(|s| s.tflops().ln()).sum();
-        (!samples.is_empty()).then(|| (logs / samples.len() as f64).exp())
+        (!samples.is_empty()).then(|| ((logs / samples.len() as f64).exp(), false))
     })
+}
+
+/// The model's GEMM time over the true one for `kernel` on `ctas` CTAs: it
+/// runs whole waves of whole tiles (ceil(tiles / ctas) waves of `ctas` full
+/// tiles), where a measured time already holds the last wave's idle CTAs
+/// and the edge tiles' padding. A measured rate times this makes the model
+/// give back the measured time (1.055 for 2048 x 8192 on 108 CTAs of
+/// 128 x 256 tiles: 512 tiles are 4.74 waves, and the model counted 5 on
+/// top of the measurement).
+fn wave_padding(kernel: &str, ctas: u32, (m, n, _): (u32, u32, u32)) -> f64 {
+    let Some((bm, bn, _)) = GemmKernel::parse(kernel).map(GemmKernel::tile) else {
+        return 1.0;
+    };
+    let tiles = u64::from(m.div_ceil(bm)) * u64::from(n.div_ceil(bn));
+    let ctas = u64::from(ctas.max(1));
+    let padded = tiles.div_ceil(ctas) * ctas * u64::from(bm) * u64::from(bn);
+    padded as f64 / (f64::from(m) * f64::from(n))
 }
 
 /// How much slower a copy-engine exchange runs beside the GEMM than the
@@ -212,11 +231,17 @@ pub fn apply(hw: HardwareModel, q: &Lookup) -> HardwareModel {
             hw.overlap_comm_slowdown = hw.overlap_comm_slowdown.max(COPY_ENGINE_BESIDE_GEMM);
         }
     }
-    // The model runs a wave of `ctas` tiles at gemm_tflops * ctas / sms.
-    if let Some(t) = gemm_tflops(q.kernel, q.dtype, hw.sms, q.ctas, q.shape) {
-        hw.gemm_tflops = t * f64::from(hw.sms) / f64::from(q.ctas);
+    // The model runs a wave of `ctas` tiles at gemm_tflops * ctas / sms. A
+    // rate averaged over other shapes keeps their average padding as is.
+    if let Some((t, exact)) = gemm_tflops(q.kernel, q.dtype, hw.sms, q.ctas, q.shape) {
+        let padding = if exact {
+            wave_padding(q.kernel, q.ctas, q.shape)
+        } else {
+            1.0
+        };
+        hw.gemm_tflops = t * padding * f64::from(hw.sms) / f64::from(q.ctas);
     }
-    if let Some(t) = gemm_tflops("cublas", q.dtype, hw.sms, hw.sms, q.shape) {
+    if let Some((t, _)) = gemm_tflops("cublas", q.dtype, hw.sms, hw.sms, q.shape) {
         hw.sequential_gemm_tflops = t;
     }
     hw
@@ -282,7 +307,13 @@ mod tests {
         assert_eq!(hw.comm.time_us(1 << 20, 2), 15.0);
         assert_eq!(hw.overlap_comm.time_us(1 << 20, 2), 20.0);
         let flops = 2.0 * 4096.0 * 8192.0 * 4096.0;
-        assert!((hw.gemm_tflops - flops / 500e6 * 131.0 / 108.0).abs() < 1e-9);
+        // The measured shape: the model's 10 whole waves of 108 tiles of
+        // 128 x 256 (1024 tiles) give back the measured 500 us.
+        let padding = 10.0 * 108.0 / 1024.0;
+        assert!((hw.gemm_tflops - flops / 500e6 * padding * 131.0 / 108.0).abs() < 1e-9);
+        let tile_flops = 2.0 * 128.0 * 256.0 * 4096.0;
+        let wave_us = tile_flops / (hw.gemm_tflops * 1e6 / 131.0);
+        assert!((10.0 * wave_us - 500.0).abs() < 1e-6);
         assert!((hw.sequential_gemm_tflops - flops / 400e6).abs() < 1e-9);
         // Another shape: the geometric mean of the kernel's samples.
         let other = apply(

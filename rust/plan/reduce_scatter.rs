@@ -175,7 +175,12 @@ pub fn plan_gemm_reduce_scatter(
         store_rows: Vec::with_capacity(total as usize),
         tile_group: Vec::with_capacity(total as usize),
         timeline,
-        overlap_fixed_us: hw.overlap_fixed_us,
+        // A sequential call forks nothing: its one schedule costs what it
+        // predicts.
+        overlap_fixed_us: match schedule {
+            Schedule::Overlap => hw.overlap_fixed_us,
+            Schedule::Sequential => 0.0,
+        },
     };
     let bm = tile.bm;
     for (g, group) in (0u32..).zip(&partition.groups) {

@@ -252,7 +252,12 @@ pub fn plan_gemm_all_reduce(
         partition,
         timeline,
         tiles,
-        overlap_fixed_us: hw.overlap_fixed_us,
+        // A sequential call forks nothing: its one schedule costs what it
+        // predicts.
+        overlap_fixed_us: match schedule {
+            Schedule::Overlap => hw.overlap_fixed_us,
+            Schedule::Sequential => 0.0,
+        },
     })
 }
 

@@ -1,0 +1,95 @@
+"""Replays a committed E2 run on the CPU: the installed predictor re-predicts every measured
+partition of GEMM + AllReduce (with or without the fused norm) from the same profiles, and the
+errors against the run's measurements are compared with the ones the run recorded. A change to
+the model can so be checked against real measurements without a GPU.
+
+    python evaluation/e2_replay.py [CSV] [--sms 132] [--verbose]
+
+CSV: an e2_predictive_search.py table (default: evaluation/results/e2_predictive_search_h200x1.csv);
+its .json sidecar names the GPU, world size, NCCL version and backend. Partitions of other ops,
+and predictor-chosen partitions the replayed predictor would no longer choose, are skipped (the
+count is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CSV = os.path.join(HERE, "results", "e2_predictive_search_h200x1.csv")
+OPS = {"all_reduce": False, "all_reduce_rmsnorm": True}  # op -> fused norm
+
+
+def replay(path: str, sms: int = 132) -> dict:
+    """{"cases": {(op, m, n, k): [(replayed us, measured us, recorded us), ...]}, "skipped": n}."""
+    from flashoverlap import planning, profiles
+
+    with open(os.path.splitext(path)[0] + ".json") as f:
+        meta = json.load(f)
+    profiles.load_for_device(meta["gpu"], sms, meta["nccl"])
+    cases, skipped = {}, 0
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            if r["kind"] != "partition" or r["op"] not in OPS:
+                skipped += r["kind"] == "partition"
+                continue
+            m, n, k = int(r["m"]), int(r["n"]), int(r["k"])
+            bands = int(r["bands_per_group"]) if r["bands_per_group"] else None
+            plan = planning.plan_gemm_all_reduce(m, n, k, int(r["world_size"]), sms=sms, mode="overlap",
+                                                 bands_per_group=bands, backend=meta["backend"], order="banded",
+                                                 fused_norm=OPS[r["op"]])
+            counts = ",".join(str(g["bands"][1] - g["bands"][0]) for g in plan.groups)
+            if counts != r["band_counts"]:
+                skipped += 1  # the replayed predictor partitions this shape otherwise
+                continue
+            cases.setdefault((r["op"], m, n, k), []).append(
+                (plan.predicted_overlap_us, float(r["measured_us"]), float(r["predicted_us"])))
+    return {"cases": cases, "skipped": skipped}
+
+
+def summary(cases: dict, which: int) -> dict:
+    """Mean |error|, per op and signed, and the predicted-best partition's measured time over the
+    best measured (mean, min) for predictions column `which` (0 replayed, 2 recorded)."""
+    errors = {}
+    for (op, *_), rows in cases.items():
+        errors.setdefault(op, []).extend((row[which] - row[1]) / row[1] for row in rows)
+    signed = [e for v in errors.values() for e in v]
+    picks = [min(r[1] for r in rows) / min(rows, key=lambda r: r[which])[1] for rows in cases.values()]
+    return {"mean": statistics.mean(abs(e) for e in signed), "signed": statistics.mean(signed),
+            "per_op": {op: statistics.mean(abs(e) for e in v) for op, v in errors.items()},
+            "pick_mean": statistics.mean(picks), "pick_min": min(picks)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("csv", nargs="?", default=DEFAULT_CSV)
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    result = replay(args.csv, args.sms)
+    cases = result["cases"]
+    if not cases:
+        print(f"nothing to replay in {args.csv} (skipped {result['skipped']})", file=sys.stderr)
+        return 1
+    if args.verbose:
+        for (op, m, n, k), rows in sorted(cases.items()):
+            for replayed, measured, recorded in rows:
+                print(f"{op:>20} {m}x{n}x{k}: measured {measured:8.1f} recorded {recorded:8.1f} "
+                      f"replayed {replayed:8.1f}")
+    print(f"{sum(map(len, cases.values()))} partitions of {len(cases)} cases replayed from {args.csv} "
+          f"({result['skipped']} skipped)")
+    for name, which in (("recorded", 2), ("replayed", 0)):
+        s = summary(cases, which)
+        ops = ", ".join(f"{op} {e:.2%}" for op, e in sorted(s["per_op"].items()))
+        print(f"{name}: mean |error| {s['mean']:.2%} ({ops}), signed {s['signed']:+.2%}; predicted-best / "
+              f"measured best: mean {s['pick_mean']:.4f}, min {s['pick_min']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
