@@ -6,7 +6,8 @@ the model can so be checked against real measurements without a GPU.
     python evaluation/e2_replay.py [CSV] [--sms 132] [--verbose]
 
 CSV: an e2_predictive_search.py table (default: evaluation/results/e2_predictive_search_h200x1.csv);
-its .json sidecar names the GPU, world size, NCCL version and backend. Partitions of other ops,
+its .json sidecar names the GPU, world size, NCCL version and backend, and its kernel column the
+GEMM kernel each partition ran (sm90_n256 where the column is missing). Partitions of other ops,
 and predictor-chosen partitions the replayed predictor would no longer choose, are skipped (the
 count is printed).
 """
@@ -23,6 +24,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CSV = os.path.join(HERE, "results", "e2_predictive_search_h200x1.csv")
 OPS = {"all_reduce": False, "all_reduce_rmsnorm": True}  # op -> fused norm
+# The kernel of runs made before the CSV had a kernel column (after 128 x 256 became the default).
+OLD_KERNEL = "sm90_n256"
 
 
 def replay(path: str, sms: int = 132) -> dict:
@@ -42,7 +45,7 @@ def replay(path: str, sms: int = 132) -> dict:
             bands = int(r["bands_per_group"]) if r["bands_per_group"] else None
             plan = planning.plan_gemm_all_reduce(m, n, k, int(r["world_size"]), sms=sms, mode="overlap",
                                                  bands_per_group=bands, backend=meta["backend"], order="banded",
-                                                 fused_norm=OPS[r["op"]])
+                                                 fused_norm=OPS[r["op"]], kernel=r.get("kernel") or OLD_KERNEL)
             counts = ",".join(str(g["bands"][1] - g["bands"][0]) for g in plan.groups)
             if counts != r["band_counts"]:
                 skipped += 1  # the replayed predictor partitions this shape otherwise

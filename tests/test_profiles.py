@@ -344,3 +344,49 @@ def test_bundled_gemm_profiles_load_for_their_gpu(gpu):
         for kernel in ("sm90_n128", "sm90_n256"):
             assert {c for (kern, c, *s) in entries if kern == kernel and tuple(s) == shape} == {108, 116, 124, 128}
     assert _core.profile_counts()[1] == len(data["gemm"])
+
+
+def _widths(n128_us, n256_us, mode="overlap", shape=(4096, 8192, 3584), **kw):
+    """The tile width the planner takes for `shape` at world 2 (NCCL's 108 CTAs) once the profile
+    times each width there (None: not timed)."""
+    data = make()
+    m, n, k = shape
+    for kernel, us in (("sm90_n128", n128_us), ("sm90_n256", n256_us)):
+        if us is not None:
+            data["gemm"].append({"kernel": kernel, "ctas": 108, "m": m, "n": n, "k": k, "us": us})
+    save(data)
+    profiles.load_for_device(GPU, SMS, "2.99.1")
+    plan = flashoverlap.plan_gemm_all_reduce(*shape, 2, sms=SMS, mode=mode, **kw)
+    return plan.tile[1], plan
+
+
+def test_a_clearly_faster_measured_width_is_taken():
+    width, plan = _widths(400.0, 480.0)
+    assert width == 128 and plan.schedule == "overlap"
+    profiles.reset()
+    assert _widths(480.0, 400.0)[0] == 256
+
+
+@pytest.mark.parametrize("n128_us, n256_us", [(395.0, 400.0), (400.0, None), (None, 400.0)])
+def test_the_default_width_stays_unless_both_are_timed_and_the_other_clearly_wins(n128_us, n256_us):
+    # 1% faster is within run-to-run noise; a width timed alone has nothing to be compared with.
+    assert _widths(n128_us, n256_us)[0] == 256
+
+
+def test_the_width_never_turns_a_sequential_call_into_an_overlapped_one():
+    # cuBLAS fast, the default width slow on the GEMM's CTAs: auto runs cuBLAS then NCCL. The
+    # other width, timed as fast as cuBLAS, would make overlap pay on paper; it is not taken.
+    shape = (4096, 8192, 4096)
+    data = make(gemm_us=100.0)
+    for kernel, us in (("sm90_n128", 100.0), ("sm90_n256", 1000.0)):
+        data["gemm"].append({"kernel": kernel, "ctas": 108, "m": 4096, "n": 8192, "k": 4096, "us": us})
+    save(data)
+    profiles.load_for_device(GPU, SMS, "2.99.1")
+    auto = flashoverlap.plan_gemm_all_reduce(*shape, 2, sms=SMS)
+    assert auto.schedule == "sequential" and auto.tile[1] == 256
+    forced = flashoverlap.plan_gemm_all_reduce(*shape, 2, sms=SMS, mode="overlap")
+    assert forced.tile[1] == 128 and forced.predicted_us < auto.predicted_us
+
+
+def test_a_named_kernel_is_kept_whatever_was_measured():
+    assert _widths(100.0, 400.0, kernel="sm90_n256")[0] == 256

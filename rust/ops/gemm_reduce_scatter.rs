@@ -17,7 +17,9 @@
 
 use super::copy_engine::{self, Exchange};
 use super::gemm::{self, CounterSlots, GemmArgs, Signals};
-use super::gemm_all_reduce::{fastest_reservation, Backend, Machine};
+use super::gemm_all_reduce::{
+    fastest_kernel, fastest_reservation, kernel_candidates, Backend, Machine,
+};
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
 use crate::cuda::kernels::GemmKernel;
@@ -86,9 +88,6 @@ fn plan_reserving(
     major: i32,
     reserved: u32,
 ) -> Result<(GemmKernel, ReduceScatterPlan)> {
-    let kernel = opts
-        .kernel
-        .unwrap_or_else(|| GemmKernel::default_for(major));
     let machine = Machine {
         sms,
         major,
@@ -96,6 +95,22 @@ fn plan_reserving(
         reserved,
         fused_norm: false,
     };
+    fastest_kernel(
+        kernel_candidates(opts.kernel, args, &machine),
+        |kernel| plan_with(args, world, opts, &machine, kernel),
+        ReduceScatterPlan::predicted_us,
+        |p| p.schedule == Schedule::Overlap,
+    )
+}
+
+fn plan_with(
+    args: &GemmArgs,
+    world: u32,
+    opts: &Options,
+    machine: &Machine,
+    kernel: GemmKernel,
+) -> Result<ReduceScatterPlan> {
+    let reserved = machine.reserved;
     let hw = machine.model(args, world, kernel, CollectiveKind::ReduceScatter);
     let req = ReduceScatterRequest {
         m: args.m,
@@ -109,7 +124,7 @@ fn plan_reserving(
         max_groups: opts.max_groups,
         mode: opts.mode,
     };
-    Ok((kernel, plan_gemm_reduce_scatter(&req, &hw)?))
+    Ok(plan_gemm_reduce_scatter(&req, &hw)?)
 }
 
 struct Prepared {

@@ -130,6 +130,20 @@ fn gemm_tflops(
     })
 }
 
+/// Whether `tune` timed `kernel` on `ctas` CTAs for exactly this shape.
+pub fn measured_gemm(
+    kernel: &str,
+    dtype: Dtype,
+    sms: u32,
+    ctas: u32,
+    shape: (u32, u32, u32),
+) -> bool {
+    matches!(
+        gemm_tflops(kernel, dtype, sms, ctas, shape),
+        Some((_, true))
+    )
+}
+
 /// The model's GEMM time over the true one for `kernel` on `ctas` CTAs: it
 /// runs whole waves of whole tiles (ceil(tiles / ctas) waves of `ctas` full
 /// tiles), where a measured time already holds the last wave's idle CTAs
