@@ -429,15 +429,28 @@ def _rel_error(out, ref) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
-def _partition_info(c: Candidate, predicted_us: float, schedule: str) -> dict:
+def _partition_info(c: Candidate, predicted_us: float, schedule: str, kernel: str = "") -> dict:
+    """kernel: the GEMM kernel the partition runs, where the plan says (GEMM + AllReduce), so that
+    e2_replay.py can re-predict the same launch."""
     return {"kind": "partition", "groups": c.groups, "bands_per_group": c.bands_per_group,
             "band_counts": ",".join(map(str, c.band_counts)), "chosen": c.chosen, "schedule": schedule,
-            "predicted_us": predicted_us}
+            "predicted_us": predicted_us, "kernel": kernel}
 
 
 def _reference_info(kind: str, groups: int, band_counts: Sequence[int], schedule: str, predicted_us: float) -> dict:
     return {"kind": kind, "groups": groups, "bands_per_group": None, "band_counts": ",".join(map(str, band_counts)),
-            "chosen": False, "schedule": schedule, "predicted_us": predicted_us}
+            "chosen": False, "schedule": schedule, "predicted_us": predicted_us, "kernel": ""}
+
+
+def _kernel_of(plan) -> str:
+    """The Hopper GEMM kernel a gemm_all_reduce plan tiles for (sm90_n128 / sm90_n256), or ""
+    elsewhere (one kernel there)."""
+    import torch
+
+    tile = getattr(plan, "tile", None)
+    if tile is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return ""
+    return f"sm90_n{tile[1]}"
 
 
 def _banded_candidates(xs, ws, exhaustive: bool, max_candidates: int, run, plan_opts: dict):
@@ -454,7 +467,7 @@ def _banded_candidates(xs, ws, exhaustive: bool, max_candidates: int, run, plan_
         plan = own if c.bands_per_group is None else flashoverlap.plan_of(
             xs[0], ws[0], mode="overlap", bands_per_group=c.bands_per_group, **plan_opts)
         fns[c.name] = lambda i, b=c.bands_per_group: run(i, mode="overlap", bands_per_group=b)
-        info[c.name] = _partition_info(c, plan.predicted_overlap_us, plan.schedule)
+        info[c.name] = _partition_info(c, plan.predicted_overlap_us, plan.schedule, _kernel_of(plan))
     auto = flashoverlap.plan_of(xs[0], ws[0], **plan_opts)
     fns["auto"] = lambda i: run(i)
     info["auto"] = _reference_info("auto", len(auto.groups), [g["bands"][1] - g["bands"][0] for g in auto.groups],

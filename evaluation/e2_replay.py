@@ -7,7 +7,7 @@ the model can so be checked against real measurements without a GPU.
 
 CSV: an e2_predictive_search.py table (default: evaluation/results/e2_predictive_search_h200x1.csv);
 its .json sidecar names the GPU, world size, NCCL version and backend, and its kernel column the
-GEMM kernel each partition ran (sm90_n256 where the column is missing). Partitions of other ops,
+GEMM kernel each partition ran (sm90_n256 where the column is missing or empty). Partitions of other ops,
 and predictor-chosen partitions the replayed predictor would no longer choose, are skipped (the
 count is printed).
 """
