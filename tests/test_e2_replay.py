@@ -24,12 +24,14 @@ def clean(tmp_path, monkeypatch):
 def test_predictions_match_the_committed_h200_measurements() -> None:
     result = replay.replay(replay.DEFAULT_CSV)
     cases = result["cases"]
-    assert len(cases) == 32 and result["skipped"] <= 8
+    assert len(cases) == 32 and result["skipped"] <= 16
     s = replay.summary(cases, 0)
-    # Replayed with this session's model: 2.6% (AR 1.2%, ARN 4.0%), picks 0.997 of the best.
-    assert s["mean"] <= 0.035, s
-    assert s["per_op"]["all_reduce"] <= 0.025, s
-    assert s["pick_mean"] >= 0.99 and s["pick_min"] >= 0.93, s
+    # Replayed with this session's model: 2.1% (AR 1.2%, ARN 2.9%); the predicted-best partition
+    # measured 0.998 of the best on average, 0.980 at worst. Bounds: issue 5's E2 bars (for two
+    # GPUs), held here at one.
+    assert s["mean"] <= 0.03, s
+    assert s["per_op"]["all_reduce"] <= 0.02 and s["per_op"]["all_reduce_rmsnorm"] <= 0.04, s
+    assert s["pick_mean"] >= 0.99 and s["pick_min"] >= 0.95, s
 
 
 def test_the_cli_prints_both_summaries(capsys) -> None:

@@ -288,7 +288,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::plan::predictor::FUSED_NORM_CAP;
+    use crate::plan::predictor::{FUSED_NORM_CAP, FUSED_NORM_LAUNCH_US};
     use crate::plan::testing::{request, world};
 
     fn assert_consistent(plan: &GemmAllReducePlan) {
@@ -518,11 +518,12 @@ mod tests {
                 12_000.0 * 12.0
             };
             assert!(
-                (ty - tx - group_bytes / rate).abs() < 1e-6,
+                (ty - tx - FUSED_NORM_LAUNCH_US - group_bytes / rate).abs() < 1e-6,
                 "{g}: {tx} {ty}"
             );
         }
-        let whole = (4096 * 8192 * 2) as f64 / (12_000.0f64 * 132.0).min(FUSED_NORM_CAP);
+        let whole = FUSED_NORM_LAUNCH_US
+            + (4096 * 8192 * 2) as f64 / (12_000.0f64 * 132.0).min(FUSED_NORM_CAP);
         assert!((b.timeline.sequential_us - a.timeline.sequential_us - whole).abs() < 1e-6);
     }
 

@@ -16,8 +16,8 @@ pub use all_to_all::{
 };
 pub use curve::{Curve, CURVE_CAPACITY};
 pub use hardware::{
-    CollectiveKind, CollectiveModel, HardwareModel, FUSED_NORM_CAP, FUSED_NORM_ROWS_PER_CTA,
-    H200_FUSED_NORM_PER_SM,
+    CollectiveKind, CollectiveModel, HardwareModel, FUSED_NORM_CAP, FUSED_NORM_LAUNCH_US,
+    FUSED_NORM_ROWS_PER_CTA, H200_FUSED_NORM_PER_SM,
 };
 pub use search::{best_partition, best_staged_partition};
 pub use timeline::{predict, predict_sequential, predict_staged, GroupTiming, Timeline};
