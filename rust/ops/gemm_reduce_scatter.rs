@@ -310,3 +310,56 @@ pub fn reduce_scatter(
         nccl.reduce_scatter(send, recv, recv_count, dtype, nccl_comm, stream.cast())
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::Dtype;
+    use crate::ops::profile;
+
+    // A 129-SM device keeps these samples away from every other test's plans
+    // (the profile registry is process-wide).
+    const SMS: u32 = 129;
+
+    fn opts(kernel: Option<GemmKernel>) -> Options {
+        Options {
+            kernel,
+            mode: ModeRequest::Overlap,
+            bands_per_group: None,
+            reserved_sms: None,
+            max_groups: 16,
+            backend: Backend::Nccl,
+        }
+    }
+
+    #[test]
+    fn a_clearly_faster_measured_tile_width_is_taken() {
+        let shape = (4096, 8192, 4096);
+        let ctas = SMS - crate::ops::gemm_all_reduce::NCCL_RESERVED_SMS;
+        for (kernel, us) in [("sm90_n128", 300.0), ("sm90_n256", 400.0)] {
+            profile::register_gemm(kernel, Dtype::Bf16, SMS, ctas, shape, us).unwrap();
+        }
+        let args = GemmArgs {
+            x: 0,
+            weight: 0,
+            out: 0,
+            m: shape.0,
+            n: shape.1,
+            k: shape.2,
+            dtype: Dtype::Bf16,
+        };
+        let (kernel, plan) = plan_for(&args, 2, &opts(None), SMS, 9).unwrap();
+        assert_eq!(kernel, GemmKernel::Sm90 { bn: 128 });
+        assert_eq!(plan.request.tile.bn, 128);
+        // A named kernel is kept; on Ampere there is one kernel.
+        let named = GemmKernel::Sm90 { bn: 256 };
+        assert_eq!(
+            plan_for(&args, 2, &opts(Some(named)), SMS, 9).unwrap().0,
+            named
+        );
+        assert_eq!(
+            plan_for(&args, 2, &opts(None), SMS, 8).unwrap().0,
+            GemmKernel::Sm80
+        );
+    }
+}
