@@ -9,7 +9,8 @@ CSV: an e2_predictive_search.py table (default: evaluation/results/e2_predictive
 its .json sidecar names the GPU, world size, NCCL version and backend, and its kernel column the
 GEMM kernel each partition ran (sm90_n256 where the column is missing or empty). Partitions of other ops,
 and predictor-chosen partitions the replayed predictor would no longer choose, are skipped (the
-count is printed).
+count is printed). The profiles are the bundled ones and those in the cache dir: to replay a run
+with the profile `tune` made beside it, put that file in $FLASHOVERLAP_CACHE_DIR/profiles-v1/.
 """
 
 from __future__ import annotations
