@@ -19,12 +19,12 @@
 #   e2ce   e2_predictive_search.py --backend copy_engine          [8]
 #   tune   flashoverlap tune --preset llama-3-70b-tp2 (issue 5)   [6]
 #   first  first_call_latency.py --world-size 2 (issue 5)         [1]
-# After `e2` (and `tune`), the predictor can be refitted on any machine:
-#   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
-# (the profile `tune` wrote in $FLASHOVERLAP_CACHE_DIR/profiles-v1/ to replay with it).
 # Each part writes OUTDIR/<part>.log (its output) and its result files
 # under OUTDIR, and prints one line: part, exit code, seconds. NVLink
 # multicast stays off in everything started here.
+# After `e2` (and `tune`), the predictor can be refitted on any machine:
+#   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
+# (the profile `tune` wrote in $FLASHOVERLAP_CACHE_DIR/profiles-v1/ to replay with it).
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
