@@ -1,7 +1,7 @@
 """Replays a committed E2 run on the CPU: the installed predictor re-predicts every measured
-partition of GEMM + AllReduce (with or without the fused norm) from the same profiles, and the
-errors against the run's measurements are compared with the ones the run recorded. A change to
-the model can so be checked against real measurements without a GPU.
+partition of GEMM + AllReduce (with or without the fused norm) and GEMM + ReduceScatter from the
+same profiles, and the errors against the run's measurements are compared with the ones the run
+recorded. A change to the model can so be checked against real measurements without a GPU.
 
     python evaluation/e2_replay.py [CSV] [--sms 132] [--verbose]
 
@@ -24,7 +24,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CSV = os.path.join(HERE, "results", "e2_predictive_search_h200x1.csv")
-OPS = {"all_reduce": False, "all_reduce_rmsnorm": True}  # op -> fused norm
+OPS = {"all_reduce": False, "all_reduce_rmsnorm": True, "reduce_scatter": False}  # op -> fused norm
 # The kernel of runs made before the CSV had a kernel column (after 128 x 256 became the default).
 OLD_KERNEL = "sm90_n256"
 
@@ -43,16 +43,20 @@ def replay(path: str, sms: int = 132) -> dict:
                 skipped += r["kind"] == "partition"
                 continue
             m, n, k = int(r["m"]), int(r["n"]), int(r["k"])
-            bands = int(r["bands_per_group"]) if r["bands_per_group"] else None
-            plan = planning.plan_gemm_all_reduce(m, n, k, int(r["world_size"]), sms=sms, mode="overlap",
-                                                 bands_per_group=bands, backend=meta["backend"], order="banded",
-                                                 fused_norm=OPS[r["op"]], kernel=r.get("kernel") or OLD_KERNEL)
-            counts = ",".join(str(g["bands"][1] - g["bands"][0]) for g in plan.groups)
-            if counts != r["band_counts"]:
+            common = dict(sms=sms, mode="overlap", backend=meta["backend"], kernel=r.get("kernel") or OLD_KERNEL,
+                          bands_per_group=int(r["bands_per_group"]) if r["bands_per_group"] else None)
+            if r["op"] == "reduce_scatter":
+                plan = planning.plan_gemm_reduce_scatter(m, n, k, int(r["world_size"]), **common)
+                groups, predicted = plan["groups"], plan["predicted_overlap_us"]
+            else:
+                plan = planning.plan_gemm_all_reduce(m, n, k, int(r["world_size"]), order="banded",
+                                                     fused_norm=OPS[r["op"]], **common)
+                groups, predicted = plan.groups, plan.predicted_overlap_us
+            if ",".join(str(g["bands"][1] - g["bands"][0]) for g in groups) != r["band_counts"]:
                 skipped += 1  # the replayed predictor partitions this shape otherwise
                 continue
-            cases.setdefault((r["op"], m, n, k), []).append(
-                (plan.predicted_overlap_us, float(r["measured_us"]), float(r["predicted_us"])))
+            cases.setdefault((r["op"], m, n, k), []).append((predicted, float(r["measured_us"]),
+                                                             float(r["predicted_us"])))
     return {"cases": cases, "skipped": skipped}
 
 

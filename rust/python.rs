@@ -795,6 +795,36 @@ fn communicator_rs_plan<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let (comm, args, opts) = rs_call(group_name, m, n, k, dtype, &options)?;
     let plan = grs::plan_of(&comm, &args, &opts, stream::from_handle(stream)).map_err(to_py)?;
+    rs_plan_dict(py, &plan)
+}
+
+/// Plans GEMM + ReduceScatter for a device described by `sms` and compute
+/// capability `major`, as [`communicator_rs_plan`]'s dict; needs no GPU.
+#[pyfunction]
+#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, options=None))]
+#[allow(clippy::too_many_arguments)]
+fn plan_gemm_reduce_scatter<'py>(
+    py: Python<'py>,
+    m: u32,
+    n: u32,
+    k: u32,
+    world_size: u32,
+    dtype: &str,
+    sms: u32,
+    major: i32,
+    options: Option<RsOptions>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let args = operands(0, 0, 0, m, n, k, dtype)?;
+    let o = options.unwrap_or_else(|| ("auto".into(), None, None, 16, None, "nccl".into()));
+    let (_, plan) =
+        grs::plan_for(&args, world_size, &rs_options(&o)?, sms, major).map_err(to_py)?;
+    rs_plan_dict(py, &plan)
+}
+
+fn rs_plan_dict<'py>(
+    py: Python<'py>,
+    plan: &crate::plan::ReduceScatterPlan,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("schedule", schedule_name(plan.schedule))?;
     d.set_item("ctas", plan.ctas)?;
@@ -1462,6 +1492,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPeerMemory>()?;
     m.add("ALLREDUCE_RMSNORM_ERROR_WORD", arn::ERROR_WORD)?;
     m.add_function(wrap_pyfunction!(plan_gemm_all_reduce, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_gemm_reduce_scatter, m)?)?;
     m.add_function(wrap_pyfunction!(load_nvrtc, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_version, m)?)?;
     m.add_function(wrap_pyfunction!(cache_dir, m)?)?;

@@ -8,7 +8,7 @@ from .communicator import Communicator, destroy_communicators, get_communicator
 from .ops import (backend_of, compile_kernels, gemm, gemm_all_reduce, gemm_all_reduce_rmsnorm, gemm_all_to_all,
                   gemm_reduce_scatter, plan_of, reduce_scatter_plan_of)
 from .peer_norm import all_reduce_rmsnorm, destroy_peer_groups
-from .planning import AllToAllPrediction, plan_gemm_all_reduce, plan_gemm_all_to_all
+from .planning import AllToAllPrediction, plan_gemm_all_reduce, plan_gemm_all_to_all, plan_gemm_reduce_scatter
 
 __version__ = _version()
 _configure_logging()
@@ -31,6 +31,7 @@ __all__ = [
     "get_communicator",
     "plan_gemm_all_reduce",
     "plan_gemm_all_to_all",
+    "plan_gemm_reduce_scatter",
     "plan_of",
     "reduce_scatter",
     "reduce_scatter_plan_of",

@@ -41,15 +41,8 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
     order = "banded" if fused_norm else order
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
     max_groups = _env.max_groups() if max_groups is None else max_groups
-    for name, value, least in (("m", m, 1), ("n", n, 1), ("k", k, 1), ("world_size", world_size, 1), ("sms", sms, 1),
-                               ("bands_per_group", bands_per_group, 1), ("reserved_sms", reserved_sms, 0),
-                               ("max_groups", max_groups, 1), ("raster_bands", raster_bands, 1)):
-        if value is None and name in ("bands_per_group", "raster_bands", "reserved_sms"):
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-        if not least <= value < 2**31:
-            raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
+    _check_ints(m=m, n=n, k=k, world_size=world_size, sms=sms, bands_per_group=bands_per_group,
+                reserved_sms=reserved_sms, max_groups=max_groups, raster_bands=raster_bands)
     if backend == "auto":
         allowed = ["nccl", "copy_engine"] if world_size <= MAX_PEER_WORLD else ["nccl"]
         options = (mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands, "auto", order, fused_norm)
@@ -58,6 +51,49 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
     return _core.plan_gemm_all_reduce(m, n, k, world_size, dtype_name(dtype), sms, compute_capability[0], mode,
                                       bands_per_group, reserved_sms, max_groups, kernel, raster_bands, backend,
                                       order, fused_norm)
+
+
+def _check_ints(**values) -> None:
+    """Planning arguments that must be ints in [1, 2**31) (reserved_sms from 0); the optional ones
+    may be None."""
+    for name, value in values.items():
+        if value is None and name in ("bands_per_group", "raster_bands", "reserved_sms"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        least = 0 if name == "reserved_sms" else 1
+        if not least <= value < 2**31:
+            raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
+
+
+def plan_gemm_reduce_scatter(m: int, n: int, k: int, world_size: int, *, dtype: torch.dtype = torch.bfloat16,
+                             sms: int = 132, compute_capability: tuple[int, int] = (9, 0), mode: str = "auto",
+                             bands_per_group: Optional[int] = None, reserved_sms: Optional[int] = None,
+                             max_groups: Optional[int] = None, kernel: Optional[str] = None,
+                             backend: str = "nccl") -> dict:
+    """The GEMM + ReduceScatter plan for out[m / world_size, n] on each of ``world_size`` GPUs with
+    ``sms`` multiprocessors (default: an H200), as ``reduce_scatter_plan_of``'s dict (schedule,
+    ctas, waves, buffers, tile, predicted times, one dict per wave group). backend: "nccl",
+    "copy_engine" or "auto" (the faster prediction; the copy engines up to 8 GPUs, taken to be one
+    node). Needs no GPU."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
+    if backend not in _env.BACKENDS:
+        raise ValueError(f"backend: expected one of {_env.BACKENDS}, got {backend!r}")
+    reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
+    max_groups = _env.max_groups() if max_groups is None else max_groups
+    _check_ints(m=m, n=n, k=k, world_size=world_size, sms=sms, bands_per_group=bands_per_group,
+                reserved_sms=reserved_sms, max_groups=max_groups)
+    if m % world_size:
+        raise ValueError(f"m: {m} must be divisible by the world size {world_size}")
+    if backend == "auto":
+        allowed = ["nccl", "copy_engine"] if world_size <= MAX_PEER_WORLD else ["nccl"]
+        backend = _core.choose_backend("gemm_reduce_scatter", m, n, k, world_size, dtype_name(dtype), sms,
+                                       compute_capability[0], (mode, bands_per_group, reserved_sms, max_groups,
+                                                               kernel, "auto"), allowed)
+    options = (mode, bands_per_group, reserved_sms, max_groups, kernel, backend)
+    return _core.plan_gemm_reduce_scatter(m, n, k, world_size, dtype_name(dtype), sms, compute_capability[0],
+                                          options)
 
 
 class AllToAllPrediction(NamedTuple):
