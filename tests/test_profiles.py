@@ -390,3 +390,21 @@ def test_the_width_never_turns_a_sequential_call_into_an_overlapped_one():
 
 def test_a_named_kernel_is_kept_whatever_was_measured():
     assert _widths(100.0, 400.0, kernel="sm90_n256")[0] == 256
+
+
+def test_plan_arguments_the_planner_refuses_are_named_without_a_traceback(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "4096x8192x4096", "--bands-per-group", "0"])
+    assert exit_info.value.code == 2
+    assert "plan: bands_per_group: expected an integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["show", "4096x8192x4096", "--fused-norm", "--order", "swizzled", "--gpu", ""])
+    assert "show: order: the fused norm needs whole rows" in capsys.readouterr().err
+
+
+def test_plan_of_the_fused_norm_op(capsys):
+    assert cli.main(["plan", "8192x8192x4096", "--mode", "overlap"]) == 0
+    plain = capsys.readouterr().out
+    assert cli.main(["plan", "8192x8192x4096", "--mode", "overlap", "--fused-norm"]) == 0
+    normed = capsys.readouterr().out
+    assert plain != normed  # the norm after each group is charged

@@ -35,7 +35,7 @@ def _plan(args: argparse.Namespace):
     m, n, k = args.shape
     return flashoverlap.plan_gemm_all_reduce(m, n, k, args.world_size, dtype=getattr(torch, args.dtype), sms=args.sms,
                                              mode=args.mode, bands_per_group=args.bands_per_group,
-                                             backend=args.backend, order=args.order)
+                                             backend=args.backend, order=args.order, fused_norm=args.fused_norm)
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +46,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bands-per-group", type=int, default=None)
     p.add_argument("--backend", default="nccl", choices=["nccl", "copy_engine", "auto"])
     p.add_argument("--order", default="auto", choices=["auto", "banded", "swizzled"])
+    p.add_argument("--fused-norm", action="store_true",
+                   help="the plan of gemm_all_reduce_rmsnorm (a fused add + RMSNorm after each group)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -200,6 +202,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     c.set_defaults(func=cmd_compile)
 
     args = parser.parse_args(argv)
+    if args.command in ("plan", "show"):
+        try:
+            return args.func(args)
+        except (ValueError, TypeError) as e:  # a plan's arguments the planner refuses, named
+            parser.error(f"{args.command}: {e}")
     if args.command is None:
         # The main job: a benchmark where there are GPUs to run it, else the plan.
         if _gpu_count() >= 2:
