@@ -17,11 +17,14 @@
 #   e1     e1_correctness.py (issues 4, 8)                        [2]
 #   e2     e2_predictive_search.py, NCCL (issue 5)                [8]
 #   e2ce   e2_predictive_search.py --backend copy_engine          [8]
-#   tune   flashoverlap tune --preset llama-3-70b-tp2 (issue 5)   [6]
+#   tune   flashoverlap tune, 2-GPU collective curves (issue 5) [6]
 #   first  first_call_latency.py --world-size 2 (issue 5)         [1]
 # Each part writes OUTDIR/<part>.log (its output) and its result files
 # under OUTDIR, and prints one line: part, exit code, seconds. NVLink
 # multicast stays off in everything started here.
+# With ~30 minutes of 2-GPU time, run `tune` first (the speed bars are for the
+# predictor's plans on the tuned machine), then: ar rs arn e2 first, then
+# a2a e1 tests norm normcfg coll e2ce as time allows.
 # After `e2` (and `tune`), the predictor can be refitted on any machine:
 #   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
 # (the profile `tune` wrote in $FLASHOVERLAP_CACHE_DIR/profiles-v1/ to replay with it).
@@ -52,7 +55,9 @@ part_command() {
     e1) echo "timeout 300 python $here/e1_correctness.py --world-size 2 --out $out/e1_correctness_h200x2.txt" ;;
     e2) echo "timeout 570 python $here/e2_predictive_search.py --world-size 2 --out $out/e2_predictive_search_h200x2" ;;
     e2ce) echo "timeout 570 python $here/e2_predictive_search.py --world-size 2 --backend copy_engine --out $out/e2_predictive_search_ce_h200x2" ;;
-    tune) echo "timeout 570 flashoverlap tune --preset llama-3-70b-tp2 --out $out/profile_h200x2.json" ;;
+    # Into the cache dir, where every later part's planner finds it (the GEMM times of the 16
+    # shapes ship in the bundled one-GPU profile), then a copy under OUTDIR.
+    tune) echo "timeout 570 flashoverlap tune --world-size 2 --ops all_reduce,reduce_scatter,all_to_all && cp \"\$(python -c 'from flashoverlap import profiles; print(profiles.cache_dir())')\"/*-w2-*.json $out/" ;;
     first) echo "timeout 240 python $here/first_call_latency.py --world-size 2" ;;
     *) return 1 ;;
   esac
