@@ -801,7 +801,6 @@ fn communicator_rs_plan<'py>(
 /// Plans GEMM + ReduceScatter for a device described by `sms` and compute
 /// capability `major`, as [`communicator_rs_plan`]'s dict; needs no GPU.
 #[pyfunction]
-#[pyo3(signature = (m, n, k, world_size, dtype="bfloat16", sms=132, major=9, options=None))]
 #[allow(clippy::too_many_arguments)]
 fn plan_gemm_reduce_scatter<'py>(
     py: Python<'py>,
@@ -812,12 +811,11 @@ fn plan_gemm_reduce_scatter<'py>(
     dtype: &str,
     sms: u32,
     major: i32,
-    options: Option<RsOptions>,
+    options: RsOptions,
 ) -> PyResult<Bound<'py, PyDict>> {
     let args = operands(0, 0, 0, m, n, k, dtype)?;
-    let o = options.unwrap_or_else(|| ("auto".into(), None, None, 16, None, "nccl".into()));
     let (_, plan) =
-        grs::plan_for(&args, world_size, &rs_options(&o)?, sms, major).map_err(to_py)?;
+        grs::plan_for(&args, world_size, &rs_options(&options)?, sms, major).map_err(to_py)?;
     rs_plan_dict(py, &plan)
 }
 

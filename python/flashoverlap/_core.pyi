@@ -59,12 +59,13 @@ def plan_gemm_all_reduce(
     major: int = 9,
     mode: str = "auto",
     bands_per_group: Optional[int] = None,
-    reserved_sms: int = 24,
+    reserved_sms: Optional[int] = None,
     max_groups: int = 16,
     kernel: Optional[str] = None,
     raster_bands: Optional[int] = None,
     backend: str = "nccl",
     order: str = "auto",
+    fused_norm: bool = False,
 ) -> Plan: ...
 def load_nvrtc(path: str) -> None: ...
 def nvrtc_version() -> tuple[int, int]: ...
@@ -162,6 +163,10 @@ def choose_backend(
 def communicator_rs_plan(
     group_name: str, m: int, n: int, k: int, dtype: str, stream: int, options: RsOptions
 ) -> dict[str, object]: ...
+def plan_gemm_reduce_scatter(
+    m: int, n: int, k: int, world_size: int, dtype: str, sms: int, major: int, options: RsOptions
+) -> dict[str, object]:
+    """communicator_rs_plan's dict for a described device (needs no GPU)."""
 def gemm_reduce_scatter(
     group_name: str,
     x: int,

@@ -120,15 +120,25 @@ def keep_busy(calls: int) -> None:
         torch.matmul(a, a, out=out)
 
 
+def _ranks_backend() -> Optional[str]:
+    """The backend of the default process group where several ranks time together, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_backend()
+    return None
+
+
 def load_calls(*seconds: float) -> list[int]:
     """The number of load GEMMs for each duration; the same on every rank of an initialized
     process group (the largest), so that ranks reach their first collective together."""
     per_s = _load_gemm()[2]
     counts = [max(1, round(s / per_s)) for s in seconds]
-    import torch.distributed as dist
+    backend = _ranks_backend()
+    if backend is not None:
+        import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor(counts, device="cuda" if dist.get_backend() == "nccl" else "cpu", dtype=torch.int64)
+        t = torch.tensor(counts, device="cuda" if backend == "nccl" else "cpu", dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         counts = [int(c) for c in t.tolist()]
     return counts
@@ -138,13 +148,12 @@ def _gpu_aligner() -> Optional[Callable[[], None]]:
     """Where ranks of an NCCL process group time together: a one-element AllReduce to enqueue after
     each head start, so that every rank's GPU starts the round together (the same load runs a little
     faster on one GPU than on another; without it the first collective of a round would time that
-    skew on the faster rank, and the maximum over ranks would report it). It blocks no host."""
+    skew on the faster rank, and the maximum over ranks would report it). It blocks no host. Not
+    under gloo, which runs on the host: it would align the hosts, not the GPUs."""
+    if _ranks_backend() != "nccl":
+        return None
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    if dist.get_backend() != "nccl":
-        return None  # gloo runs on the host: it would align the hosts, not the GPUs
     token = torch.zeros(1, device="cuda")
     return lambda: dist.all_reduce(token)
 

@@ -190,43 +190,47 @@ def _measure_gemm(item: dict, dtype, iters: int) -> float:
                                                   sms=item["ctas"]), iters)
 
 
+def _curve_us(fn_at: Callable[[int], Callable[[int], object]], iters: int) -> list[float]:
+    """The time of fn_at(size) at every size of SIZES (fewer calls above 64 MiB), the maximum over
+    ranks: a collective ends when its slowest rank does."""
+    from .bench import _max_over_ranks
+
+    return [_max_over_ranks(_median_us(fn_at(size), iters if size <= 64 << 20 else max(5, iters // 3)))
+            for size in SIZES]
+
+
 def _measure_collective(item: dict, dtype, iters: int, comm) -> dict:
     import torch
     import torch.distributed as dist
-
-    from . import _core
-    from .bench import _max_over_ranks
 
     world = dist.get_world_size()
     elem = torch.finfo(dtype).bits // 8
     name = "bfloat16" if dtype == torch.bfloat16 else "float16"
     buf = torch.randn(SIZES[-1] // elem, device="cuda", dtype=dtype) * 1e-3
-    out = torch.empty(SIZES[-1] // elem // world, device="cuda", dtype=dtype)
-    full = torch.empty(SIZES[-1] // elem, device="cuda", dtype=dtype) if item["collective"] == "all_to_all" else None
     stream = torch.cuda.current_stream().cuda_stream
     if profiles.backend_of(item) == "copy_engine":
         return _measure_copy_engine(item, buf, name, stream, iters, comm)
-    us = []
-    for size in SIZES:
+    out = torch.empty(SIZES[-1] // elem // world, device="cuda", dtype=dtype)
+    full = torch.empty(SIZES[-1] // elem, device="cuda", dtype=dtype) if item["collective"] == "all_to_all" else None
+
+    def fn_at(size: int) -> Callable[[int], object]:
         count = size // elem
         x = buf[:count]
         if item["collective"] == "all_reduce":
-            fn = ((lambda i: _core.all_reduce(comm.name, x.data_ptr(), count, name, stream)) if item["overlapped"]
-                  else (lambda i: dist.all_reduce(x)))
-        elif item["collective"] == "reduce_scatter":
+            return ((lambda i: _core.all_reduce(comm.name, x.data_ptr(), count, name, stream)) if item["overlapped"]
+                    else (lambda i: dist.all_reduce(x)))
+        if item["collective"] == "reduce_scatter":
             recv = out[:count // world]
-            fn = ((lambda i: _core.reduce_scatter(comm.name, x.data_ptr(), recv.data_ptr(), count // world, name,
-                                                  stream)) if item["overlapped"]
-                  else (lambda i: dist.reduce_scatter_tensor(recv, x)))
-        else:
-            # Uniform splits: count / world elements to every rank, received into a buffer as large.
-            recv = full[:count // world * world]
-            fn = ((lambda i: _core.all_to_all(comm.name, x.data_ptr(), recv.data_ptr(), count // world, name,
-                                              stream)) if item["overlapped"]
-                  else (lambda i: dist.all_to_all_single(recv, x[:recv.numel()])))
-        t = _median_us(fn, iters if size <= 64 << 20 else max(5, iters // 3))
-        us.append(_max_over_ranks(t))
-    return {"max_ctas": comm.max_ctas, "bytes": SIZES, "us": us}
+            return ((lambda i: _core.reduce_scatter(comm.name, x.data_ptr(), recv.data_ptr(), count // world, name,
+                                                    stream)) if item["overlapped"]
+                    else (lambda i: dist.reduce_scatter_tensor(recv, x)))
+        # Uniform splits: count / world elements to every rank, received into a buffer as large.
+        recv = full[:count // world * world]
+        return ((lambda i: _core.all_to_all(comm.name, x.data_ptr(), recv.data_ptr(), count // world, name,
+                                            stream)) if item["overlapped"]
+                else (lambda i: dist.all_to_all_single(recv, x[:recv.numel()])))
+
+    return {"max_ctas": comm.max_ctas, "bytes": SIZES, "us": _curve_us(fn_at, iters)}
 
 
 def _measure_copy_engine(item: dict, buf, name: str, stream: int, iters: int, comm) -> dict:
@@ -235,22 +239,18 @@ def _measure_copy_engine(item: dict, buf, name: str, stream: int, iters: int, co
     import torch
     import torch.distributed as dist
 
-    from . import _core
-    from .bench import _max_over_ranks
-
     world = dist.get_world_size()
     kind = item["collective"]
     # What each rank receives: the whole input (AllReduce) or its shard (ReduceScatter).
     per_slot = SIZES[-1] if kind == "all_reduce" else SIZES[-1] // world
     comm.ensure_peer_buffers(per_slot)
     dst = torch.empty(per_slot // buf.element_size(), device=buf.device, dtype=buf.dtype)
-    us = []
-    for size in SIZES:
-        fn = (lambda i: _core.copy_engine_collective(comm.name, kind, buf.data_ptr(), dst.data_ptr(), size, name,
-                                                     item["ctas"], stream, 1))
-        t = _median_us(fn, iters if size <= 64 << 20 else max(5, iters // 3))
-        us.append(_max_over_ranks(t))
-    return {"bytes": SIZES, "us": us}
+
+    def fn_at(size: int) -> Callable[[int], object]:
+        return lambda i: _core.copy_engine_collective(comm.name, kind, buf.data_ptr(), dst.data_ptr(), size, name,
+                                                      item["ctas"], stream, 1)
+
+    return {"bytes": SIZES, "us": _curve_us(fn_at, iters)}
 
 
 def _target(key: dict, out: Optional[str]) -> Path:

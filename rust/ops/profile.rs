@@ -14,7 +14,7 @@ use super::backend::Backend;
 use crate::cuda::kernels::GemmKernel;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
-use crate::plan::{CollectiveKind, Curve, HardwareModel};
+use crate::plan::{CollectiveKind, Curve, HardwareModel, OutputTiles, Waves};
 
 /// Which collective a curve times.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -152,13 +152,18 @@ pub fn measured_gemm(
 /// 128 x 256 tiles: 512 tiles are 4.74 waves, and the model counted 5 on
 /// top of the measurement).
 fn wave_padding(kernel: &str, ctas: u32, (m, n, _): (u32, u32, u32)) -> f64 {
-    let Some((bm, bn, _)) = GemmKernel::parse(kernel).map(GemmKernel::tile) else {
+    // The same tiles and waves the cost model counts.
+    let Some(tile) = GemmKernel::parse(kernel).map(super::gemm::tile_shape) else {
         return 1.0;
     };
-    let tiles = u64::from(m.div_ceil(bm)) * u64::from(n.div_ceil(bn));
-    let ctas = u64::from(ctas.max(1));
-    let padded = tiles.div_ceil(ctas) * ctas * u64::from(bm) * u64::from(bn);
-    padded as f64 / (f64::from(m) * f64::from(n))
+    let Ok(tiles) = OutputTiles::new(m, n, tile) else {
+        return 1.0;
+    };
+    let Ok(waves) = Waves::new(ctas, tiles.count()) else {
+        return 1.0;
+    };
+    let modelled = f64::from(waves.count()) * f64::from(ctas) * f64::from(tile.bm * tile.bn);
+    modelled / (f64::from(m) * f64::from(n))
 }
 
 /// How much slower a copy-engine exchange runs beside the GEMM than the
