@@ -329,6 +329,7 @@ fn cache_dir() -> String {
 /// and returns (kernel, defines, cubin bytes) for each. Needs NVRTC, no GPU.
 #[pyfunction]
 fn compile_kernels(py: Python<'_>, arch: &str) -> PyResult<Vec<(String, String, usize)>> {
+    let _keep = driver::KeepCurrent::new();
     let specs = kernels::all_for(arch);
     if specs.is_empty() {
         return Err(PyValueError::new_err(format!(
@@ -355,6 +356,7 @@ fn compile_kernels(py: Python<'_>, arch: &str) -> PyResult<Vec<(String, String, 
 
 #[pyfunction]
 fn device_info<'py>(py: Python<'py>, device: i32) -> PyResult<Bound<'py, PyDict>> {
+    let _keep = driver::KeepCurrent::new();
     let info = driver::bind(device).map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("ordinal", info.ordinal)?;
@@ -393,6 +395,7 @@ fn create_communicator(
     device: i32,
     max_ctas: Option<i32>,
 ) -> PyResult<()> {
+    let _keep = driver::KeepCurrent::new();
     py.detach(|| {
         communicator::create(
             name,
@@ -408,6 +411,7 @@ fn create_communicator(
 
 #[pyfunction]
 fn destroy_communicator(name: &str) -> bool {
+    let _keep = driver::KeepCurrent::new();
     communicator::destroy(name)
 }
 
@@ -438,6 +442,7 @@ fn gemm(
     signal_bands: Option<u32>,
     staging: u64,
 ) -> PyResult<()> {
+    let _keep = driver::KeepCurrent::new();
     let args = operands(x, weight, out, m, n, k, dtype)?;
     let how = gemm_op::Launch {
         kernel: gemm_kernel(kernel)?,
@@ -470,6 +475,7 @@ fn unreorder(
     raster_bands: Option<u32>,
     sms: Option<u32>,
 ) -> PyResult<()> {
+    let _keep = driver::KeepCurrent::new();
     // The copy never reads the operands; K only has to be valid.
     let args = operands(out, out, out, m, n, 8, dtype)?;
     let how = gemm_op::Launch {
@@ -504,6 +510,7 @@ fn gemm_all_reduce(
     staging: u64,
     norm: Option<NormArgs>,
 ) -> PyResult<(&'static str, u64)> {
+    let _keep = driver::KeepCurrent::new();
     let (comm, _, opts) = call_of(group_name, m, n, k, dtype, &options)?;
     let args = operands(x, weight, out, m, n, k, dtype)?;
     let norm = norm
@@ -615,6 +622,7 @@ fn peer_prepare<'py>(
     group_name: &str,
     slot_bytes: u64,
 ) -> PyResult<Bound<'py, PyBytes>> {
+    let _keep = driver::KeepCurrent::new();
     let comm = communicator::get(group_name).map_err(to_py)?;
     let handle = py.detach(|| comm.peer_prepare(slot_bytes)).map_err(to_py)?;
     Ok(PyBytes::new(py, &handle))
@@ -622,6 +630,7 @@ fn peer_prepare<'py>(
 
 #[pyfunction]
 fn peer_attach(py: Python<'_>, group_name: &str, handles: Vec<Vec<u8>>) -> PyResult<()> {
+    let _keep = driver::KeepCurrent::new();
     let comm = communicator::get(group_name).map_err(to_py)?;
     py.detach(|| comm.peer_attach(&handles)).map_err(to_py)
 }
@@ -637,6 +646,7 @@ fn peer_slot_bytes(group_name: &str) -> PyResult<u64> {
 /// Waits until the communicator's streams are idle.
 #[pyfunction]
 fn synchronize_communicator(py: Python<'_>, group_name: &str) -> PyResult<()> {
+    let _keep = driver::KeepCurrent::new();
     let comm = communicator::get(group_name).map_err(to_py)?;
     py.detach(|| comm.synchronize()).map_err(to_py)
 }
@@ -652,6 +662,7 @@ fn all_reduce(
     dtype: &str,
     stream: usize,
 ) -> PyResult<()> {
+    let _keep = driver::KeepCurrent::new();
     let dtype = self::dtype(dtype)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     py.detach(|| ar_op::all_reduce(&comm, ptr, count, dtype, stream::from_handle(stream)))
@@ -873,6 +884,7 @@ fn gemm_reduce_scatter(
     stream: usize,
     options: RsOptions,
 ) -> PyResult<&'static str> {
+    let _keep = driver::KeepCurrent::new();
     let (comm, _, opts) = rs_call(group_name, m, n, k, dtype, &options)?;
     let args = operands(x, weight, out, m, n, k, dtype)?;
     py.detach(|| grs::gemm_reduce_scatter(&comm, &args, send, &opts, stream::from_handle(stream)))
@@ -898,6 +910,7 @@ fn add_rmsnorm(
     stream: usize,
     ctas: u32,
 ) -> PyResult<()> {
+    let _keep = driver::KeepCurrent::new();
     let dtype = self::dtype(dtype)?;
     if n % 8 != 0 || n > kernels::ADD_RMSNORM_MAX_N {
         return Err(PyValueError::new_err(format!(
@@ -995,6 +1008,7 @@ fn allreduce_rmsnorm_launch(
     pull: bool,
     config: Option<(u32, u32)>,
 ) -> PyResult<()> {
+    let _keep = driver::KeepCurrent::new();
     let dtype = self::dtype(dtype)?;
     let config = match config {
         Some((threads, unroll)) => kernels::NormConfig::new(threads, unroll).map_err(to_py)?,
@@ -1060,6 +1074,7 @@ struct PyPeerMemory {
 impl PyPeerMemory {
     #[new]
     fn new(device: i32, bytes: u64) -> PyResult<Self> {
+        let _keep = driver::KeepCurrent::new();
         driver::bind(device).map_err(to_py)?;
         let words = usize::try_from(bytes.div_ceil(4))
             .map_err(|_| PyValueError::new_err(format!("bytes: too large ({bytes})")))?;
@@ -1074,6 +1089,7 @@ impl PyPeerMemory {
 
     /// This buffer's IPC handle (its zeroes settled first).
     fn handle<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let _keep = driver::KeepCurrent::new();
         let local = self.live()?;
         driver::bind(self.device).map_err(to_py)?;
         let bytes = crate::comm::peer::export(local).map_err(to_py)?;
@@ -1082,6 +1098,7 @@ impl PyPeerMemory {
 
     /// Maps the other ranks' buffers from every rank's handle (rank order).
     fn attach(&mut self, rank: usize, handles: Vec<Vec<u8>>) -> PyResult<()> {
+        let _keep = driver::KeepCurrent::new();
         let own = self.live()?.ptr;
         if rank >= handles.len() || !self.mapped.is_empty() {
             return Err(PyValueError::new_err(format!(
@@ -1108,6 +1125,7 @@ impl PyPeerMemory {
 
     /// Header word `index` of this rank's buffer (read synchronously).
     fn header_word(&self, index: u64) -> PyResult<u32> {
+        let _keep = driver::KeepCurrent::new();
         let local = self.live()?;
         driver::bind(self.device).map_err(to_py)?;
         let mut word = 0u32;
@@ -1129,6 +1147,7 @@ impl PyPeerMemory {
     /// Unmaps the peers' buffers and frees this one (every rank's kernels
     /// that use them must be done: the caller synchronizes first).
     fn close(&mut self) {
+        let _keep = driver::KeepCurrent::new();
         if driver::bind(self.device).is_ok() {
             crate::comm::peer::close_all(&self.mapped);
             self.local = None;
@@ -1148,6 +1167,7 @@ impl PyPeerMemory {
 
 impl Drop for PyPeerMemory {
     fn drop(&mut self) {
+        let _keep = driver::KeepCurrent::new();
         self.close();
     }
 }
@@ -1183,6 +1203,7 @@ fn all_to_all_tables<'py>(
     recv_splits: Vec<u64>,
     options: A2aOptions,
 ) -> PyResult<(Bound<'py, PyBytes>, u64)> {
+    let _keep = driver::KeepCurrent::new();
     let args = operands(0, 0, 0, m, n, k, dtype)?;
     let opts = a2a_options(&options)?;
     let dev = driver::bind(device).map_err(to_py)?;
@@ -1247,6 +1268,7 @@ fn gemm_all_to_all(
     buffers: (u64, u64, u64, u64, u64),
     options: A2aOptions,
 ) -> PyResult<()> {
+    let _keep = driver::KeepCurrent::new();
     let args = operands(x, weight, out, m, n, k, dtype)?;
     let opts = a2a_options(&options)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
@@ -1276,6 +1298,7 @@ fn all_to_all(
     dtype: &str,
     stream: usize,
 ) -> PyResult<()> {
+    let _keep = driver::KeepCurrent::new();
     let dtype = self::dtype(dtype)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     py.detach(|| ga2a::all_to_all(&comm, send, recv, count, dtype, stream::from_handle(stream)))
@@ -1293,6 +1316,7 @@ fn reduce_scatter(
     dtype: &str,
     stream: usize,
 ) -> PyResult<()> {
+    let _keep = driver::KeepCurrent::new();
     let dtype = self::dtype(dtype)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
     py.detach(|| {
@@ -1328,6 +1352,7 @@ fn copy_engine_collective(
     stream: usize,
     chunks: Option<u64>,
 ) -> PyResult<()> {
+    let _keep = driver::KeepCurrent::new();
     let kind = match kind {
         "all_reduce" => copy_engine::Plain::AllReduce,
         "reduce_scatter" => copy_engine::Plain::ReduceScatter,

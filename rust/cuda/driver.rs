@@ -4,6 +4,7 @@ use crate::error::{Error, Result};
 use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 /// Turns a driver return code into a Result naming the call.
@@ -32,8 +33,14 @@ pub fn check(code: sys::CUresult, call: &'static str) -> Result<()> {
 /// cudarc panics when the driver library is absent; ask first so that a
 /// machine without a GPU gets an error, not a panic.
 pub fn ensure_driver() -> Result<()> {
+    // A present driver stays present: probe (dlopen) until it is found once.
+    static FOUND: AtomicBool = AtomicBool::new(false);
+    if FOUND.load(Ordering::Relaxed) {
+        return Ok(());
+    }
     // SAFETY: only probes whether libcuda can be opened.
     if unsafe { sys::is_culib_present() } {
+        FOUND.store(true, Ordering::Relaxed);
         Ok(())
     } else {
         Err(Error::Missing(
@@ -115,4 +122,41 @@ pub fn bind(ordinal: i32) -> Result<DeviceInfo> {
         "cuCtxSetCurrent",
     )?;
     Ok(info)
+}
+
+/// Puts the calling thread's current context back when dropped. `bind` makes the operands'
+/// device current, and a caller whose current device is another one (torch.cuda.set_device)
+/// must find it unchanged after the call; every Python entry point that binds holds one.
+pub struct KeepCurrent(Option<sys::CUcontext>);
+
+impl KeepCurrent {
+    pub fn new() -> Self {
+        if ensure_driver().is_err() {
+            return Self(None);
+        }
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out pointer; a null context (none current) is a valid answer.
+        let ok = unsafe { sys::cuCtxGetCurrent(&mut ctx) } == sys::CUresult::CUDA_SUCCESS;
+        Self(ok.then_some(ctx))
+    }
+}
+
+impl Default for KeepCurrent {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for KeepCurrent {
+    fn drop(&mut self) {
+        let Some(prev) = self.0 else { return };
+        let mut now: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `prev` was current on this thread when saved; torch keeps primary contexts
+        // alive, and restoring null (no context) is allowed.
+        unsafe {
+            if sys::cuCtxGetCurrent(&mut now) == sys::CUresult::CUDA_SUCCESS && now != prev {
+                sys::cuCtxSetCurrent(prev);
+            }
+        }
+    }
 }

@@ -176,6 +176,9 @@ def test_operands_on_another_device() -> None:
     assert torch.cuda.current_device() == 0
     out = check_gemm(x, w)
     assert out.device == torch.device("cuda", 1)
+    # The call binds device 1 for its launch and must leave the caller's current device as it was.
+    assert torch.cuda.current_device() == 0
+    assert torch.empty(1, device="cuda").device == torch.device("cuda", 0)
     with pytest.raises(ValueError, match=r"^weight:.*cuda:0"):
         flashoverlap.gemm(x, w.to("cuda:0"))
 
