@@ -45,10 +45,10 @@ unset CUDA_MODULE_LOADING
 part_command() {
   case "$1" in
     tests) echo "timeout 420 python -m pytest $here/../tests/gpu -q -p no:cacheprovider --timeout 240" ;;
-    ar) echo "timeout 420 python $here/bench_gemm_ar.py --iters 40 --out $out/bench_gemm_ar_h200x2.csv" ;;
-    rs) echo "timeout 420 python $here/bench_gemm_rs.py --out $out/bench_gemm_rs_h200x2" ;;
-    a2a) echo "timeout 360 python $here/bench_gemm_a2a.py --out $out/bench_gemm_a2a_h200x2" ;;
-    arn) echo "timeout 360 python $here/bench_gemm_ar_rmsnorm.py --out $out/bench_gemm_ar_rmsnorm_h200x2" ;;
+    ar) echo "timeout 420 python $here/bench_gemm_ar.py --iters 40 --out $out/bench_gemm_ar_h200x2_bfloat16.csv" ;;
+    rs) echo "timeout 420 python $here/bench_gemm_rs.py --out $out/bench_gemm_rs_h200x2_bfloat16" ;;
+    a2a) echo "timeout 360 python $here/bench_gemm_a2a.py --out $out/bench_gemm_a2a_h200x2_bfloat16" ;;
+    arn) echo "timeout 360 python $here/bench_gemm_ar_rmsnorm.py --out $out/bench_gemm_ar_rmsnorm_h200x2_bfloat16" ;;
     norm) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --out $out/bench_all_reduce_rmsnorm_h200x2" ;;
     normcfg) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --quick --configs 512x2 256x4 256x2 --out $out/bench_all_reduce_rmsnorm_configs_h200x2" ;;
     coll) echo "timeout 420 python $here/bench_collectives.py --world-size 2 --out $out/bench_collectives_h200x2" ;;

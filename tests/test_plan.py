@@ -451,7 +451,8 @@ def test_backends_reserve_their_own_sms(monkeypatch: pytest.MonkeyPatch) -> None
     assert plan_gemm_all_reduce(4096, 8192, 14336, 2, mode="overlap", backend="copy_engine").ctas == H200_SMS - 4
     assert plan_gemm_all_reduce(16384, 8192, 1024, 2, mode="overlap", backend="copy_engine").ctas == H200_SMS - 8
     # "auto" plans the copy engines on one node (<= 8 GPUs), NCCL beyond.
-    assert plan_gemm_all_reduce(8192, 8192, 4096, 8, mode="overlap", backend="auto").ctas == ce.ctas
+    ce8 = plan_gemm_all_reduce(8192, 8192, 4096, 8, mode="overlap", backend="copy_engine")
+    assert plan_gemm_all_reduce(8192, 8192, 4096, 8, mode="overlap", backend="auto").ctas == ce8.ctas
     assert plan_gemm_all_reduce(8192, 8192, 4096, 16, mode="overlap", backend="auto").ctas == nccl.ctas
     monkeypatch.setenv("FLASHOVERLAP_RESERVED_SMS", "12")
     assert plan_gemm_all_reduce(8192, 8192, 4096, 2, mode="overlap", backend="copy_engine").ctas == H200_SMS - 12

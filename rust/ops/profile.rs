@@ -166,11 +166,6 @@ fn wave_padding(kernel: &str, ctas: u32, (m, n, _): (u32, u32, u32)) -> f64 {
     modelled / (f64::from(m) * f64::from(n))
 }
 
-/// How much slower a copy-engine exchange runs beside the GEMM than the
-/// exchange `tune` timed alone (376 / 240 GB/s, the copies' rates measured
-/// alone and beside the overlapped GEMM on 2x H200).
-pub const COPY_ENGINE_BESIDE_GEMM: f64 = 1.5;
-
 /// What a call is planned for, to look its profile up.
 pub struct Lookup<'a> {
     pub kernel: &'a str,
@@ -242,13 +237,12 @@ pub fn apply(hw: HardwareModel, q: &Lookup) -> HardwareModel {
         hw.comm.curve = Some(c);
     }
     let group = group_curve(sms, world, kind, q.backend, q.reserved);
-    if let Some(c) = group {
+    // Not the copy engines' curve: `tune` times one exchange alone, ~35 us
+    // each however small, where the pipeline's groups hide most of that
+    // behind each other (2x H200 E2 with the curve: 55% mean error; the
+    // analytic model, whose sum rates that curve fitted, 4.9%).
+    if let Some(c) = group.filter(|_| q.backend != Backend::CopyEngine) {
         hw.overlap_comm.curve = Some(c);
-        if q.backend == Backend::CopyEngine {
-            // `tune` times the exchange alone; beside the GEMM the copies
-            // ran at ~240 GB/s where alone they ran at 376 (2x H200).
-            hw.overlap_comm_slowdown = hw.overlap_comm_slowdown.max(COPY_ENGINE_BESIDE_GEMM);
-        }
     }
     // The model runs a wave of `ctas` tiles at gemm_tflops * ctas / sms. A
     // rate averaged over other shapes keeps their average padding as is.
@@ -361,20 +355,17 @@ mod tests {
         };
         let ce_hw = apply(base, &ce);
         assert!(ce_hw.comm.curve.is_some() && ce_hw.overlap_comm.curve.is_none());
-        // Copy-engine curves: the one of the most CTAs the reservation covers.
+        // Copy-engine curves: the one of the most CTAs the reservation covers
+        // is what a plain collective costs (below), but the overlapped model
+        // keeps its analytic groups (the curve, timed alone, misled it).
         for (ctas, us) in [(4, 40.0), (8, 30.0), (16, 25.0)] {
             let samples = [(1 << 20, us), (1 << 30, 100.0 * us)];
             let of = CurveOf::CopyEngineGroup { ctas };
             register_curve(131, 2, CollectiveKind::AllReduce, of, &samples).unwrap();
         }
         let ce_hw = apply(base, &ce);
-        assert_eq!(ce_hw.overlap_comm.time_us(1 << 20, 2), 30.0);
-        assert_eq!(ce_hw.overlap_comm_slowdown, COPY_ENGINE_BESIDE_GEMM);
-        let ce12 = Lookup { reserved: 12, ..ce };
-        assert_eq!(apply(base, &ce12).overlap_comm.time_us(1 << 20, 2), 30.0);
-        let ce2 = Lookup { reserved: 2, ..ce };
-        assert_eq!(apply(base, &ce2).overlap_comm.curve, None);
-        assert_eq!(apply(base, &ce2).overlap_comm_slowdown, 1.0);
+        assert!(ce_hw.comm.curve.is_some() && ce_hw.overlap_comm.curve.is_none());
+        assert_eq!(ce_hw.overlap_comm_slowdown, base.overlap_comm_slowdown);
         assert_eq!(apply(base, &q).overlap_comm.time_us(1 << 20, 2), 20.0);
         // A plain collective's measured time on each backend (what "auto" compares).
         let (ar, mib) = (CollectiveKind::AllReduce, 1 << 20);
