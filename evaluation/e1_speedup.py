@@ -29,15 +29,22 @@ PRIMITIVES = [
                                     ("flashoverlap (NCCL backend) vs sequential", "speedup_nccl"),
                                     ("reference: cuBLAS || unrelated NCCL vs sequential", "concurrent_speedup")]),
     ("ReduceScatter", "bench_gemm_rs", [("flashoverlap vs sequential cuBLAS + NCCL", "fo_vs_seq"),
+                                        ("flashoverlap (NCCL backend) vs sequential", "fo_nccl_vs_seq"),
+                                        ("flashoverlap (copy engines) vs sequential", "fo_ce_vs_seq"),
+                                        ("forced overlap (copy engines) vs sequential", "forced_ce_vs_seq"),
                                         ("flashoverlap vs decomposition", "fo_vs_decomp"),
                                         ("flashoverlap vs torch Async-TP", "fo_vs_async_tp"),
                                         ("reference: cuBLAS || unrelated NCCL vs sequential", "concurrent_vs_seq")]),
     ("All-to-All", "bench_gemm_a2a", [("flashoverlap vs sequential cuBLAS + NCCL all_to_all_single", "fo_vs_seq"),
+                                      ("flashoverlap (NCCL backend) vs sequential", "fo_nccl_vs_seq"),
+                                      ("flashoverlap (copy engines) vs sequential", "fo_ce_vs_seq"),
                                       ("flashoverlap vs decomposition", "fo_vs_decomp")]),
     ("AllReduce+RMSNorm", "bench_gemm_ar_rmsnorm", [
         ("flashoverlap vs sequential cuBLAS + NCCL + torch add-RMSNorm", "fo_vs_seq"),
         ("flashoverlap vs sequential cuBLAS + NCCL + one-kernel add-RMSNorm", "fo_vs_seq_fused"),
-        ("flashoverlap (NCCL backend) vs sequential + torch add-RMSNorm", "fo_nccl_vs_seq")]),
+        ("flashoverlap (NCCL backend) vs sequential + torch add-RMSNorm", "fo_nccl_vs_seq"),
+        ("flashoverlap (peer backend) vs sequential + torch add-RMSNorm", "fo_peer_vs_seq"),
+        ("flashoverlap (peer backend) vs sequential + one-kernel add-RMSNorm", "fo_peer_vs_seq_fused")]),
 ]
 
 NAME = re.compile(r"^(?P<prefix>.+)_(?P<gpu>[^_]+)x(?P<world>\d+)_(?P<dtype>[a-z0-9]+)\.csv$")
@@ -69,7 +76,7 @@ def tables(results: str) -> list[str]:
             lines.append(f"  {world} x {gpu}, {dtype}, {os.path.basename(path)}:")
             for label, column in baselines:
                 values = [float(r[column]) for r in rows if r.get(column) not in (None, "")]
-                lines.append(f"    {label:<56} {summarize(values)}")
+                lines.append(f"    {label:<68} {summarize(values)}")
     return lines
 
 

@@ -18,6 +18,8 @@ def test_e1_tables_from_the_committed_results() -> None:
     ar = next(line for line in lines if "flashoverlap vs sequential cuBLAS + NCCL " in line)
     assert "16 shapes" in ar and "1.085x" in ar
     assert "AllReduce+RMSNorm:" in text
+    peer = next(line for line in lines if "(peer backend) vs sequential + one-kernel" in line)
+    assert "16 shapes" in peer and "1.103x" in peer
 
 
 def test_e1_reads_each_primitive_and_keeps_prefixes_apart(tmp_path: Path) -> None:
