@@ -42,6 +42,16 @@ pub struct Communicator {
     pub link_streams: Vec<OwnedStream>,
     pub link_go: Event,
     pub link_done: Vec<Event>,
+    /// AllReduce as ReduceScatter + AllGather on the copy engines (world >=
+    /// 3): after each group's sum, `gather_go` starts one copy stream per
+    /// peer (this rank's summed share into that peer's slot) and the landing
+    /// stream, which waits for the peers' shares and copies them from the
+    /// slots into the output, then runs what follows the group (norm,
+    /// un-reorder); `land_join` joins them all into the caller's stream.
+    pub gather_streams: Vec<OwnedStream>,
+    pub land_stream: OwnedStream,
+    pub gather_go: Event,
+    pub land_join: Event,
     /// The copy-engine backend's buffers, once attached.
     peer: Mutex<Option<Arc<PeerBuffers>>>,
     pending_peer: Mutex<Option<PendingPeer>>,
@@ -168,10 +178,11 @@ impl Communicator {
     pub fn synchronize(&self) -> Result<()> {
         driver::bind(self.device.ordinal)?;
         stream::synchronize(self.stream.0)?;
-        for link in &self.link_streams {
+        for link in self.link_streams.iter().chain(&self.gather_streams) {
             stream::synchronize(link.0)?;
         }
-        stream::synchronize(self.reduce_stream.0)
+        stream::synchronize(self.reduce_stream.0)?;
+        stream::synchronize(self.land_stream.0)
     }
 
     /// Events for `groups` wave groups (made outside capture, on first use of a shape).
@@ -269,6 +280,13 @@ pub fn create(
             .collect::<Result<_>>()?,
         link_go: Event::new()?,
         link_done: (2..world).map(|_| Event::new()).collect::<Result<_>>()?,
+        gather_streams: (1..world)
+            .filter(|_| crate::ops::copy_engine::gathers_all_reduce(world as usize))
+            .map(|_| OwnedStream::high_priority())
+            .collect::<Result<_>>()?,
+        land_stream: OwnedStream::high_priority()?,
+        gather_go: Event::new()?,
+        land_join: Event::new()?,
         peer: Mutex::new(None),
         pending_peer: Mutex::new(None),
         enqueue: Mutex::new(()),

@@ -7,11 +7,14 @@
 //!                                      free (q reduced R's previous call)
 //!   word 64 + g * 8 + q                ready[g][q]: rank q copied group g into
 //!                                      R's slot for q
+//!   word 64 + 8192 + g * 8 + q         gathered[g][q]: rank q copied its sum of
+//!                                      its share of group g into R's slot for q
+//!                                      (AllReduce as ReduceScatter + AllGather)
 //!   FLAG_BYTES + i * slot_bytes        slot i: the partial of the i-th other
 //!                                      rank, laid out like the output
 //! Flags are set by the peer's stream (a stream memory write after its copy,
 //! no kernel) and reset by the waiter right after its wait, so every call
-//! leaves them as it found them (free = 1, ready = 0) and CUDA-graph replays
+//! leaves them as it found them (free = 1, ready = gathered = 0) and CUDA-graph replays
 //! see the same state each time.
 
 use crate::cuda::driver::check;
@@ -25,9 +28,9 @@ pub const MAX_PEER_WORLD: usize = 8;
 pub const MAX_PEER_GROUPS: usize = 1024;
 pub const IPC_HANDLE_BYTES: usize = 64;
 const FREE_WORDS: usize = 64;
-const FLAG_BYTES: u64 = 64 * 1024;
+const FLAG_BYTES: u64 = 128 * 1024;
 const _: () = assert!(
-    ((FREE_WORDS + MAX_PEER_GROUPS * MAX_PEER_WORLD) * 4) as u64 <= FLAG_BYTES,
+    ((FREE_WORDS + 2 * MAX_PEER_GROUPS * MAX_PEER_WORLD) * 4) as u64 <= FLAG_BYTES,
     "the flags must fit before the slots"
 );
 
@@ -65,6 +68,13 @@ impl PeerLayout {
     pub fn ready_flag(&self, base: u64, group: usize, from: usize) -> u64 {
         debug_assert!(from < self.world && group < MAX_PEER_GROUPS);
         base + 4 * (FREE_WORDS + group * MAX_PEER_WORLD + from) as u64
+    }
+
+    /// The word rank `from` sets in `base`'s buffer once it copied its sum
+    /// of its share of group `group` there.
+    pub fn gathered_flag(&self, base: u64, group: usize, from: usize) -> u64 {
+        debug_assert!(from < self.world && group < MAX_PEER_GROUPS);
+        base + 4 * (FREE_WORDS + (MAX_PEER_GROUPS + group) * MAX_PEER_WORLD + from) as u64
     }
 
     /// The slot of `receiver`'s buffer (at `base`) that holds `source`'s partial.
@@ -234,6 +244,7 @@ mod tests {
                 assert!(words.insert(layout.free_flag(0, from)));
                 for g in [0, 1, MAX_PEER_GROUPS - 1] {
                     assert!(words.insert(layout.ready_flag(0, g, from)));
+                    assert!(words.insert(layout.gathered_flag(0, g, from)));
                 }
             }
             assert!(words.iter().all(|&w| w + 4 <= FLAG_BYTES));

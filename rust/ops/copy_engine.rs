@@ -11,8 +11,20 @@
 //! Comm stream C:   wait(free) wait(c0) copy(g0 -> peers) flag(peers) [e0] wait(c1) copy(g1) ...
 //! Reduce stream R: [wait e0] wait(ready g0 from peers) reduce(g0) [wait e1] ... set(free at peers)
 //!
-//! AllReduce: every peer gets the whole group (its part is the same bytes)
-//! and the sum is written in place. ReduceScatter: peer p gets the group's
+//! AllReduce on 2 ranks: the peer gets the whole group and both ranks sum
+//! all of it in place (one exchange; the links carry as much as a
+//! ReduceScatter + AllGather would). On 3 or more (`Group::Gather`), as a
+//! ReduceScatter + AllGather: peer p gets share p of the group, each rank
+//! sums its own share, copies the sum into every peer's slot, and a landing
+//! stream copies the peers' sums from its slots into the output, so that
+//! each rank moves 2 (world - 1) / world of the group instead of
+//! (world - 1) times it, and sums 1 / world of it:
+//!
+//! Reduce stream R: ... reduce(share of g) [go] ...
+//! Gather streams:        [wait go] copy(sum -> peer p's slot) flag(p) ...
+//! Land stream L:         [wait go] wait(gathered g from peers) copy(slots -> out) after(g) ...
+//!
+//! ReduceScatter: peer p gets the group's
 //! chunk p of the send buffer, and the sum of chunk `rank` goes to this
 //! rank's output rows. All-to-All: peer p gets the group's rows for p, and
 //! the reduce stream copies what each peer staged into the output rows
@@ -76,14 +88,18 @@ pub struct Moves {
 /// One wave group's exchange on the copy engines.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Group {
+    /// Every peer's part summed into this rank's output.
     Sum(Exchange),
+    /// An AllReduce (stride 0) as ReduceScatter + AllGather: rank p sums
+    /// share p of the bytes ([`share`]) and gives every rank its sum.
+    Gather(Exchange),
     Move(Moves),
 }
 
 impl Group {
     fn tiles(&self) -> u32 {
         match self {
-            Group::Sum(e) => e.tiles,
+            Group::Sum(e) | Group::Gather(e) => e.tiles,
             Group::Move(m) => m.tiles,
         }
     }
@@ -92,7 +108,7 @@ impl Group {
     /// reads from).
     fn slot_end(&self) -> u64 {
         match self {
-            Group::Sum(e) => e.slot_offset + e.bytes,
+            Group::Sum(e) | Group::Gather(e) => e.slot_offset + e.bytes,
             Group::Move(m) => m
                 .sends
                 .iter()
@@ -109,6 +125,45 @@ pub fn sums(exchanges: Vec<Exchange>) -> Vec<Group> {
     exchanges.into_iter().map(Group::Sum).collect()
 }
 
+/// Whether an AllReduce over `world` ranks runs as ReduceScatter +
+/// AllGather. On 2 ranks both move the same bytes over the link and one
+/// exchange is what was measured (2x H200); beyond, sending the whole group
+/// to every peer moves world / 2 times the bytes and sums world times them.
+pub fn gathers_all_reduce(world: usize) -> bool {
+    world >= 3
+}
+
+/// AllReduce groups (stride-0 exchanges) for `world` ranks.
+pub fn all_reduces(exchanges: Vec<Exchange>, world: usize) -> Vec<Group> {
+    if gathers_all_reduce(world) {
+        exchanges.into_iter().map(Group::Gather).collect()
+    } else {
+        sums(exchanges)
+    }
+}
+
+/// Share `p` of `bytes` split among `world` ranks in whole 16-byte vectors:
+/// (offset, bytes). Shares may be empty (fewer vectors than ranks).
+pub fn share(bytes: u64, p: usize, world: usize) -> (u64, u64) {
+    let vectors = bytes / 16;
+    let (w, p) = (world as u64, p as u64);
+    let (first, last) = (vectors * p / w, vectors * (p + 1) / w);
+    (first * 16, (last - first) * 16)
+}
+
+/// Share `p` of an AllReduce exchange, as an exchange of its own.
+fn share_of(e: &Exchange, p: usize, world: usize) -> Exchange {
+    let (offset, bytes) = share(e.bytes, p, world);
+    Exchange {
+        tiles: e.tiles,
+        src: e.src + offset,
+        src_stride: 0,
+        bytes,
+        slot_offset: e.slot_offset + offset,
+        out: e.out + offset,
+    }
+}
+
 /// Checks what the backend needs of the groups before a plan is kept:
 /// few enough for the ready flags, and 16-byte aligned sums.
 pub fn check_groups(groups: &[Group]) -> Result<()> {
@@ -123,8 +178,16 @@ pub fn check_groups(groups: &[Group]) -> Result<()> {
             .iter()
             .all(|v| v % 16 == 0)
     };
+    if groups
+        .iter()
+        .any(|g| matches!(g, Group::Gather(e) if e.src_stride != 0))
+    {
+        return Err(Error::Invalid(
+            "internal: an AllReduce group has a stride".into(),
+        ));
+    }
     let mut sums = groups.iter().filter_map(|g| match g {
-        Group::Sum(e) => Some(e),
+        Group::Sum(e) | Group::Gather(e) => Some(e),
         Group::Move(_) => None,
     });
     match sums.find(|e| !aligned(e)) {
@@ -240,10 +303,26 @@ pub fn enqueue(
     if events.len() < call.groups.len() {
         return Err(Error::Invalid("internal: group events not made".into()));
     }
-    let forked: Vec<RawStream> = [copies, reduces]
+    // AllReduce as ReduceScatter + AllGather: a gather stream per peer, and
+    // the landing stream (which then also frees the slots: it reads them last).
+    let gathering = layout.world > 1 && call.groups.iter().any(|g| matches!(g, Group::Gather(_)));
+    let gathers: Vec<RawStream> = if gathering {
+        comm.gather_streams.iter().map(|s| s.0).collect()
+    } else {
+        Vec::new()
+    };
+    let land = comm.land_stream.0;
+    if gathering && gathers.len() < peer.peers().count() {
+        return Err(Error::Invalid("internal: gather streams not made".into()));
+    }
+    let mut forked: Vec<RawStream> = [copies, reduces]
         .into_iter()
         .chain(extra.iter().copied())
         .collect();
+    let gather_and_land: Vec<RawStream> = gathers.iter().copied().chain([land]).collect();
+    if gathering {
+        forked.extend(&gather_and_land);
+    }
     comm.fork.order_all(caller, &forked)?;
     launch_gemm()?;
     // This rank's slot in each peer may be written once that peer summed
@@ -281,6 +360,12 @@ pub fn enqueue(
                     send(*link, p, e.part(p), e.bytes, e.slot_offset)?;
                 }
             }
+            Group::Gather(e) => {
+                for (link, p) in links.iter().zip(peer.peers()) {
+                    let s = share_of(e, p, layout.world);
+                    send(*link, p, s.src, s.bytes, s.slot_offset)?;
+                }
+            }
             Group::Move(m) => {
                 for (link, p) in links.iter().zip(peer.peers()) {
                     match m.sends.iter().find(|s| s.rank == p) {
@@ -308,6 +393,41 @@ pub fn enqueue(
         }
         match (group, call.reducer) {
             (Group::Sum(e), Some(reducer)) => reduce(reducer, peer, e, call.reduce_ctas, reduces)?,
+            (Group::Gather(e), Some(reducer)) => {
+                let mine = share_of(e, me, layout.world);
+                reduce(reducer, peer, &mine, call.reduce_ctas, reduces)?;
+                // The sum of this rank's share goes to every peer's slot for
+                // it, where the peers' shares came from: the slots' bytes of
+                // other shares, so nothing a reduction still reads.
+                comm.gather_go.order_all(reduces, &gather_and_land)?;
+                for (&link, p) in gathers.iter().zip(peer.peers()) {
+                    if mine.bytes > 0 {
+                        let dst = layout.slot(peer.bases[p], p, me) + mine.slot_offset;
+                        stream::copy(link, dst, mine.out, mine.bytes as usize)?;
+                    }
+                    stream::write(link, layout.gathered_flag(peer.bases[p], g, me), 1)?;
+                }
+                // Each peer's summed share lands in the output; the output's
+                // bytes of that share were this rank's part, sent to that
+                // peer before it could sum (and so gather) it.
+                for q in peer.peers() {
+                    let flag = layout.gathered_flag(peer.bases[me], g, q);
+                    stream::wait_geq(land, flag, 1)?;
+                    stream::write(land, flag, 0)?;
+                    let theirs = share_of(e, q, layout.world);
+                    if theirs.bytes > 0 {
+                        let from = layout.slot(peer.bases[me], me, q) + theirs.slot_offset;
+                        stream::copy(land, theirs.out, from, theirs.bytes as usize)?;
+                    }
+                }
+                after(g, land)?;
+                continue;
+            }
+            (Group::Gather(_), None) => {
+                return Err(Error::Invalid(
+                    "internal: an AllReduce group without a reduction kernel".into(),
+                ))
+            }
             // One rank: the sum is its own part.
             (Group::Sum(e), None) if e.out != e.part(me) => {
                 stream::copy(reduces, e.out, e.part(me), e.bytes as usize)?
@@ -322,12 +442,25 @@ pub fn enqueue(
         }
         after(g, reduces)?;
     }
-    // Every staged part of this call is summed: the peers may write again.
+    // Every staged part of this call is summed (and landed): the peers may
+    // write again.
+    let last_reader = if gathering {
+        comm.land_join.order(reduces, land)?;
+        land
+    } else {
+        reduces
+    };
     for p in peer.peers() {
-        stream::write(reduces, layout.free_flag(peer.bases[p], me), 1)?;
+        stream::write(last_reader, layout.free_flag(peer.bases[p], me), 1)?;
     }
     comm.join.order(copies, caller)?;
-    comm.reduce_join.order(reduces, caller)
+    comm.reduce_join.order(reduces, caller)?;
+    if gathering {
+        for &stream in &gather_and_land {
+            comm.land_join.order(stream, caller)?;
+        }
+    }
+    Ok(())
 }
 
 /// A plain collective on the copy engines (no GEMM).
@@ -426,7 +559,10 @@ pub fn plain(
         return Ok(());
     }
     comm.ensure_group_events(exchanges.len())?;
-    let groups = sums(exchanges);
+    let groups = match kind {
+        Plain::AllReduce => all_reduces(exchanges, world),
+        Plain::ReduceScatter => sums(exchanges),
+    };
     let peer = peer_buffers(comm, &groups)?;
     let reducer = load_reducer(comm, dtype, peer.layout.world)?;
     let call = Call {
@@ -506,6 +642,54 @@ mod tests {
         }
         assert!(plain_exchanges(Plain::AllReduce, 0, 0, 24, 2, None).is_err());
         assert!(plain_exchanges(Plain::ReduceScatter, 0, 0, 16 * 3, 2, None).is_err());
+    }
+
+    #[test]
+    fn shares_split_an_all_reduce_in_whole_vectors() {
+        for world in 1..=8usize {
+            for bytes in [0u64, 16, 16 * 5, 4096, (3 << 20) + 16 * 7] {
+                let mut at = 0;
+                for p in 0..world {
+                    let (offset, len) = share(bytes, p, world);
+                    assert_eq!(offset, at, "world {world} bytes {bytes} share {p}");
+                    assert_eq!(offset % 16, 0);
+                    assert_eq!(len % 16, 0);
+                    // Balanced: shares differ by at most one vector.
+                    assert!(len / 16 >= bytes / 16 / world as u64);
+                    assert!(len / 16 <= (bytes / 16).div_ceil(world as u64));
+                    at += len;
+                }
+                assert_eq!(at, bytes);
+            }
+        }
+        let e = Exchange {
+            tiles: 3,
+            src: 1 << 30,
+            src_stride: 0,
+            bytes: 16 * 10,
+            slot_offset: 4096,
+            out: 1 << 31,
+        };
+        let s = share_of(&e, 2, 3);
+        assert_eq!(
+            (s.src, s.out, s.slot_offset, s.bytes),
+            ((1 << 30) + 96, (1 << 31) + 96, 4096 + 96, 64)
+        );
+        assert_eq!(s.tiles, 3);
+    }
+
+    #[test]
+    fn all_reduces_gather_beyond_two_ranks() {
+        let e = exchange(0);
+        let stride0 = Exchange { src_stride: 0, ..e };
+        assert!(matches!(all_reduces(vec![stride0], 2)[0], Group::Sum(_)));
+        for world in 3..=8 {
+            let groups = all_reduces(vec![stride0; 4], world);
+            assert!(groups.iter().all(|g| matches!(g, Group::Gather(_))));
+            assert!(check_groups(&groups).is_ok());
+        }
+        // A strided exchange is a ReduceScatter's, never an AllReduce's.
+        assert!(check_groups(&[Group::Gather(e)]).is_err());
     }
 
     #[test]

@@ -120,8 +120,19 @@ fn hardware_for(
             // each call pays ~40 us that no group shows: a 30 us latency per
             // group made the search pick 2-3 groups and lose up to 10% on
             // communication-bound shapes.
+            // An AllReduce as ReduceScatter + AllGather pays a second
+            // exchange's latency per group (estimated, not measured).
             Backend::CopyEngine => (
-                CollectiveModel::analytic(8.0, copy_engine_gbps(kind, reserved, world)),
+                CollectiveModel::analytic(
+                    if kind == CollectiveKind::AllReduce
+                        && copy_engine::gathers_all_reduce(world as usize)
+                    {
+                        16.0
+                    } else {
+                        8.0
+                    },
+                    copy_engine_gbps(kind, reserved, world),
+                ),
                 40.0,
             ),
             Backend::Peer => (CollectiveModel::analytic(12.0, peer_gbps(reserved)), 0.0),
@@ -155,24 +166,31 @@ fn hardware_for(
 }
 
 /// The copy-engine backend's rate on H200 in GB/s of the collective's bus
-/// traffic (as [`CollectiveModel`] counts it): the copies' ~240 GB/s beside
-/// the GEMM (376 alone: 256 MB in 714 us on 2x H200; 240 fitted to forced
-/// overlap on the 16 shapes), unless the sum on the reserved SMs (at most
-/// [`copy_engine::MAX_REDUCE_CTAS`]) is slower. A CTA reading `world` partials
-/// and writing one sums ~SUM_RATE / (world + 1) K output bytes per us, where
-/// SUM_RATE is what `tune` timed on 2x H200 (the exchange alone at 4 and 8
-/// CTAs: AllReduce 90 and 145 GB/s of bus traffic, ReduceScatter 90 and 140;
-/// the AllReduce's landing copy of the summed half follows its sums, hence its
-/// lower rate per CTA) and the E2 run on that backend confirmed (replayed mean
-/// error 4.9%; the 87 assumed before put 4 CTAs on par with 8, and plans that
-/// reserved 4 ran 0.75-0.92x of sequential). An AllReduce sums
-/// 1 / (2 (world - 1)) output bytes per byte of its bus traffic, a
-/// ReduceScatter 1 / (world - 1); an All-to-All sums nothing (its landing
-/// copies are copy-engine work too).
+/// traffic (as [`CollectiveModel`] counts it: 2 (world - 1) / world of the
+/// bytes for an AllReduce, (world - 1) / world for a ReduceScatter): the
+/// copies' ~240 GB/s beside the GEMM (376 alone: 256 MB in 714 us on 2x
+/// H200; 240 fitted to forced overlap on the 16 shapes), unless the sum on
+/// the reserved SMs (at most [`copy_engine::MAX_REDUCE_CTAS`]) is slower. A
+/// CTA reading `world` partials and writing one sums ~SUM_RATE / (world + 1)
+/// K output bytes per us, where SUM_RATE is what `tune` timed on 2x H200
+/// (the exchange alone at 4 and 8 CTAs: AllReduce 90 and 145 GB/s of bus
+/// traffic, ReduceScatter 90 and 140) and the E2 run on that backend
+/// confirmed (replayed mean error 4.9%; the 87 assumed before put 4 CTAs on
+/// par with 8, and plans that reserved 4 ran 0.75-0.92x of sequential). A
+/// ReduceScatter sums 1 / (world - 1) output bytes per byte of bus traffic.
+/// An AllReduce on 2 ranks sums the whole group on each (one exchange, see
+/// [`copy_engine::gathers_all_reduce`]): twice a ReduceScatter's bytes, which
+/// the fitted 40 (not 70) per CTA stands for; on more ranks it sums its
+/// 1 / world share, 1 / (2 (world - 1)) per byte of bus traffic, at the
+/// ReduceScatter's rate (not measured: no machine of more than 2 GPUs yet).
+/// An All-to-All sums nothing (its landing copies are copy-engine work too).
 fn copy_engine_gbps(kind: CollectiveKind, reserved: u32, world: u32) -> f64 {
     const COPIES_GBPS: f64 = 240.0;
     let w = f64::from(world.max(2));
     let (sum_rate, summed_per_moved) = match kind {
+        CollectiveKind::AllReduce if copy_engine::gathers_all_reduce(world as usize) => {
+            (70.0, 1.0 / (2.0 * (w - 1.0)))
+        }
         CollectiveKind::AllReduce => (40.0, 1.0 / (2.0 * (w - 1.0))),
         CollectiveKind::ReduceScatter => (70.0, 1.0 / (w - 1.0)),
         CollectiveKind::AllToAll => return COPIES_GBPS,
@@ -440,11 +458,10 @@ fn prepare(
         if opts.backend == Backend::CopyEngine {
             // Offsets only (no buffers yet): N % 8 == 0 keeps every group's
             // rows on 16-byte vectors.
-            copy_engine::check_groups(&copy_engine::sums(exchanges(
-                &collectives,
-                0,
-                args.dtype.bytes() as u64,
-            )))?;
+            copy_engine::check_groups(&copy_engine::all_reduces(
+                exchanges(&collectives, 0, args.dtype.bytes() as u64),
+                comm.world as usize,
+            ))?;
             comm.ensure_group_events(groups)?;
         }
         Ok(Prepared {
@@ -832,7 +849,8 @@ fn enqueue_peer(
 }
 
 /// Each group's AllReduce as a copy-engine exchange over `base` (the
-/// output, or the staging buffer): every peer gets the whole group, summed in place.
+/// output, or the staging buffer), summed in place ([`copy_engine::all_reduces`]
+/// says how the ranks share the work).
 fn exchanges(collectives: &[Collective], base: u64, elem: u64) -> Vec<Exchange> {
     collectives
         .iter()
@@ -854,11 +872,10 @@ fn enqueue_copy_engine(
     caller: RawStream,
 ) -> Result<()> {
     let args = run.args;
-    let groups = copy_engine::sums(exchanges(
-        run.collectives,
-        run.base(),
-        args.dtype.bytes() as u64,
-    ));
+    let groups = copy_engine::all_reduces(
+        exchanges(run.collectives, run.base(), args.dtype.bytes() as u64),
+        comm.world as usize,
+    );
     let peer = copy_engine::peer_buffers(comm, &groups)?;
     let reducer = copy_engine::load_reducer(comm, args.dtype, peer.layout.world)?;
     let call = copy_engine::Call {
@@ -924,6 +941,10 @@ mod tests {
         // More ranks: more partials read per output byte, but fewer output bytes per moved one:
         // at world 8, 8 CTAs keep up with the copies.
         assert_eq!(copy_engine_gbps(rs, 8, 8), 240.0);
+        // World 3 and more: the AllReduce sums its share (ReduceScatter + AllGather) at the
+        // ReduceScatter's rate per CTA, on half the output bytes per bus byte.
+        assert!(near(copy_engine_gbps(ar, 2, 3), 2.0 * 70.0 / 4.0 * 4.0));
+        assert_eq!(copy_engine_gbps(ar, 8, 8), 240.0);
         assert_eq!(copy_engine_gbps(CollectiveKind::AllToAll, 0, 4), 240.0);
     }
 

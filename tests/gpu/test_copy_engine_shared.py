@@ -27,18 +27,24 @@ def _some(cases: list, count: int) -> list:
     return [c for i, c in enumerate(cases) if i % step == 0 or 0 in c.get("lead", [c.get("m")])]
 
 
+# World 3: the AllReduce runs as ReduceScatter + AllGather (each rank sums its share, the sums
+# land from the peers' gather copies), and what follows a group (un-reorder) on the landing stream.
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("order", ["banded", "swizzled"])
-def test_gemm_all_reduce(tmp_path: Path, order: str) -> None:
-    results = run_workers(tmp_path, "cases", 2, cases=_some(main_cases(SEED), 24), order=order, **CE)
+def test_gemm_all_reduce(tmp_path: Path, order: str, world: int) -> None:
+    count = 24 if world == 2 else 10
+    results = run_workers(tmp_path, "cases", world, cases=_some(main_cases(SEED + world - 2), count), order=order,
+                          **CE)
     records = results[0]["records"]
     assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in records), records
-    assert results[1]["records"] == records
+    assert all(other["records"] == records for other in results[1:])
 
 
-def test_gemm_all_reduce_graph(tmp_path: Path) -> None:
-    (result, _) = run_workers(tmp_path, "cuda_graph", 2, m=1000, n=4096, k=1024, replays=30, seed=SEED + 1,
-                              sequential_graph=False, **CE)
-    assert result["replays"] == 30
+@pytest.mark.parametrize("world", [2, 3])
+def test_gemm_all_reduce_graph(tmp_path: Path, world: int) -> None:
+    results = run_workers(tmp_path, "cuda_graph", world, m=1000, n=4096, k=1024, replays=30, seed=SEED + world - 1,
+                          sequential_graph=False, **CE)
+    assert all(r["replays"] == 30 for r in results)
 
 
 # World 4: three peers per rank, so the copies run on three copy streams at once.
@@ -51,8 +57,11 @@ def test_gemm_reduce_scatter(tmp_path: Path, world: int) -> None:
     assert all(other["records"] == records for other in results[1:])
 
 
-def test_gemm_all_reduce_rmsnorm(tmp_path: Path) -> None:
-    results = run_workers(tmp_path, "rmsnorm_cases", 2, cases=_some(norm_cases(SEED + 3), 10), replays=20, **CE)
+# World 3: each group's norm runs on the landing stream, after the peers' sums landed.
+@pytest.mark.parametrize("world", [2, 3])
+def test_gemm_all_reduce_rmsnorm(tmp_path: Path, world: int) -> None:
+    results = run_workers(tmp_path, "rmsnorm_cases", world, cases=_some(norm_cases(SEED + 3 + 20 * (world - 2)), 10),
+                          replays=20, **CE)
     assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in results[0]["records"])
 
 
