@@ -3,7 +3,7 @@ partition of GEMM + AllReduce (with or without the fused norm) and GEMM + Reduce
 same profiles, and the errors against the run's measurements are compared with the ones the run
 recorded. A change to the model can so be checked against real measurements without a GPU.
 
-    python evaluation/e2_replay.py [CSV] [--sms 132] [--verbose]
+    python evaluation/e2_replay.py [CSV] [--sms 132] [--verbose] [--all-to-all]
 
 CSV: an e2_predictive_search.py table (default: evaluation/results/e2_predictive_search_h200x1.csv);
 its .json sidecar names the GPU, world size, NCCL version and backend, and its kernel column the
@@ -11,6 +11,11 @@ GEMM kernel each partition ran (sm90_n256 where the column is missing or empty).
 and predictor-chosen partitions the replayed predictor would no longer choose, are skipped (the
 count is printed). The profiles are the bundled ones and those in the cache dir: to replay a run
 with the profile `tune` made beside it, put that file in $FLASHOVERLAP_CACHE_DIR/profiles-v1/.
+
+--all-to-all replays the run's GEMM + All-to-All cases instead (E2 routes them by
+e2_predictive_search.skewed_split_matrix, which the replay rebuilds): every measured group count
+re-predicted by plan_gemm_all_to_all, and the predicted-best count's measured time against the
+best measured one (the sequential schedule included).
 """
 
 from __future__ import annotations
@@ -60,6 +65,62 @@ def replay(path: str, sms: int = 132) -> dict:
     return {"cases": cases, "skipped": skipped}
 
 
+def replay_all_to_all(path: str, sms: int = 132) -> dict:
+    """{(m, n, k): {"rows": [(groups, replayed us, measured us, recorded us)], "sequential":
+    (replayed us, measured us), "pick": groups the replayed predictor picks (0: sequential)}}."""
+    import torch
+
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)  # the E2 script's routing, beside this one
+    from e2_predictive_search import skewed_split_matrix
+    from flashoverlap import planning, profiles
+
+    with open(os.path.splitext(path)[0] + ".json") as f:
+        meta = json.load(f)
+    profiles.load_for_device(meta["gpu"], sms, meta["nccl"])
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+    cases = {}
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            if r["op"] != "all_to_all" or r["kind"] not in ("partition", "sequential"):
+                continue
+            m, n, k = int(r["m"]), int(r["n"]), int(r["k"])
+            if (m, n, k) not in cases:
+                matrix = skewed_split_matrix(int(r["world_size"]), m)
+                pred = planning.plan_gemm_all_to_all(matrix, n, k, dtype=dtype[r["dtype"]], sms=sms,
+                                                     backend=meta["backend"])
+                cases[(m, n, k)] = {"pred": pred, "rows": [], "sequential": None,
+                                    "pick": 0 if pred.schedule == "sequential" else pred.groups}
+            case = cases[(m, n, k)]
+            if r["kind"] == "sequential":
+                case["sequential"] = (case["pred"].sequential_us, float(r["measured_us"]))
+            else:
+                g = int(r["groups"])
+                case["rows"].append((g, case["pred"].predicted_us[g], float(r["measured_us"]),
+                                     float(r["predicted_us"])))
+    return cases
+
+
+def summary_all_to_all(cases: dict) -> dict:
+    """Mean |error| of the replayed and recorded predictions over the measured group counts; the
+    replayed predictor's pick (its measured time, where that count was measured) against the
+    best measured of the counts and sequential: mean and min."""
+    replayed = [abs(p - m) / m for c in cases.values() for _, p, m, _ in c["rows"]]
+    recorded = [abs(r - m) / m for c in cases.values() for _, _, m, r in c["rows"]]
+    picks, unmeasured = [], 0
+    for c in cases.values():
+        measured = {g: m for g, _, m, _ in c["rows"]}
+        if c["sequential"] is not None:
+            measured[0] = c["sequential"][1]
+        if c["pick"] not in measured:
+            unmeasured += 1
+            continue
+        picks.append(min(measured.values()) / measured[c["pick"]])
+    return {"replayed": statistics.mean(replayed), "recorded": statistics.mean(recorded),
+            "pick_mean": statistics.mean(picks) if picks else float("nan"),
+            "pick_min": min(picks) if picks else float("nan"), "unmeasured": unmeasured}
+
+
 def summary(cases: dict, which: int) -> dict:
     """Mean |error|, per op and signed, and the predicted-best partition's measured time over the
     best measured (mean, min) for predictions column `which` (0 replayed, 2 recorded)."""
@@ -78,7 +139,25 @@ def main(argv=None) -> int:
     ap.add_argument("csv", nargs="?", default=DEFAULT_CSV)
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--all-to-all", action="store_true", help="replay the GEMM + All-to-All cases")
     args = ap.parse_args(argv)
+    if args.all_to_all:
+        a2a = replay_all_to_all(args.csv, args.sms)
+        if not a2a:
+            print(f"no All-to-All case in {args.csv}", file=sys.stderr)
+            return 1
+        if args.verbose:
+            for (m, n, k), c in sorted(a2a.items()):
+                rows = " ".join(f"g{g}: {meas:.0f}/{rep:.0f}" for g, rep, meas, _ in sorted(c["rows"]))
+                seq = c["sequential"]
+                print(f"{m}x{n}x{k}: measured/replayed {rows}"
+                      + (f" seq: {seq[1]:.0f}/{seq[0]:.0f}" if seq else "") + f"; picks {c['pick'] or 'sequential'}")
+        s = summary_all_to_all(a2a)
+        print(f"{sum(len(c['rows']) for c in a2a.values())} All-to-All partitions of {len(a2a)} cases from "
+              f"{args.csv}: mean |error| recorded {s['recorded']:.2%}, replayed {s['replayed']:.2%}; replayed "
+              f"pick / best measured: mean {s['pick_mean']:.4f}, min {s['pick_min']:.4f} "
+              f"({s['unmeasured']} picks not measured)")
+        return 0
     result = replay(args.csv, args.sms)
     cases = result["cases"]
     if not cases:

@@ -81,6 +81,15 @@ pub struct Prepared {
 /// with it the mean error there is 2.7% (3.3% without).
 pub const NCCL_OVERLAP_FIXED_US: f64 = 5.0;
 
+/// What each wave group of an All-to-All on the copy engines adds that the
+/// pipeline does not hide (its copies into the peers' slots, their flags, and
+/// the landing copies from the slots into the output): on 2x H200 the
+/// measured time grew by ~20-35 us per group on every shape where the
+/// pipeline predicts it flat (evaluation/results/e2_predictive_search_ce_h200x2.csv,
+/// 8 shapes x 1-16 groups; bench_gemm_a2a_h200x2_bfloat16.csv). Fitted there
+/// by `python evaluation/e2_replay.py --all-to-all`.
+pub const COPY_ENGINE_ALL_TO_ALL_GROUP_US: f64 = 20.0;
+
 /// How much slower the overlapped GEMM runs beside cross-GPU traffic than
 /// its profile (timed alone) says: on 2x H200 the E2 partitions of GEMM-bound
 /// shapes ran 5-10% above the model with NCCL, and with the copy engines
@@ -124,12 +133,13 @@ fn hardware_for(
             // exchange's latency per group (estimated, not measured).
             Backend::CopyEngine => (
                 CollectiveModel::analytic(
-                    if kind == CollectiveKind::AllReduce
-                        && copy_engine::gathers_all_reduce(world as usize)
-                    {
-                        16.0
-                    } else {
-                        8.0
+                    match kind {
+                        CollectiveKind::AllReduce
+                            if copy_engine::gathers_all_reduce(world as usize) =>
+                        {
+                            16.0
+                        }
+                        _ => 8.0,
                     },
                     copy_engine_gbps(kind, reserved, world),
                 ),
@@ -141,6 +151,12 @@ fn hardware_for(
             gemm_tflops,
             overlap_comm,
             overlap_fixed_us,
+            overlap_group_us: if backend == Backend::CopyEngine && kind == CollectiveKind::AllToAll
+            {
+                COPY_ENGINE_ALL_TO_ALL_GROUP_US
+            } else {
+                0.0
+            },
             overlap_gemm_slowdown: if world > 1 && backend != Backend::Peer {
                 GEMM_BESIDE_TRAFFIC
             } else {

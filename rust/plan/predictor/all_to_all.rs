@@ -165,7 +165,7 @@ pub fn predict_all_to_all(
     Ok(Timeline {
         groups: timings,
         gemm_us,
-        overlap_us: previous_end.max(gemm_us),
+        overlap_us: previous_end.max(gemm_us) + f64::from(groups) * hw.overlap_group_us,
         sequential_us,
     })
 }
@@ -259,6 +259,29 @@ mod tests {
         let chosen = &all[best as usize - 1].1;
         assert!(chosen.overlap_us < one.overlap_us);
         assert_eq!(all.len(), 64);
+    }
+
+    #[test]
+    fn a_cost_per_group_favours_fewer_groups() {
+        let m = uniform(2, 16384);
+        let s = shape(&m, 8192, 4096);
+        let plain = HardwareModel::h200();
+        let per_group = HardwareModel {
+            overlap_group_us: 30.0,
+            ..plain
+        };
+        let (many, _) = best_all_to_all_groups(&s, &plain, 64).unwrap();
+        let (few, timelines) = best_all_to_all_groups(&s, &per_group, 64).unwrap();
+        assert!(
+            few < many,
+            "{few} groups with a cost per group, {many} without"
+        );
+        // Each group count pays its groups' cost on top of the pipeline.
+        for (g, t) in &timelines {
+            let bare = predict_all_to_all(&s, *g, &plain).unwrap();
+            assert!((t.overlap_us - bare.overlap_us - 30.0 * f64::from(*g)).abs() < 1e-6);
+            assert_eq!(t.sequential_us, bare.sequential_us);
+        }
     }
 
     #[test]

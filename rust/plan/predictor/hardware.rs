@@ -107,6 +107,11 @@ pub struct HardwareModel {
     /// shows (stream forks and joins, flag waits, pipeline fill), charged
     /// when Auto decides whether overlapping pays.
     pub overlap_fixed_us: f64,
+    /// A cost each wave group adds to the overlapped All-to-All that the
+    /// pipeline does not hide (the copy engines' per-exchange work: measured
+    /// times grow linearly with the group count where the pipeline predicts
+    /// them flat).
+    pub overlap_group_us: f64,
     /// Output bytes per microsecond that one SM of the communication's
     /// share un-reorders from the staging buffer into `out` (the staged
     /// schedule's extra copy: a read and a write of each byte).
@@ -167,6 +172,7 @@ impl HardwareModel {
             overlap_gemm_slowdown: 1.0,
             overlap_comm_slowdown: 1.0,
             overlap_fixed_us: 0.0,
+            overlap_group_us: 0.0,
             unreorder_bytes_per_us_per_sm: H200_UNREORDER_PER_SM,
             fused_norm_bytes_per_us_per_sm: 0.0,
         }
@@ -184,6 +190,7 @@ impl HardwareModel {
             overlap_gemm_slowdown: 1.2,
             overlap_comm_slowdown: 1.1,
             overlap_fixed_us: 0.0,
+            overlap_group_us: 0.0,
             unreorder_bytes_per_us_per_sm: H200_UNREORDER_PER_SM / 2.0,
             fused_norm_bytes_per_us_per_sm: 0.0,
         }
@@ -242,6 +249,12 @@ impl HardwareModel {
                 self.overlap_fixed_us,
                 ">= 0",
                 self.overlap_fixed_us >= 0.0,
+            ),
+            (
+                "overlap_group_us",
+                self.overlap_group_us,
+                ">= 0",
+                self.overlap_group_us >= 0.0,
             ),
             (
                 "unreorder_bytes_per_us_per_sm",
