@@ -14,11 +14,16 @@
 //   2. reduce: once ready[b][p] is up for every peer p, CTA b sums its chunk
 //      of this rank's slice (its own x read in place, the peers' from the
 //      slots, all local reads), adds the residual, normalizes, and writes
-//      the rows to its own out and into every peer's out area (and the
-//      residual into theirs, when every rank keeps the full residual), then
-//      raises done[b][rank] in every peer's buffer;
-//   3. gather: once done[b][p] is up for every peer, CTA b copies the rows
-//      peers wrote for chunk b of their slices from its out area to out.
+//      the rows to its own out; into every peer's buffer it writes one array
+//      of the rows: the summed residual r when every rank keeps the full
+//      residual (res area), else the normalized rows (out area); then raises
+//      done[b][rank] in every peer's buffer;
+//   3. gather: once done[b][p] is up for every peer, CTA b takes the rows
+//      peers wrote for chunk b of their slices: the normalized rows are
+//      copied to out; r is copied to residual_out and normalized into out
+//      here (the same arithmetic in the same order as the owner's, so every
+//      rank gets bit-identical rows), which sends each row across NVLink
+//      once instead of twice (r and out).
 // Pull mode (x_offset != 0: gemm_all_reduce_rmsnorm, one call per wave
 // group): the producing GEMM stored each rank's partial straight into its
 // own buffer's x area, so step 1 pushes nothing and only raises ready[b];
@@ -170,6 +175,39 @@ __device__ __forceinline__ bool wait_all(const Params& p, int base_word, unsigne
   __syncthreads();
   return ok;
 }
+
+// Lane `lane`'s share of sum(r^2) over a row of r, in the order in which the
+// reduce step accumulates it (vectors lane, lane + 32, ... in blocks of
+// UNROLL), then summed over the warp: bit-identical wherever it is computed.
+__device__ __forceinline__ float row_scale(const uint4* r_row, int vecs, int lane, float hidden, float eps) {
+  float squares = 0.f;
+  for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int v = v0 + 32 * u;
+      if (v >= vecs) continue;
+      const uint4 r = r_row[v];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const unsigned t = word(r, i);
+        squares += low(t) * low(t) + high(t) * high(t);
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
+  return rsqrtf(squares / hidden + eps);
+}
+
+__device__ __forceinline__ uint4 normalized(uint4 r, uint4 g, float scale) {
+  uint4 y;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned rw = word(r, i), gw = word(g, i);
+    word(y, i) = pack2(low(rw) * scale * low(gw), high(rw) * scale * high(gw));
+  }
+  return y;
+}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Params p) {
@@ -245,6 +283,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
           word(r, i) = t;
         }
         r_row[v] = r;
+        for (int i = 1; p.residual_full && i < p.world; ++i) {
+          const int peer = (p.rank + i) % p.world;
+          reinterpret_cast<uint4*>(area(p, peer, p.res_offset))[base + v] = r;
+        }
       }
     }
 #pragma unroll
@@ -264,17 +306,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
       for (int u = 0; u < UNROLL; ++u) {
         const int v = v0 + 32 * u;
         if (v >= vecs) continue;
-        uint4 y;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const unsigned rw = word(r[u], i), gw = word(g[u], i);
-          word(y, i) = pack2(low(rw) * scale * low(gw), high(rw) * scale * high(gw));
-        }
+        const uint4 y = normalized(r[u], g[u], scale);
         p.out[base + v] = y;
-        for (int i = 1; i < p.world; ++i) {
+        for (int i = 1; !p.residual_full && i < p.world; ++i) {
           const int peer = (p.rank + i) % p.world;
           reinterpret_cast<uint4*>(area(p, peer, p.out_offset))[base + v] = y;
-          if (p.residual_full) reinterpret_cast<uint4*>(area(p, peer, p.res_offset))[base + v] = r[u];
         }
       }
     }
@@ -284,14 +320,39 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
     ok = wait_all(p, DONE, epoch);
   }
 
-  // 3. Gather the rows the peers normalized for chunk b of their slices.
+  // 3. Gather the rows the peers made for chunk b of their slices: their
+  // normalized rows, or their r, normalized here as the owner did.
   for (int i = 1; ok && i < p.world; ++i) {
     const int owner = (p.rank + i) % p.world;
     chunk(p, owner, first, last);
-    const long long at = static_cast<long long>(first) * vecs, count = static_cast<long long>(last - first) * vecs;
-    copy(p.out + at, reinterpret_cast<const uint4*>(area(p, p.rank, p.out_offset)) + at, count);
-    if (p.residual_full)
-      copy(p.residual_out + at, reinterpret_cast<const uint4*>(area(p, p.rank, p.res_offset)) + at, count);
+    if (!p.residual_full) {
+      const long long at = static_cast<long long>(first) * vecs, count = static_cast<long long>(last - first) * vecs;
+      copy(p.out + at, reinterpret_cast<const uint4*>(area(p, p.rank, p.out_offset)) + at, count);
+      continue;
+    }
+    const uint4* staged = reinterpret_cast<const uint4*>(area(p, p.rank, p.res_offset));
+    for (int row = first + threadIdx.x / 32; row < last; row += WARPS) {
+      const long long base = static_cast<long long>(row) * vecs;
+      const float scale = row_scale(staged + base, vecs, lane, static_cast<float>(p.hidden), p.eps);
+      for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
+        uint4 r[UNROLL], g[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const int v = v0 + 32 * u;
+          if (v < vecs) {
+            r[u] = staged[base + v];
+            g[u] = p.weight[v];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const int v = v0 + 32 * u;
+          if (v >= vecs) continue;
+          p.residual_out[base + v] = r[u];
+          p.out[base + v] = normalized(r[u], g[u], scale);
+        }
+      }
+    }
   }
 
   // The last CTA to finish moves this rank to the next epoch.
