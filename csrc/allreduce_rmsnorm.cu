@@ -208,6 +208,29 @@ __device__ __forceinline__ uint4 normalized(uint4 r, uint4 g, float scale) {
   }
   return y;
 }
+
+// Normalizes a row of r by `scale` (lane's vectors, UNROLL loads in flight),
+// handing store(v, r, y) each vector of r and of the normalized row.
+template <typename Store>
+__device__ __forceinline__ void normalize_row(const uint4* r_row, const uint4* weight, float scale, int vecs, int lane,
+                                              Store store) {
+  for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
+    uint4 r[UNROLL], g[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int v = v0 + 32 * u;
+      if (v < vecs) {
+        r[u] = r_row[v];
+        g[u] = weight[v];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int v = v0 + 32 * u;
+      if (v < vecs) store(v, r[u], normalized(r[u], g[u], scale));
+    }
+  }
+}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Params p) {
@@ -292,28 +315,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
     const float scale = rsqrtf(squares / p.hidden + p.eps);
-    for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
-      uint4 r[UNROLL], g[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int v = v0 + 32 * u;
-        if (v < vecs) {
-          r[u] = r_row[v];  // written by this lane above
-          g[u] = p.weight[v];
-        }
+    // r_row: written by this lane above.
+    normalize_row(r_row, p.weight, scale, vecs, lane, [&](int v, uint4, uint4 y) {
+      p.out[base + v] = y;
+      for (int i = 1; !p.residual_full && i < p.world; ++i) {
+        const int peer = (p.rank + i) % p.world;
+        reinterpret_cast<uint4*>(area(p, peer, p.out_offset))[base + v] = y;
       }
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int v = v0 + 32 * u;
-        if (v >= vecs) continue;
-        const uint4 y = normalized(r[u], g[u], scale);
-        p.out[base + v] = y;
-        for (int i = 1; !p.residual_full && i < p.world; ++i) {
-          const int peer = (p.rank + i) % p.world;
-          reinterpret_cast<uint4*>(area(p, peer, p.out_offset))[base + v] = y;
-        }
-      }
-    }
+    });
   }
   if (ok) {
     raise(p, DONE, epoch);
@@ -334,24 +343,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
     for (int row = first + threadIdx.x / 32; row < last; row += WARPS) {
       const long long base = static_cast<long long>(row) * vecs;
       const float scale = row_scale(staged + base, vecs, lane, static_cast<float>(p.hidden), p.eps);
-      for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
-        uint4 r[UNROLL], g[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          const int v = v0 + 32 * u;
-          if (v < vecs) {
-            r[u] = staged[base + v];
-            g[u] = p.weight[v];
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          const int v = v0 + 32 * u;
-          if (v >= vecs) continue;
-          p.residual_out[base + v] = r[u];
-          p.out[base + v] = normalized(r[u], g[u], scale);
-        }
-      }
+      normalize_row(staged + base, p.weight, scale, vecs, lane, [&](int v, uint4 r, uint4 y) {
+        p.residual_out[base + v] = r;
+        p.out[base + v] = y;
+      });
     }
   }
 
