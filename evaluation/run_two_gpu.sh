@@ -5,33 +5,34 @@
 #
 #   bash evaluation/run_two_gpu.sh OUTDIR PART [PART ...]
 #
-# Parts (rough minutes on 2x H200 in brackets; the budget of each is its timeout):
-#   tests  the whole GPU test suite                              [3]
-#   ar     bench_gemm_ar.py --iters 40 (issues 3, 5, 8)           [4]
-#   rs     bench_gemm_rs.py, both backends (issues 4, 8)          [4]
-#   a2a    bench_gemm_a2a.py, both backends (issue 4)             [3]
-#   arn    bench_gemm_ar_rmsnorm.py (issue 4)                     [3]
-#   norm   bench_all_reduce_rmsnorm.py (issue 6)                  [4]
-#   normcfg  the same at 1K and 8K tokens, each kernel config (issue 6) [3]
-#   coll   bench_collectives.py (issue 8)                         [4]
-#   e1     e1_correctness.py (issues 4, 8)                        [2]
-#   e2     e2_predictive_search.py, NCCL (issue 5)                [8]
-#   e2ce   e2_predictive_search.py --backend copy_engine          [8]
-#   tune   flashoverlap tune, 2-GPU collective curves (issue 5) [6]
-#   first  first_call_latency.py --world-size 2 (issue 5)         [1]
+# Parts (seconds measured on 2x H200 on 2026-11-23 in brackets; the budget of each is its timeout):
+#   tests  the whole GPU test suite                              [300]
+#   ar     bench_gemm_ar.py --iters 40 (issues 3, 5, 8)           [37]
+#   rs     bench_gemm_rs.py, both backends (issues 4, 8)          [31]
+#   a2a    bench_gemm_a2a.py, both backends (issue 4)             [36]
+#   arn    bench_gemm_ar_rmsnorm.py (issue 4)                     [28]
+#   norm   bench_all_reduce_rmsnorm.py (issue 6)                  [29]
+#   normcfg  the same at 1K and 8K tokens, each kernel config (issue 6) [19]
+#   coll   bench_collectives.py (issue 8)                         [32]
+#   e1     e1_correctness.py (issues 4, 8)                        [14]
+#   e2     e2_predictive_search.py, NCCL (issue 5)                [67]
+#   e2ce   e2_predictive_search.py --backend copy_engine          [67]
+#   tune   flashoverlap tune, 2-GPU collective curves (issue 5) [72]
+#   first  first_call_latency.py --world-size 2 (issue 5)         [13]
 # Each part writes OUTDIR/<part>.log (its output) and its result files
 # under OUTDIR, and prints one line: part, exit code, seconds. NVLink
 # multicast stays off in everything started here.
-# With ~30 minutes of 2-GPU time, run `tune` first (the speed bars are for the
-# predictor's plans on the tuned machine), then: ar rs arn e2 first, then
-# a2a e1 tests norm normcfg coll e2ce as time allows.
+# The 2x H200 curves ship in the package (NCCL 2.28.9): `tune` is needed
+# only under another NCCL version. With ~30 minutes of 2-GPU time (a machine
+# start takes a few): ar rs a2a arn norm coll first in one call, then e2 e2ce
+# e1, then tests.
 # After `e2` (and `tune`), the predictor can be refitted on any machine:
 #   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
 # (the profile `tune` wrote in $FLASHOVERLAP_CACHE_DIR/profiles-v1/ to replay with it).
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
-  sed -n '2,27p' "$0"
+  sed -n '2,28p' "$0"
   exit 2
 fi
 out="$1"
