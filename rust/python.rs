@@ -174,6 +174,12 @@ impl PyPlan {
     fn overlap_fixed_us(&self) -> f64 {
         self.0.overlap_fixed_us
     }
+    /// What the overlapped schedule's groups cost beyond its pipeline (NCCL's
+    /// per-call cost of each group at world >= 2), included in `predicted_overlap_us`.
+    #[getter]
+    fn overlap_groups_us(&self) -> f64 {
+        self.0.timeline.groups_overhead_us()
+    }
     #[getter]
     fn predicted_sequential_us(&self) -> f64 {
         self.0.timeline.sequential_us
@@ -850,6 +856,7 @@ fn rs_plan_dict<'py>(
     d.set_item("predicted_sequential_us", plan.timeline.sequential_us)?;
     d.set_item("predicted_us", plan.predicted_us())?;
     d.set_item("overlap_fixed_us", plan.overlap_fixed_us)?;
+    d.set_item("overlap_groups_us", plan.timeline.groups_overhead_us())?;
     let groups = plan
         .groups
         .iter()

@@ -40,15 +40,18 @@ def test_the_cli_prints_both_summaries(capsys) -> None:
     assert "recorded: mean |error|" in out and "replayed: mean |error|" in out
 
 
-@pytest.mark.parametrize("name,bound", [("e2_predictive_search_h200x2", 0.04), ("e2_predictive_search_ce_h200x2", 0.055)])
-def test_predictions_match_the_committed_two_gpu_measurements(name: str, bound: float) -> None:
-    # The 2x H200 runs on NCCL and on the copy engines, with the bundled 2-GPU curves: replayed
-    # 3.6% and 4.9% (the copy engines' model was refitted to them), picks 0.987 / 0.988 of the
-    # best on average. The bound keeps a model change from undoing that unnoticed.
+@pytest.mark.parametrize("name,bound,pick_mean,pick_min", [("e2_predictive_search_h200x2", 0.05, 0.99, 0.95),
+                                                            ("e2_predictive_search_ce_h200x2", 0.055, 0.98, 0.92)])
+def test_predictions_match_the_committed_two_gpu_measurements(name: str, bound: float, pick_mean: float,
+                                                              pick_min: float) -> None:
+    # The 2x H200 runs on NCCL and on the copy engines, with the bundled 2-GPU curves. NCCL,
+    # with each group's NCCL_GROUP_US: replayed 4.8%, picks 0.991 of the best on average and
+    # 0.961 at worst (issue 5's E2 bars: 5%, 0.99, 0.95). Copy engines (their model refitted to
+    # that run): 4.9%, picks 0.988 and 0.925. The bounds keep a model change from undoing that.
     result = replay.replay(str(replay.os.path.join(replay.HERE, "results", f"{name}.csv")))
     s = replay.summary(result["cases"], 0)
     assert len(result["cases"]) >= 20, result["skipped"]
-    assert s["mean"] <= bound and s["pick_mean"] >= 0.98, s
+    assert s["mean"] <= bound and s["pick_mean"] >= pick_mean and s["pick_min"] >= pick_min, s
 
 
 @pytest.mark.parametrize("name,bound,pick", [("e2_predictive_search_h200x2", 0.06, 0.99),

@@ -132,8 +132,13 @@ def check_timeline(plan, groups, world: int) -> None:
         if world > 1:
             assert g["comm_end_us"] > g["comm_start_us"]
         previous_end, previous_done = g["comm_end_us"], g["gemm_done_us"]
-    # The overlapped call pays the backend's per-call cost after its last group (0 with NCCL).
-    assert plan.predicted_overlap_us == pytest.approx(groups[-1]["comm_end_us"] + plan.overlap_fixed_us)
+    # The overlapped call pays the backend's per-call cost after its last group, and each group's
+    # cost that the pipeline does not hide (NCCL at world >= 2: NCCL_GROUP_US per group).
+    assert plan.overlap_groups_us >= 0
+    if world == 1:
+        assert plan.overlap_groups_us == 0
+    assert plan.predicted_overlap_us == pytest.approx(groups[-1]["comm_end_us"] + plan.overlap_groups_us
+                                                      + plan.overlap_fixed_us)
     if plan.schedule == "overlap":
         assert plan.predicted_us == plan.predicted_overlap_us
     else:
@@ -468,7 +473,10 @@ def test_copy_engine_groups_cost_less_than_nccl_ones() -> None:
         # Each backend's per-call cost is part of its overlapped prediction (NCCL's: the fork and
         # join of a call, fitted to world-1 measurements; the copy engines' is larger).
         assert (nccl.overlap_fixed_us, ce.overlap_fixed_us) == (5.0, 40.0)
-        assert nccl.predicted_overlap_us == pytest.approx(nccl.groups[-1]["comm_end_us"] + 5.0)
+        # NCCL also pays NCCL_GROUP_US (8) per group at world >= 2; the copy engines' groups do not.
+        assert nccl.overlap_groups_us == pytest.approx(8.0 * len(nccl.groups)) and ce.overlap_groups_us == 0
+        assert nccl.predicted_overlap_us == pytest.approx(nccl.groups[-1]["comm_end_us"] + 8.0 * len(nccl.groups)
+                                                          + 5.0)
         assert ce.predicted_overlap_us == pytest.approx(ce.groups[-1]["comm_end_us"] + 40.0)
         # The sequential schedule is the same cuBLAS + NCCL for both.
         assert ce.predicted_sequential_us == pytest.approx(nccl.predicted_sequential_us)

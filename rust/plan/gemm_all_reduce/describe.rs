@@ -109,11 +109,17 @@ impl fmt::Display for GemmAllReducePlan {
         }
         // The overlapped call pays the backend's per-call cost on top of its timeline.
         let overlap = Schedule::Overlap.predicted_us(t, self.overlap_fixed_us);
-        let fixed = if self.overlap_fixed_us > 0.0 {
-            format!(" (with {:.0} us per call)", self.overlap_fixed_us)
-        } else {
-            String::new()
-        };
+        let mut fixed = String::new();
+        if self.overlap_fixed_us > 0.0 {
+            fixed += &format!(" (with {:.0} us per call)", self.overlap_fixed_us);
+        }
+        let per_group = t.groups_overhead_us();
+        if per_group > 0.0 && !t.groups.is_empty() {
+            fixed += &format!(
+                " (with {:.0} us per group)",
+                per_group / t.groups.len() as f64
+            );
+        }
         writeln!(
             f,
             "predicted: {overlap:.1} us as planned{fixed} vs {:.1} us sequential, speedup {:.2}x",

@@ -18,6 +18,11 @@ pub(super) struct OverlapCost<'a> {
 }
 
 impl<'a> OverlapCost<'a> {
+    /// What each group adds that the pipeline does not hide.
+    pub(super) fn group_us(&self) -> f64 {
+        self.hw.overlap_group_us
+    }
+
     pub(super) fn new(
         tiles: &'a OutputTiles,
         k: u32,

@@ -45,6 +45,8 @@ struct BoundarySearch {
     span_us: Vec<f64>,
     /// tail_us[s]: collective over bands s.. to the end, whose last band may be partial.
     tail_us: Vec<f64>,
+    /// What each group costs beyond the pipeline (added per group to the time).
+    group_us: f64,
 }
 
 /// The staged (swizzled) schedule's counterpart of [`best_partition`]:
@@ -72,7 +74,12 @@ impl BoundarySearch {
     /// comm(s, e) the collective of units s..e. A group of d whole units
     /// costs the same wherever it starts, so only groups ending at the last
     /// unit (which may be partial) need their own entry.
-    fn tabulate(units: u32, done: impl Fn(u32) -> f64, comm: impl Fn(u32, u32) -> f64) -> Self {
+    fn tabulate(
+        units: u32,
+        group_us: f64,
+        done: impl Fn(u32) -> f64,
+        comm: impl Fn(u32, u32) -> f64,
+    ) -> Self {
         // Entry 0 of `done` and `span_us` (nothing finished, an empty group) is never read.
         let unread = std::iter::once(0.0);
         Self {
@@ -80,6 +87,7 @@ impl BoundarySearch {
             done: unread.clone().chain((1..=units).map(done)).collect(),
             span_us: unread.chain((1..units).map(|d| comm(0, d))).collect(),
             tail_us: (0..units).map(|s| comm(s, units)).collect(),
+            group_us,
         }
     }
 
@@ -87,6 +95,7 @@ impl BoundarySearch {
     fn staged(cost: &OverlapCost) -> Self {
         Self::tabulate(
             cost.wave_count(),
+            cost.group_us(),
             |e| cost.staged_done_us(e),
             |s, e| cost.staged_comm_us(cost.staged_tiles(s..e)),
         )
@@ -96,6 +105,7 @@ impl BoundarySearch {
     fn new(cost: &OverlapCost) -> Self {
         Self::tabulate(
             cost.band_count(),
+            cost.group_us(),
             |e| cost.gemm_done_us(e),
             |s, e| cost.comm_us(s..e),
         )
@@ -113,6 +123,10 @@ impl BoundarySearch {
     /// last-collective end over layouts of bands 0..e in at most j+1 groups,
     /// and where that layout's last group starts. A layer that improves
     /// nothing means no further group can help, so the search stops there.
+    /// Each group's cost beyond the pipeline is then weighed per layer: the
+    /// layout of the layer whose end plus its groups' cost is least (the
+    /// fewest groups on a tie) is the optimum of the whole objective, since
+    /// a layer's layout is the earliest end for its group count or fewer.
     fn counts(&self, max_groups: u32) -> Vec<u32> {
         let n = self.units;
         let mut end: Vec<f64> = (0..=n)
@@ -125,6 +139,7 @@ impl BoundarySearch {
             })
             .collect();
         let mut starts: Vec<Vec<usize>> = vec![vec![0; n + 1]];
+        let mut ends = vec![end[n]];
         for _ in 1..max_groups.min(n as u32) {
             let mut next_end = end.clone();
             let mut next_start = starts[starts.len() - 1].clone();
@@ -149,13 +164,30 @@ impl BoundarySearch {
                 break;
             }
             end = next_end;
+            ends.push(end[n]);
             starts.push(next_start);
         }
-        // Walking back one layer per group keeps within the cap; a start
-        // carried over from a lower layer leads to a prefix at least as good.
+        let layouts = (1..=starts.len()).map(|layers| Self::walk_back(&starts[..layers], n));
+        let objective =
+            |(i, counts): &(usize, Vec<u32>)| ends[*i] + self.group_us * counts.len() as f64;
+        layouts
+            .enumerate()
+            .min_by(|a, b| {
+                objective(a)
+                    .total_cmp(&objective(b))
+                    .then(a.1.len().cmp(&b.1.len()))
+            })
+            .map(|(_, counts)| counts)
+            .unwrap_or_else(|| vec![n as u32])
+    }
+
+    /// The layout of bands 0..n that the programme's `layers` found: walking
+    /// back one layer per group keeps within the cap; a start carried over
+    /// from a lower layer leads to a prefix at least as good.
+    fn walk_back(layers: &[Vec<usize>], n: usize) -> Vec<u32> {
         let mut counts = Vec::new();
         let mut e = n;
-        for layer in starts.iter().rev() {
+        for layer in layers.iter().rev() {
             let s = layer[e];
             counts.push((e - s) as u32);
             e = s;
@@ -216,6 +248,32 @@ mod tests {
         assert!(
             matches!(result, Err(PlanError::InvalidPartition(why)) if why.starts_with("max_groups"))
         );
+    }
+
+    #[test]
+    fn a_cost_per_group_is_weighed_against_the_pipeline() {
+        let tiles = OutputTiles::new(16384, 8192, TILE).unwrap();
+        let free = HardwareModel::h200();
+        let (many, _) = best_partition(&tiles, 4096, 108, &free, 2, 2, 32).unwrap();
+        for group_us in [8.0, 40.0, 400.0] {
+            let hw = HardwareModel {
+                overlap_group_us: group_us,
+                ..free
+            };
+            let (few, timeline) = best_partition(&tiles, 4096, 108, &hw, 2, 2, 32).unwrap();
+            assert!(few.len() <= many.len(), "{group_us} us per group");
+            // The pick is no worse under the whole objective than the pipeline's own optimum.
+            let other = predict(&tiles, 4096, 108, &many, &hw, 2, 2).unwrap();
+            assert!(timeline.overlap_us <= other.overlap_us + 1e-9, "{group_us} us per group");
+            let last = timeline.groups.last().unwrap().comm_end_us;
+            assert!((timeline.overlap_us - last - group_us * few.len() as f64).abs() < 1e-6);
+        }
+        // A prohibitive cost leaves one group.
+        let hw = HardwareModel {
+            overlap_group_us: 1e6,
+            ..free
+        };
+        assert_eq!(best_partition(&tiles, 4096, 108, &hw, 2, 2, 32).unwrap().0.len(), 1);
     }
 
     #[test]

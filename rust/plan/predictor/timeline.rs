@@ -22,9 +22,20 @@ pub struct GroupTiming {
 pub struct Timeline {
     pub groups: Vec<GroupTiming>,
     pub gemm_us: f64,
-    /// End of the last collective: the predicted time of the whole op.
+    /// End of the last collective, plus what every group costs beyond the
+    /// pipeline (`overlap_group_us` each): the predicted time of the whole op.
     pub overlap_us: f64,
     pub sequential_us: f64,
+}
+
+impl Timeline {
+    /// What the groups add on top of the last collective's end (an
+    /// AllReduce or ReduceScatter timeline; 0 for a sequential one).
+    pub fn groups_overhead_us(&self) -> f64 {
+        self.groups
+            .last()
+            .map_or(0.0, |g| (self.overlap_us - g.comm_end_us).max(0.0))
+    }
 }
 
 /// GEMM time on `ctas` CTAs: tiles are processed in waves; wave time = flops
@@ -32,7 +43,7 @@ pub struct Timeline {
 /// at the end of the wave containing its last position (times
 /// overlap_gemm_slowdown). Comm of group g starts at max(gemm_done_g,
 /// comm_end_{g-1}) and lasts overlap_comm_slowdown * the collective's time_us(bytes of its
-/// slice). overlap_us = last comm_end. sequential_us = the library GEMM
+/// slice). overlap_us = last comm_end + groups * overlap_group_us. sequential_us = the library GEMM
 /// (sequential_gemm_tflops) + the collective over the whole output.
 pub fn predict(
     tiles: &OutputTiles,
@@ -90,7 +101,7 @@ pub fn predict_staged(
 /// group's GEMM is done: (gemm done, collective's own time) per group.
 fn replay(groups: impl Iterator<Item = (f64, f64)>, cost: &OverlapCost) -> Timeline {
     let mut previous_end = 0.0;
-    let groups = groups
+    let groups: Vec<GroupTiming> = groups
         .map(|(gemm_done_us, comm_us)| {
             let comm_start_us = gemm_done_us.max(previous_end);
             previous_end = comm_start_us + comm_us;
@@ -102,10 +113,11 @@ fn replay(groups: impl Iterator<Item = (f64, f64)>, cost: &OverlapCost) -> Timel
         })
         .collect();
     Timeline {
-        groups,
         gemm_us: cost.gemm_us(),
-        overlap_us: previous_end,
+        // Each group's cost that the pipeline does not hide comes on top.
+        overlap_us: previous_end + groups.len() as f64 * cost.group_us(),
         sequential_us: cost.sequential_us(),
+        groups,
     }
 }
 
