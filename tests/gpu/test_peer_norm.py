@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import time
 import traceback
 from pathlib import Path
 
@@ -49,14 +49,14 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def _worker(rank, world, port, out_dir):
+def _worker(rank, world, init_method, out_dir):
     import torch.distributed as dist
 
     import flashoverlap
 
     failures = []
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         for i, (tokens, hidden, dtype_name, mode, ctas) in enumerate(CASES):
@@ -113,17 +113,30 @@ def _worker(rank, world, port, out_dir):
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(failures))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _run_ranks(world: int, out_dir: Path, timeout_s: float = 240.0) -> None:
+    """Spawns the ranks with a file rendezvous (no port to race for) and waits for them a bounded
+    time: a rank still running then is killed and the test fails, never hangs."""
+    ctx = mp.get_context("spawn")
+    init_method = f"file://{out_dir / 'rendezvous'}"
+    procs = [ctx.Process(target=_worker, args=(rank, world, init_method, str(out_dir))) for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=30)
+    assert not hung, f"ranks {hung} still running after {timeout_s} s: killed"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_matches_fp32_composition(tmp_path: Path, world: int) -> None:
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                        "NVSHMEM_DISABLE_NVLS": "1", "FLASHOVERLAP_PEER_TIMEOUT_S": "30"})
-    mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True,
-                       start_method="spawn")
+    _run_ranks(world, tmp_path)
     failures = [f for r in range(world) for f in json.loads(Path(tmp_path, f"rank{r}.json").read_text())]
     assert not failures, "\n".join(failures[:10])
