@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import itertools
 import math
 import re
@@ -551,3 +553,27 @@ def test_one_rank_never_overlaps_on_auto() -> None:
     assert forced.predicted_overlap_us < forced.predicted_sequential_us  # what the model says
     assert plan_gemm_all_reduce(m, n, k, 1, fused_norm=True).schedule == "sequential"
     assert plan_gemm_all_reduce(m, n, k, 2, fused_norm=True).schedule == "overlap"
+
+
+def test_copy_engine_all_reduce_mode_changes_the_two_rank_model() -> None:
+    """FLASHOVERLAP_CE_ALLREDUCE is read once per process by the core: in fresh processes, "gather"
+    models the 2-rank copy-engine AllReduce as ReduceScatter + AllGather (half the sums on each
+    rank, a second exchange's latency per group), "full" and "auto" as the one measured exchange;
+    beyond 2 ranks "auto" gathers too."""
+    import subprocess
+    import sys
+
+    probe = ("from flashoverlap.planning import plan_gemm_all_reduce as p; "
+             "print(p(8192, 8192, 4096, 2, mode='overlap', backend='copy_engine', reserved_sms=8).predicted_overlap_us, "
+             "p(8192, 8192, 4096, 4, mode='overlap', backend='copy_engine', reserved_sms=8).predicted_overlap_us)")
+
+    def predicted(mode: str) -> tuple[float, float]:
+        env = {**os.environ, "FLASHOVERLAP_CE_ALLREDUCE": mode}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        two, four = map(float, out.stdout.split())
+        return two, four
+
+    auto, full, gather = predicted("auto"), predicted("full"), predicted("gather")
+    assert auto[0] == full[0] and gather[0] != auto[0]  # 2 ranks: auto is the one exchange
+    # 4 ranks: auto gathers; one exchange would move twice the bytes, so it is predicted slower.
+    assert auto[1] == gather[1] and full[1] > auto[1]

@@ -482,6 +482,21 @@ def test_bad_backend_in_the_environment(no_distributed, monkeypatch: pytest.Monk
     assert _env.backend() == "auto"
 
 
+def test_bad_copy_engine_all_reduce_mode_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashoverlap import _env
+    from flashoverlap.planning import plan_gemm_all_reduce
+
+    monkeypatch.setenv("FLASHOVERLAP_CE_ALLREDUCE", "halves")
+    with pytest.raises(ValueError, match="FLASHOVERLAP_CE_ALLREDUCE"):
+        _env.ce_all_reduce()
+    with pytest.raises(ValueError, match="FLASHOVERLAP_CE_ALLREDUCE"):
+        plan_gemm_all_reduce(4096, 8192, 4096, 2, backend="copy_engine")
+    monkeypatch.setenv("FLASHOVERLAP_CE_ALLREDUCE", " Gather ")
+    assert _env.ce_all_reduce() == "gather"
+    monkeypatch.delenv("FLASHOVERLAP_CE_ALLREDUCE")
+    assert _env.ce_all_reduce() == "auto"
+
+
 # The ops added with ReduceScatter, AllReduce + RMSNorm and All-to-All: the same operand checks
 # run first, before any process group or device is needed.
 

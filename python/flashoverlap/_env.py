@@ -57,6 +57,20 @@ def order() -> str:
     return v
 
 
+CE_ALL_REDUCE = ("auto", "gather", "full")
+
+
+def ce_all_reduce() -> str:
+    """FLASHOVERLAP_CE_ALLREDUCE: how the copy engines' AllReduce shares its work: "auto" (default:
+    ReduceScatter + AllGather beyond 2 ranks, one exchange of the whole group on 2), "gather"
+    (ReduceScatter + AllGather on 2 ranks too) or "full" (one exchange, every rank summing
+    everything). Read once per process by the core; every rank must set it alike."""
+    v = os.environ.get("FLASHOVERLAP_CE_ALLREDUCE", "").strip().lower() or "auto"
+    if v not in CE_ALL_REDUCE:
+        raise ValueError(f"FLASHOVERLAP_CE_ALLREDUCE: expected one of {CE_ALL_REDUCE}, got {v!r}")
+    return v
+
+
 def nccl_max_ctas() -> int | None:
     """FLASHOVERLAP_NCCL_MAX_CTAS: CTA cap of flashoverlap's NCCL communicators (default: the reserved SMs)."""
     v = _int("FLASHOVERLAP_NCCL_MAX_CTAS", None)

@@ -54,6 +54,7 @@ class Communicator:
 
     def __init__(self, group: Optional[ProcessGroup] = None, *, name: Optional[str] = None,
                  max_ctas: Optional[int] = None, device: Optional[torch.device] = None, nccl: bool = True):
+        _env.ce_all_reduce()  # a bad value is refused before anything is made
         pg = resolve_group(group)
         self.group = pg
         self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(pg))

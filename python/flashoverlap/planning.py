@@ -40,6 +40,7 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
         raise ValueError("order: the fused norm needs whole rows per group ('banded' or 'auto'), got 'swizzled'")
     order = "banded" if fused_norm else order
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
+    _env.ce_all_reduce()  # the core reads it for the copy engines' AllReduce model
     max_groups = _env.max_groups() if max_groups is None else max_groups
     _check_ints(m=m, n=n, k=k, world_size=world_size, sms=sms, bands_per_group=bands_per_group,
                 reserved_sms=reserved_sms, max_groups=max_groups, raster_bands=raster_bands)
@@ -81,6 +82,7 @@ def plan_gemm_reduce_scatter(m: int, n: int, k: int, world_size: int, *, dtype: 
     if backend not in _env.BACKENDS:
         raise ValueError(f"backend: expected one of {_env.BACKENDS}, got {backend!r}")
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
+    _env.ce_all_reduce()  # the core reads it for the copy engines' AllReduce model
     max_groups = _env.max_groups() if max_groups is None else max_groups
     _check_ints(m=m, n=n, k=k, world_size=world_size, sms=sms, bands_per_group=bands_per_group,
                 reserved_sms=reserved_sms, max_groups=max_groups)
@@ -121,6 +123,7 @@ def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = t
         raise ValueError(f"backend: expected 'nccl' or 'copy_engine', got {backend!r}")
     matrix = check_split_matrix(split_matrix)
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
+    _env.ce_all_reduce()  # the core reads it for the copy engines' AllReduce model
     for name, value, least in (("n", n, 1), ("k", k, 1), ("sms", sms, 1), ("reserved_sms", reserved_sms, 0)):
         if value is None and name == "reserved_sms":
             continue

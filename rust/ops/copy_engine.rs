@@ -129,8 +129,25 @@ pub fn sums(exchanges: Vec<Exchange>) -> Vec<Group> {
 /// AllGather. On 2 ranks both move the same bytes over the link and one
 /// exchange is what was measured (2x H200); beyond, sending the whole group
 /// to every peer moves world / 2 times the bytes and sums world times them.
+/// FLASHOVERLAP_CE_ALLREDUCE (read once per process; every rank must set it
+/// alike) overrides: "gather" on 2 ranks too (each sums half: the one-exchange
+/// AllReduce was sum-bound on 8 CTAs there, tune_h200x2.txt), "full" never,
+/// "auto" or unset as above; the Python surface refuses other values.
 pub fn gathers_all_reduce(world: usize) -> bool {
-    world >= 3
+    static MODE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = *MODE.get_or_init(|| {
+        match std::env::var("FLASHOVERLAP_CE_ALLREDUCE")
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase()
+            .as_str()
+        {
+            "gather" => Some(true),
+            "full" => Some(false),
+            _ => None,
+        }
+    });
+    world >= 2 && forced.unwrap_or(world >= 3)
 }
 
 /// AllReduce groups (stride-0 exchanges) for `world` ranks.

@@ -209,27 +209,31 @@ fn hardware_for(
 /// confirmed (replayed mean error 4.9%; the 87 assumed before put 4 CTAs on
 /// par with 8, and plans that reserved 4 ran 0.75-0.92x of sequential). A
 /// ReduceScatter sums 1 / (world - 1) output bytes per byte of bus traffic.
-/// An AllReduce on 2 ranks sums the whole group on each (one exchange, see
-/// [`copy_engine::gathers_all_reduce`]): twice a ReduceScatter's bytes, which
-/// the fitted 40 (not 70) per CTA stands for; on more ranks it sums its
-/// 1 / world share, 1 / (2 (world - 1)) per byte of bus traffic, at the
+/// An AllReduce in one exchange (2 ranks, see
+/// [`copy_engine::gathers_all_reduce`]) sums the whole group on each rank,
+/// world / (2 (world - 1)) per bus byte, at the 80 fitted per CTA (the same
+/// as 40 on half the bytes, which is how it was fitted), and moves world / 2
+/// times the bus bytes; as ReduceScatter + AllGather (3 ranks or more) it
+/// sums its 1 / world share, 1 / (2 (world - 1)) per bus byte, at the
 /// ReduceScatter's rate (not measured: no machine of more than 2 GPUs yet).
 /// An All-to-All sums nothing (its landing copies are copy-engine work too).
 fn copy_engine_gbps(kind: CollectiveKind, reserved: u32, world: u32) -> f64 {
     const COPIES_GBPS: f64 = 240.0;
     let w = f64::from(world.max(2));
-    let (sum_rate, summed_per_moved) = match kind {
+    // (sum rate, output bytes summed per byte of bus traffic, bytes moved per byte of bus traffic)
+    let (sum_rate, summed_per_moved, moved) = match kind {
         CollectiveKind::AllReduce if copy_engine::gathers_all_reduce(world as usize) => {
-            (70.0, 1.0 / (2.0 * (w - 1.0)))
+            (70.0, 1.0 / (2.0 * (w - 1.0)), 1.0)
         }
-        CollectiveKind::AllReduce => (40.0, 1.0 / (2.0 * (w - 1.0))),
-        CollectiveKind::ReduceScatter => (70.0, 1.0 / (w - 1.0)),
+        // One exchange: every rank gets and sums the whole group.
+        CollectiveKind::AllReduce => (80.0, w / (2.0 * (w - 1.0)), w / 2.0),
+        CollectiveKind::ReduceScatter => (70.0, 1.0 / (w - 1.0), 1.0),
         CollectiveKind::AllToAll => return COPIES_GBPS,
     };
     let ctas = f64::from(reserved.clamp(1, copy_engine::MAX_REDUCE_CTAS));
     // Thousands of output bytes per us = GB/s of output.
     let sums_gbps = ctas * sum_rate / (w + 1.0) / summed_per_moved;
-    COPIES_GBPS.min(sums_gbps)
+    (COPIES_GBPS / moved).min(sums_gbps)
 }
 
 /// The peer backend's fused kernel on H200 in GB/s of AllReduce bus

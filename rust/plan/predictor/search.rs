@@ -264,7 +264,10 @@ mod tests {
             assert!(few.len() <= many.len(), "{group_us} us per group");
             // The pick is no worse under the whole objective than the pipeline's own optimum.
             let other = predict(&tiles, 4096, 108, &many, &hw, 2, 2).unwrap();
-            assert!(timeline.overlap_us <= other.overlap_us + 1e-9, "{group_us} us per group");
+            assert!(
+                timeline.overlap_us <= other.overlap_us + 1e-9,
+                "{group_us} us per group"
+            );
             let last = timeline.groups.last().unwrap().comm_end_us;
             assert!((timeline.overlap_us - last - group_us * few.len() as f64).abs() < 1e-6);
         }
@@ -273,7 +276,13 @@ mod tests {
             overlap_group_us: 1e6,
             ..free
         };
-        assert_eq!(best_partition(&tiles, 4096, 108, &hw, 2, 2, 32).unwrap().0.len(), 1);
+        assert_eq!(
+            best_partition(&tiles, 4096, 108, &hw, 2, 2, 32)
+                .unwrap()
+                .0
+                .len(),
+            1
+        );
     }
 
     #[test]
