@@ -27,6 +27,7 @@ import sys
 PRIMITIVES = [
     ("AllReduce", "bench_gemm_ar", [("flashoverlap vs sequential cuBLAS + NCCL", "speedup"),
                                     ("flashoverlap (NCCL backend) vs sequential", "speedup_nccl"),
+                                    ("flashoverlap (copy engines) vs sequential", "speedup_ce"),
                                     ("reference: cuBLAS || unrelated NCCL vs sequential", "concurrent_speedup")]),
     ("ReduceScatter", "bench_gemm_rs", [("flashoverlap vs sequential cuBLAS + NCCL", "fo_vs_seq"),
                                         ("flashoverlap (NCCL backend) vs sequential", "fo_nccl_vs_seq"),

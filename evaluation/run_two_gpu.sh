@@ -19,20 +19,22 @@
 #   e2ce   e2_predictive_search.py --backend copy_engine          [67]
 #   tune   flashoverlap tune, 2-GPU collective curves (issue 5) [72]
 #   first  first_call_latency.py --world-size 2 (issue 5)         [13]
+#   argather  bench_gemm_ar.py with FLASHOVERLAP_CE_ALLREDUCE=gather (the copy engines' AllReduce as ReduceScatter + AllGather on 2 ranks) [40]
+#   collgather  bench_collectives.py with the same                [32]
 # Each part writes OUTDIR/<part>.log (its output) and its result files
 # under OUTDIR, and prints one line: part, exit code, seconds. NVLink
 # multicast stays off in everything started here.
 # The 2x H200 curves ship in the package (NCCL 2.28.9): `tune` is needed
 # only under another NCCL version. With ~30 minutes of 2-GPU time (a machine
 # start takes a few): ar rs a2a arn norm coll first in one call, then e2 e2ce
-# e1, then tests.
+# e1 argather collgather, then tests.
 # After `e2` (and `tune`), the predictor can be refitted on any machine:
 #   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
 # (the profile `tune` wrote in $FLASHOVERLAP_CACHE_DIR/profiles-v1/ to replay with it).
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
-  sed -n '2,28p' "$0"
+  sed -n '2,30p' "$0"
   exit 2
 fi
 out="$1"
@@ -60,6 +62,8 @@ part_command() {
     # shapes ship in the bundled one-GPU profile), then a copy under OUTDIR.
     tune) echo "timeout 570 flashoverlap tune --world-size 2 --ops all_reduce,reduce_scatter,all_to_all && cp \"\$(python -c 'from flashoverlap import profiles; print(profiles.cache_dir())')\"/*-w2-*.json $out/" ;;
     first) echo "timeout 240 python $here/first_call_latency.py --world-size 2" ;;
+    argather) echo "FLASHOVERLAP_CE_ALLREDUCE=gather timeout 420 python $here/bench_gemm_ar.py --iters 40 --out $out/bench_gemm_ar_gather_h200x2_bfloat16.csv" ;;
+    collgather) echo "FLASHOVERLAP_CE_ALLREDUCE=gather timeout 420 python $here/bench_collectives.py --world-size 2 --out $out/bench_collectives_gather_h200x2" ;;
     *) return 1 ;;
   esac
 }
