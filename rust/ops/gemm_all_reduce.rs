@@ -93,6 +93,17 @@ pub const NCCL_OVERLAP_FIXED_US: f64 = 5.0;
 /// 5% with every pick within 4% of the best, at +4% of pessimism overall.
 pub const NCCL_GROUP_US: f64 = 8.0;
 
+/// What each wave group of a copy-engine AllReduce (no fused norm) adds at
+/// world >= 2 that the pipeline does not hide: fitted by replaying the 2x
+/// H200 E2 copy-engine run (evaluation/e2_replay.py
+/// evaluation/results/e2_predictive_search_ce_h200x2.csv): AllReduce error
+/// 5.2% -> 4.4% (0, 3, 5 us: 5.2, 4.4, 5.0%), mean over the run 4.93% ->
+/// 4.65%; the model had been 7-15% optimistic at M = 2048, where it picked 9
+/// groups and now picks 5 (E2 measured 4 groups there at 0.94 of the
+/// sequential time, 8 at 1.03). The fused-norm and ReduceScatter cases fit no
+/// better with it.
+pub const COPY_ENGINE_ALL_REDUCE_GROUP_US: f64 = 3.0;
+
 /// What each wave group of an All-to-All on the copy engines adds that the
 /// pipeline does not hide (its copies into the peers' slots, their flags, and
 /// the landing copies from the slots into the output): on 2x H200 the
@@ -165,6 +176,9 @@ fn hardware_for(
             overlap_fixed_us,
             overlap_group_us: match (backend, kind) {
                 (Backend::CopyEngine, CollectiveKind::AllToAll) => COPY_ENGINE_ALL_TO_ALL_GROUP_US,
+                (Backend::CopyEngine, CollectiveKind::AllReduce) if world > 1 && !fused_norm => {
+                    COPY_ENGINE_ALL_REDUCE_GROUP_US
+                }
                 (Backend::Nccl, CollectiveKind::AllReduce | CollectiveKind::ReduceScatter)
                     if world > 1 =>
                 {
