@@ -34,13 +34,21 @@ OPS = {"all_reduce": False, "all_reduce_rmsnorm": True, "reduce_scatter": False}
 OLD_KERNEL = "sm90_n256"
 
 
-def replay(path: str, sms: int = 132) -> dict:
-    """{"cases": {(op, m, n, k): [(replayed us, measured us, recorded us), ...]}, "skipped": n}."""
-    from flashoverlap import planning, profiles
+def _load_run(path: str, sms: int) -> dict:
+    """The run's .json sidecar, with the profiles of its GPU, SM count and NCCL version loaded."""
+    from flashoverlap import profiles
 
     with open(os.path.splitext(path)[0] + ".json") as f:
         meta = json.load(f)
     profiles.load_for_device(meta["gpu"], sms, meta["nccl"])
+    return meta
+
+
+def replay(path: str, sms: int = 132) -> dict:
+    """{"cases": {(op, m, n, k): [(replayed us, measured us, recorded us), ...]}, "skipped": n}."""
+    from flashoverlap import planning
+
+    meta = _load_run(path, sms)
     cases, skipped = {}, 0
     with open(path) as f:
         for r in csv.DictReader(f):
@@ -73,11 +81,9 @@ def replay_all_to_all(path: str, sms: int = 132) -> dict:
     if HERE not in sys.path:
         sys.path.insert(0, HERE)  # the E2 script's routing, beside this one
     from e2_predictive_search import skewed_split_matrix
-    from flashoverlap import planning, profiles
+    from flashoverlap import planning
 
-    with open(os.path.splitext(path)[0] + ".json") as f:
-        meta = json.load(f)
-    profiles.load_for_device(meta["gpu"], sms, meta["nccl"])
+    meta = _load_run(path, sms)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}
     cases = {}
     with open(path) as f:

@@ -292,16 +292,18 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     # Correctness of the exact calls being timed, against fp32.
     ref = xs[0].float() @ ws[0].float().t()
     dist.all_reduce(ref)
-    rel = float((overlapped(0).float() - ref).norm() / ref.norm())
+    def error(out: torch.Tensor) -> float:
+        return float((out.float() - ref).norm() / ref.norm())
+
+    rel = error(overlapped(0))
     # The copy engines need every rank on one node with peer access: elsewhere their columns are NaN.
     try:
-        overlapped_ce(0)
+        ce_errors = [error(overlapped_ce(0))]
         with_ce = (overlapped_ce, forced_ce)
     except (ValueError, RuntimeError) as e:
         print(f"rank {rank}: no copy-engine columns ({e})", flush=True)
-        with_ce = ()
-    rel_forced = max(float((f(0).float() - ref).norm() / ref.norm())
-                     for f in (forced, overlapped_nccl, forced_nccl, *with_ce))
+        ce_errors, with_ce = [], ()
+    rel_forced = max([error(f(0)) for f in (forced, overlapped_nccl, forced_nccl, *with_ce[1:])] + ce_errors)
     plan = flashoverlap.plan_of(xs[0], ws[0])
     forced_plan = flashoverlap.plan_of(xs[0], ws[0], mode="overlap")
     nccl_plan = flashoverlap.plan_of(xs[0], ws[0], backend="nccl")

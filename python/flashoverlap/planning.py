@@ -123,7 +123,6 @@ def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = t
         raise ValueError(f"backend: expected 'nccl' or 'copy_engine', got {backend!r}")
     matrix = check_split_matrix(split_matrix)
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
-    _env.ce_all_reduce()  # the core reads it for the copy engines' AllReduce model
     for name, value, least in (("n", n, 1), ("k", k, 1), ("sms", sms, 1), ("reserved_sms", reserved_sms, 0)):
         if value is None and name == "reserved_sms":
             continue

@@ -280,10 +280,13 @@ pub fn create(
             .collect::<Result<_>>()?,
         link_go: Event::new()?,
         link_done: (2..world).map(|_| Event::new()).collect::<Result<_>>()?,
-        gather_streams: (1..world)
-            .filter(|_| crate::ops::copy_engine::gathers_all_reduce(world as usize))
-            .map(|_| OwnedStream::high_priority())
-            .collect::<Result<_>>()?,
+        gather_streams: if crate::ops::copy_engine::gathers_all_reduce(world as usize) {
+            (1..world)
+                .map(|_| OwnedStream::high_priority())
+                .collect::<Result<_>>()?
+        } else {
+            Vec::new()
+        },
         land_stream: OwnedStream::high_priority()?,
         gather_go: Event::new()?,
         land_join: Event::new()?,

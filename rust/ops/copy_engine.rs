@@ -323,23 +323,27 @@ pub fn enqueue(
     // AllReduce as ReduceScatter + AllGather: a gather stream per peer, and
     // the landing stream (which then also frees the slots: it reads them last).
     let gathering = layout.world > 1 && call.groups.iter().any(|g| matches!(g, Group::Gather(_)));
-    let gathers: Vec<RawStream> = if gathering {
-        comm.gather_streams.iter().map(|s| s.0).collect()
+    let land = comm.land_stream.0;
+    // The gather streams (one per peer), then the landing stream; none
+    // where no group gathers.
+    let gather_and_land: Vec<RawStream> = if gathering {
+        comm.gather_streams
+            .iter()
+            .map(|s| s.0)
+            .chain([land])
+            .collect()
     } else {
         Vec::new()
     };
-    let land = comm.land_stream.0;
+    let gathers = &gather_and_land[..gather_and_land.len().saturating_sub(1)];
     if gathering && gathers.len() < peer.peers().count() {
         return Err(Error::Invalid("internal: gather streams not made".into()));
     }
-    let mut forked: Vec<RawStream> = [copies, reduces]
+    let forked: Vec<RawStream> = [copies, reduces]
         .into_iter()
         .chain(extra.iter().copied())
+        .chain(gather_and_land.iter().copied())
         .collect();
-    let gather_and_land: Vec<RawStream> = gathers.iter().copied().chain([land]).collect();
-    if gathering {
-        forked.extend(&gather_and_land);
-    }
     comm.fork.order_all(caller, &forked)?;
     launch_gemm()?;
     // This rank's slot in each peer may be written once that peer summed
@@ -472,10 +476,8 @@ pub fn enqueue(
     }
     comm.join.order(copies, caller)?;
     comm.reduce_join.order(reduces, caller)?;
-    if gathering {
-        for &stream in &gather_and_land {
-            comm.land_join.order(stream, caller)?;
-        }
+    for &stream in &gather_and_land {
+        comm.land_join.order(stream, caller)?;
     }
     Ok(())
 }

@@ -114,7 +114,7 @@ impl fmt::Display for GemmAllReducePlan {
             fixed += &format!(" (with {:.0} us per call)", self.overlap_fixed_us);
         }
         let per_group = t.groups_overhead_us();
-        if per_group > 0.0 && !t.groups.is_empty() {
+        if per_group > 0.0 {
             fixed += &format!(
                 " (with {:.0} us per group)",
                 per_group / t.groups.len() as f64

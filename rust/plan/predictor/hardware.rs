@@ -107,10 +107,10 @@ pub struct HardwareModel {
     /// shows (stream forks and joins, flag waits, pipeline fill), charged
     /// when Auto decides whether overlapping pays.
     pub overlap_fixed_us: f64,
-    /// A cost each wave group adds to the overlapped All-to-All that the
-    /// pipeline does not hide (the copy engines' per-exchange work: measured
-    /// times grow linearly with the group count where the pipeline predicts
-    /// them flat).
+    /// A cost each wave group adds to the overlapped schedule that the
+    /// pipeline does not hide (a collective call's own work per group:
+    /// measured times grew linearly with the group count where the pipeline
+    /// predicted them flat), added to the timeline's end per group.
     pub overlap_group_us: f64,
     /// Output bytes per microsecond that one SM of the communication's
     /// share un-reorders from the staging buffer into `out` (the staged
