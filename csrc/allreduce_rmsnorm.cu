@@ -7,26 +7,33 @@
 //
 // Rank `o` owns the rows of slice o (a near-equal split of the tokens), and
 // CTA b of every rank handles chunk b of every slice, so each barrier is
-// between the CTAs b of the ranks only, never grid-wide:
-//   1. push: CTA b copies chunk b of every other owner's slice of its x into
-//      that owner's buffer (slot of this rank), then raises ready[b][rank]
-//      in the owner's buffer;
-//   2. reduce: once ready[b][p] is up for every peer p, CTA b sums its chunk
-//      of this rank's slice (its own x read in place, the peers' from the
-//      slots, all local reads), adds the residual, normalizes, and writes
-//      the rows to its own out; into every peer's buffer it writes one array
-//      of the rows: the summed residual r when every rank keeps the full
-//      residual (res area), else the normalized rows (out area); then raises
-//      done[b][rank] in every peer's buffer;
-//   3. gather: once done[b][p] is up for every peer, CTA b takes the rows
-//      peers wrote for chunk b of their slices: the normalized rows are
+// between the CTAs b of the ranks only, never grid-wide. A chunk is cut into
+// `stages` consecutive parts, and each part goes through three steps:
+//   1. push: CTA b copies its part of every other owner's slice of its x
+//      into that owner's buffer (slot of this rank), then raises
+//      ready[part][rank] in the owner's buffer;
+//   2. reduce: once ready[part][p] is up for every peer p, CTA b sums its
+//      part of this rank's slice (its own x read in place, the peers' from
+//      the slots, all local reads), adds the residual, normalizes, and
+//      writes the rows to its own out; into every peer's buffer it writes one
+//      array of the rows: the summed residual r when every rank keeps the
+//      full residual (res area), else the normalized rows (out area); then
+//      raises done[part][rank] in every peer's buffer;
+//   3. gather: once done[part][p] is up for every peer, CTA b takes the rows
+//      peers wrote for its part of their slices: the normalized rows are
 //      copied to out; r is copied to residual_out and normalized into out
 //      here (the same arithmetic in the same order as the owner's, so every
 //      rank gets bit-identical rows), which sends each row across NVLink
 //      once instead of twice (r and out).
+// With one stage the steps run one after the other: NVLink idles while the
+// CTA gathers, and the local memory while it pushes. With more, step t
+// pushes part t + 1, reduces part t and gathers part t - 1 before one fence
+// raises the flags of all three: the stores of a push drain over NVLink
+// while the CTA reads and writes its local rows, and every wait is for flags
+// the peers raised one step earlier.
 // Pull mode (x_offset != 0: gemm_all_reduce_rmsnorm, one call per wave
 // group): the producing GEMM stored each rank's partial straight into its
-// own buffer's x area, so step 1 pushes nothing and only raises ready[b];
+// own buffer's x area, so step 1 pushes nothing and only raises ready;
 // step 2 reads every source's rows there (peer loads). A call then covers
 // rows [row0, row0 + tokens) of arrays of the whole output's rows, split
 // among the owners like the tokens of a plain call.
@@ -56,9 +63,11 @@ constexpr int UNROLL = FO_UNROLL;
 
 // Header words of a rank's buffer (u32 indices); keep in step with rust/ops/all_reduce_rmsnorm.rs.
 constexpr int EPOCH = 0, FINISHED = 1, ERROR = 2;
-constexpr int MAX_CTAS = 256;
+// Flags of one kind: a word per (part, source); ready and done fill the
+// 64 KiB header after its first 16 words, so CTAs x stages <= FLAG_SLOTS.
+constexpr int FLAG_SLOTS = 1023;
 constexpr int READY = 16;
-constexpr int DONE = READY + MAX_CTAS * FO_MAX_WORLD;
+constexpr int DONE = READY + FLAG_SLOTS * FO_MAX_WORLD;
 
 using fo::high;
 using fo::low;
@@ -96,6 +105,7 @@ struct Params {
   float eps;
   int residual_full;
   int row0;                                // first row of this call (0 in push mode)
+  int stages;                              // parts per chunk, CTAs x stages <= FLAG_SLOTS
 };
 
 namespace {
@@ -112,13 +122,17 @@ __device__ __forceinline__ uint4* slot(const Params& p, int owner, int source) {
 __device__ __forceinline__ int slice_start(const Params& p, int owner) {
   return p.row0 + static_cast<int>(static_cast<long long>(p.tokens) * owner / p.world);
 }
-// Chunk b of owner's slice: rows [first, last).
-__device__ __forceinline__ void chunk(const Params& p, int owner, int& first, int& last) {
+// Part `stage` of chunk b of owner's slice: rows [first, last). The slice
+// is cut into CTAs x stages parts, CTA b's chunk being parts bS .. bS + S - 1.
+__device__ __forceinline__ void part(const Params& p, int owner, int stage, int& first, int& last) {
   const int s0 = slice_start(p, owner), s1 = slice_start(p, owner + 1);
-  const long long rows = s1 - s0;
-  first = s0 + static_cast<int>(rows * blockIdx.x / gridDim.x);
-  last = s0 + static_cast<int>(rows * (blockIdx.x + 1) / gridDim.x);
+  const long long rows = s1 - s0, parts = static_cast<long long>(gridDim.x) * p.stages;
+  const long long k = static_cast<long long>(blockIdx.x) * p.stages + stage;
+  first = s0 + static_cast<int>(rows * k / parts);
+  last = s0 + static_cast<int>(rows * (k + 1) / parts);
 }
+// Flag slot of this CTA's part `stage`.
+__device__ __forceinline__ int flag_slot(int stage) { return stage * gridDim.x + blockIdx.x; }
 
 // Copies `count` vectors, the whole block, UNROLL in flight per thread.
 __device__ __forceinline__ void copy(uint4* __restrict__ to, const uint4* __restrict__ from, long long count) {
@@ -137,31 +151,34 @@ __device__ __forceinline__ void copy(uint4* __restrict__ to, const uint4* __rest
   }
 }
 
-// Raises flag[blockIdx.x][rank] in each peer's buffer once every thread's
-// stores are done: the barrier orders them before thread 0's system-scope
-// fence, which makes them visible before the flag.
-__device__ __forceinline__ void raise(const Params& p, int base_word, unsigned epoch) {
+// Raises ready[ready_slot][rank] and done[done_slot][rank] (a slot < 0:
+// not that flag) in each peer's buffer once every thread's stores are done:
+// the barrier orders them before thread 0's system-scope fence, which makes
+// them visible before the flags.
+__device__ __forceinline__ void raise(const Params& p, int ready_slot, int done_slot, unsigned epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (int i = 1; i < p.world; ++i) {
-      const int peer = (p.rank + i) % p.world;
-      store_release_sys(header(p, peer) + base_word + blockIdx.x * FO_MAX_WORLD + p.rank, epoch);
+      unsigned* h = header(p, (p.rank + i) % p.world);
+      if (ready_slot >= 0) store_release_sys(h + READY + ready_slot * FO_MAX_WORLD + p.rank, epoch);
+      if (done_slot >= 0) store_release_sys(h + DONE + done_slot * FO_MAX_WORLD + p.rank, epoch);
     }
   }
 }
 
-// Waits until every peer raised flag[blockIdx.x][peer] in this rank's
-// buffer to `epoch`; false (and the error recorded) on timeout.
-__device__ __forceinline__ bool wait_all(const Params& p, int base_word, unsigned epoch) {
+// Waits until every peer raised flag[slot][peer] of the kind at base_word
+// in this rank's buffer to `epoch`; false (and the error recorded) on timeout.
+__device__ __forceinline__ bool wait_all(const Params& p, int base_word, int slot, unsigned epoch) {
   __shared__ int ok;
+  __syncthreads();  // every thread has read the last wait's verdict
   if (threadIdx.x == 0) {
     ok = 1;
     unsigned* h = header(p, p.rank);
     const unsigned long long start = p.timeout_ns ? now_ns() : 0;
     for (int i = 1; i < p.world && ok; ++i) {
       const int peer = (p.rank + i) % p.world;
-      const unsigned* flag = h + base_word + blockIdx.x * FO_MAX_WORLD + peer;
+      const unsigned* flag = h + base_word + slot * FO_MAX_WORLD + peer;
       // Signed distance: epochs wrap around without harm.
       while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0) {
         if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
@@ -233,31 +250,27 @@ __device__ __forceinline__ void normalize_row(const uint4* r_row, const uint4* w
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Params p) {
-  const int vecs = p.hidden / VEC;
-  unsigned* own = header(p, p.rank);
-  // Every CTA reads the epoch before the last one to finish bumps it.
-  const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own + EPOCH) + 1;
-  int first, last;
-
-  // 1. Push chunk b of every other owner's slice into its slot for this rank
-  // (pull mode: the partial already lies in this rank's buffer).
-  const bool pull = p.x_offset != 0;
-  for (int i = 1; !pull && i < p.world; ++i) {
+namespace {
+// Step 1 for part `stage`: copies it of every other owner's slice of x into
+// that owner's slot for this rank.
+__device__ __forceinline__ void push(const Params& p, int stage, int vecs) {
+  for (int i = 1; i < p.world; ++i) {
     const int owner = (p.rank + i) % p.world;
-    chunk(p, owner, first, last);
+    int first, last;
+    part(p, owner, stage, first, last);
     const long long offset = static_cast<long long>(first - slice_start(p, owner)) * vecs;
     copy(slot(p, owner, p.rank) + offset, p.x + static_cast<long long>(first) * vecs,
          static_cast<long long>(last - first) * vecs);
   }
-  raise(p, READY, epoch);
-  bool ok = wait_all(p, READY, epoch);
+}
 
-  // 2. Reduce, add, normalize this rank's chunk: one warp per row.
-  chunk(p, p.rank, first, last);
+// Step 2 for part `stage` of this rank's slice: one warp per row.
+__device__ __forceinline__ void reduce(const Params& p, int stage, int vecs, bool pull) {
+  int first, last;
+  part(p, p.rank, stage, first, last);
   const int s0 = slice_start(p, p.rank);
   const int lane = threadIdx.x % 32;
-  for (int row = first + threadIdx.x / 32; ok && row < last; row += WARPS) {
+  for (int row = first + threadIdx.x / 32; row < last; row += WARPS) {
     const long long base = static_cast<long long>(row) * vecs;
     const long long local = static_cast<long long>(row - s0) * vecs;
     uint4* r_row = p.residual_out + (p.residual_full ? base : local);
@@ -324,16 +337,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
       }
     });
   }
-  if (ok) {
-    raise(p, DONE, epoch);
-    ok = wait_all(p, DONE, epoch);
-  }
+}
 
-  // 3. Gather the rows the peers made for chunk b of their slices: their
-  // normalized rows, or their r, normalized here as the owner did.
-  for (int i = 1; ok && i < p.world; ++i) {
+// Step 3 for part `stage` of every other owner's slice: their normalized
+// rows, or their r, normalized here as the owner did.
+__device__ __forceinline__ void gather(const Params& p, int stage, int vecs) {
+  const int lane = threadIdx.x % 32;
+  for (int i = 1; i < p.world; ++i) {
     const int owner = (p.rank + i) % p.world;
-    chunk(p, owner, first, last);
+    int first, last;
+    part(p, owner, stage, first, last);
     if (!p.residual_full) {
       const long long at = static_cast<long long>(first) * vecs, count = static_cast<long long>(last - first) * vecs;
       copy(p.out + at, reinterpret_cast<const uint4*>(area(p, p.rank, p.out_offset)) + at, count);
@@ -348,6 +361,33 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
         p.out[base + v] = y;
       });
     }
+  }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Params p) {
+  const int vecs = p.hidden / VEC;
+  unsigned* own = header(p, p.rank);
+  // Every CTA reads the epoch before the last one to finish bumps it.
+  const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own + EPOCH) + 1;
+  // Pull mode: the partial already lies in this rank's buffer; ready only says so.
+  const bool pull = p.x_offset != 0;
+  const int stages = p.stages;
+
+  // Step t pushes part t + 1, reduces part t, gathers part t - 1.
+  bool ok = true;
+  for (int t = -1; ok && t <= stages; ++t) {
+    const bool pushes = t + 1 < stages, reduces = t >= 0 && t < stages;
+    if (pushes && !pull) push(p, t + 1, vecs);
+    if (reduces) {
+      ok = wait_all(p, READY, flag_slot(t), epoch);
+      if (ok) reduce(p, t, vecs, pull);
+    }
+    if (ok && t >= 1) {
+      ok = wait_all(p, DONE, flag_slot(t - 1), epoch);
+      if (ok) gather(p, t - 1, vecs);
+    }
+    if (ok && (pushes || reduces)) raise(p, pushes ? flag_slot(t + 1) : -1, reduces ? flag_slot(t) : -1, epoch);
   }
 
   // The last CTA to finish moves this rank to the next epoch.

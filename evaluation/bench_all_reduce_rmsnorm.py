@@ -24,9 +24,10 @@ computes r = all_reduce(x) + residual, out = r * rsqrt(mean(r^2) + eps) * weight
                    8192 tokens, 2, 4, 64 and 132 for the CTA curve; clamped to the SM count)
   fo_sharded_<c>   the same with residual_out="sharded" (each rank gets only its rows of r)
   api_16           flashoverlap.all_reduce_rmsnorm(..., ctas=16), the public function, timed alone
-  fo_<c>@<T>x<U>   (--configs) the fused kernel compiled with T threads per CTA and U vectors in
-                   flight per lane (the default is 512x4), full residual, c in 8, 16, 32: the sweep
-                   that picks the kernel's compiled shape (its best<=32 per config is listed)
+  fo_<c>@<T>x<U>[s<S>]  (--configs) the fused kernel compiled with T threads per CTA and U vectors
+                   in flight per lane, each CTA pipelining its rows in up to S parts (the default
+                   is 512x4, one part), full residual, c in 8, 16, 32: the sweep that picks the
+                   kernel's shape (its best<=32 per config is listed)
 
 fo_<c> and fo_sharded_<c> call the registered op torch.ops.flashoverlap.all_reduce_rmsnorm, what
 the public function dispatches to and what a CUDA graph replays; the public function adds its
@@ -79,6 +80,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from typing import Optional, Sequence
@@ -175,17 +177,19 @@ def best_of(times: dict, ctas: Sequence[int], prefix: str = "fo_") -> tuple[int,
     return c, us
 
 
-def parse_config(text: str) -> tuple[int, int]:
-    """'256x2' -> (256, 2): threads per CTA and vectors in flight per lane of the fused kernel."""
-    try:
-        threads, unroll = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected THREADSxUNROLL such as 256x2, got {text!r}") from None
-    return threads, unroll
+def parse_config(text: str) -> tuple[int, int, int]:
+    """'256x2' -> (256, 2, 1), '512x4s4' -> (512, 4, 4): threads per CTA, vectors in flight per lane
+    and the most parts each CTA pipelines its rows in (1: the steps one after the other)."""
+    match = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?", text.strip().lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected THREADSxUNROLL[sSTAGES] such as 256x2 or 512x4s4, got {text!r}")
+    threads, unroll, stages = match.groups()
+    return int(threads), int(unroll), int(stages or 1)
 
 
 def config_name(config: Sequence[int]) -> str:
-    return f"{config[0]}x{config[1]}"
+    stages = config[2] if len(config) > 2 else 1
+    return f"{config[0]}x{config[1]}" + (f"s{stages}" if stages != 1 else "")
 
 
 def config_lines(rows: list, configs: Sequence[Sequence[int]], fo_ctas: Sequence[int]) -> list[str]:
@@ -796,7 +800,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--compiled-norm", action="store_true",
                    help="also time NCCL + a torch.compile'd add-RMSNorm (then the bar's baseline is the faster)")
     p.add_argument("--configs", type=parse_config, nargs="*", default=[],
-                   help="also time the fused kernel compiled as each THREADSxUNROLL (e.g. 512x2 256x4 256x2)")
+                   help="also time the fused kernel as each THREADSxUNROLL[sSTAGES] (e.g. 512x2 512x4s4)")
     p.add_argument("--out", default=None, help="path without extension (default: evaluation/results/"
                                                "bench_all_reduce_rmsnorm_<gpu>x<world>_<dtype>)")
     args = p.parse_args(argv)

@@ -12,7 +12,7 @@
 #   a2a    bench_gemm_a2a.py, both backends (issue 4)             [36]
 #   arn    bench_gemm_ar_rmsnorm.py (issue 4)                     [28]
 #   norm   bench_all_reduce_rmsnorm.py (issue 6)                  [29]
-#   normcfg  the same at 1K and 8K tokens, each kernel config (issue 6) [19]
+#   normcfg  the same, each kernel config: the stages pipelined (issue 6) [19 at 1K and 8K tokens]
 #   coll   bench_collectives.py (issue 8)                         [32]
 #   e1     e1_correctness.py (issues 4, 8)                        [14]
 #   e2     e2_predictive_search.py, NCCL (issue 5)                [67]
@@ -53,7 +53,7 @@ part_command() {
     a2a) echo "timeout 360 python $here/bench_gemm_a2a.py --out $out/bench_gemm_a2a_h200x2_bfloat16" ;;
     arn) echo "timeout 360 python $here/bench_gemm_ar_rmsnorm.py --out $out/bench_gemm_ar_rmsnorm_h200x2_bfloat16" ;;
     norm) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --out $out/bench_all_reduce_rmsnorm_h200x2" ;;
-    normcfg) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --quick --configs 512x2 256x4 256x2 --out $out/bench_all_reduce_rmsnorm_configs_h200x2" ;;
+    normcfg) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --configs 512x4s2 512x4s4 512x2s4 --out $out/bench_all_reduce_rmsnorm_configs_h200x2" ;;
     coll) echo "timeout 420 python $here/bench_collectives.py --world-size 2 --out $out/bench_collectives_h200x2" ;;
     e1) echo "timeout 300 python $here/e1_correctness.py --world-size 2 --out $out/e1_correctness_h200x2.txt" ;;
     e2) echo "timeout 570 python $here/e2_predictive_search.py --world-size 2 --out $out/e2_predictive_search_h200x2" ;;

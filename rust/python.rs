@@ -969,6 +969,29 @@ fn allreduce_rmsnorm_buffer_bytes(
     Ok(layout.map_err(to_py)?.bytes)
 }
 
+/// Parts each CTA pipelines its rows in, for a call of `tokens` rows on
+/// `world` ranks and `ctas` CTAs with kernel `config` (threads, unroll,
+/// stages; default the library's).
+#[pyfunction]
+#[pyo3(signature = (tokens, world, ctas, config=None))]
+fn allreduce_rmsnorm_stages(
+    tokens: u64,
+    world: usize,
+    ctas: u32,
+    config: Option<(u32, u32, u32)>,
+) -> PyResult<u32> {
+    Ok(arn::stages(tokens, world, ctas, norm_config(config)?))
+}
+
+fn norm_config(config: Option<(u32, u32, u32)>) -> PyResult<kernels::NormConfig> {
+    match config {
+        Some((threads, unroll, stages)) => {
+            kernels::NormConfig::new(threads, unroll, stages).map_err(to_py)
+        }
+        None => Ok(kernels::NormConfig::DEFAULT),
+    }
+}
+
 /// Where this rank's partial (x area) lies in its peer buffer, laid out for
 /// gemm_all_reduce_rmsnorm's backend="peer" over an output of `rows` rows
 /// (`buffers` as PeerGroup.core_buffers gives them; refused where they are too
@@ -992,8 +1015,8 @@ fn allreduce_rmsnorm_partial(
 /// the buffers are laid out for gemm_all_reduce_rmsnorm's backend="peer";
 /// x is first copied into this rank's x area unless it lies there already
 /// (its sequential schedule).
-/// `config`: (threads, unroll) of the kernel (default the library's; other
-/// values for the benchmark's sweep).
+/// `config`: (threads, unroll, stages) of the kernel (default the library's;
+/// other values for the benchmark's sweep).
 #[pyfunction]
 #[pyo3(signature = (device, tensors, bases, buffer_bytes, rank, tokens, hidden, eps, residual_full, dtype, ctas, timeout_ns, stream, pull=false, config=None))]
 #[allow(clippy::too_many_arguments)]
@@ -1013,14 +1036,11 @@ fn allreduce_rmsnorm_launch(
     timeout_ns: u64,
     stream: usize,
     pull: bool,
-    config: Option<(u32, u32)>,
+    config: Option<(u32, u32, u32)>,
 ) -> PyResult<()> {
     let _keep = driver::KeepCurrent::new();
     let dtype = self::dtype(dtype)?;
-    let config = match config {
-        Some((threads, unroll)) => kernels::NormConfig::new(threads, unroll).map_err(to_py)?,
-        None => kernels::NormConfig::DEFAULT,
-    };
+    let config = norm_config(config)?;
     if pull && !residual_full {
         return Err(PyValueError::new_err(
             "residual_out: the pull layout keeps the full residual only",
@@ -1518,6 +1538,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(all_to_all, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_buffer_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_partial, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_rmsnorm_stages, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_launch, m)?)?;
     m.add_class::<PyPeerMemory>()?;
     m.add("ALLREDUCE_RMSNORM_ERROR_WORD", arn::ERROR_WORD)?;

@@ -250,53 +250,71 @@ pub fn add_rmsnorm_spec(dtype: Dtype) -> KernelSpec {
     }
 }
 
-/// The peer-memory AllReduce + add + RMSNorm's compile-time shape: threads
-/// per block and 16-byte vectors each lane keeps in flight. The default is
-/// the first written (512 x 4: 128 registers, 48 bytes of spill under
-/// ptxas); 256 threads or 2 vectors spill nothing. Which is fastest over
-/// NVLink is for the 2-GPU sweep (evaluation/bench_all_reduce_rmsnorm.py
-/// --configs) to say; the others exist for that sweep.
+/// The peer-memory AllReduce + add + RMSNorm's shape: threads per block and
+/// 16-byte vectors each lane keeps in flight (compile-time), and the most
+/// parts each CTA cuts its rows into to pipeline its steps (a launch
+/// parameter: `ops::all_reduce_rmsnorm::stages`). The default is the first
+/// written and the one measured on 2x H200 (512 x 4: 128 registers, 48
+/// bytes of spill under ptxas; one part, the steps one after the other);
+/// 256 threads or 2 vectors spill nothing. Which is fastest over NVLink is
+/// for the 2-GPU sweep (evaluation/bench_all_reduce_rmsnorm.py --configs)
+/// to say; the others exist for that sweep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct NormConfig {
     pub threads: u32,
     pub unroll: u32,
+    pub stages: u32,
 }
 
 impl NormConfig {
     pub const DEFAULT: Self = Self {
         threads: 512,
         unroll: 4,
+        stages: 1,
     };
+    /// The most parts a config may ask for.
+    pub const MAX_STAGES: u32 = 8;
     /// What the 2-GPU sweep times (the default first); CI compiles each.
+    /// The shapes the first sweep timed slower than the default at 8K
+    /// tokens (512 x 2, 256 x 4, 256 x 2: 1.07-1.40x) are left out.
     pub const SWEEP: [Self; 4] = [
         Self::DEFAULT,
         Self {
             threads: 512,
-            unroll: 2,
-        },
-        Self {
-            threads: 256,
             unroll: 4,
+            stages: 2,
         },
         Self {
-            threads: 256,
+            threads: 512,
+            unroll: 4,
+            stages: 4,
+        },
+        Self {
+            threads: 512,
             unroll: 2,
+            stages: 4,
         },
     ];
 
     /// A config the kernel supports: 128 to 1024 threads (whole warps, a
-    /// power of two) and 1, 2, 4 or 8 vectors in flight.
-    pub fn new(threads: u32, unroll: u32) -> crate::error::Result<Self> {
+    /// power of two), 1, 2, 4 or 8 vectors in flight, 1 to MAX_STAGES parts.
+    pub fn new(threads: u32, unroll: u32, stages: u32) -> crate::error::Result<Self> {
         if !(128..=1024).contains(&threads)
             || !threads.is_power_of_two()
             || ![1, 2, 4, 8].contains(&unroll)
+            || !(1..=Self::MAX_STAGES).contains(&stages)
         {
             return Err(crate::error::Error::Invalid(format!(
-                "config: expected (threads, unroll) with threads a power of two in 128..=1024 and unroll \
-                 in 1, 2, 4, 8, got ({threads}, {unroll})"
+                "config: expected (threads, unroll, stages) with threads a power of two in 128..=1024, unroll \
+                 in 1, 2, 4, 8 and stages in 1..={}, got ({threads}, {unroll}, {stages})",
+                Self::MAX_STAGES
             )));
         }
-        Ok(Self { threads, unroll })
+        Ok(Self {
+            threads,
+            unroll,
+            stages,
+        })
     }
 }
 
@@ -339,11 +357,21 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
         .collect();
     widths.dedup();
     let unreorders = widths.into_iter().map(|(bm, bn)| unreorder_spec(bm, bn));
+    // One kernel per compiled shape (configs that differ in stages alone share it).
+    let sweep = NormConfig::SWEEP;
+    let shapes = sweep.iter().enumerate().filter(move |&(i, c)| {
+        !sweep[..i]
+            .iter()
+            .any(|e| (e.threads, e.unroll) == (c.threads, c.unroll))
+    });
     let norms = [Dtype::Bf16, Dtype::F16]
         .into_iter()
-        .flat_map(|d| {
-            std::iter::once(add_rmsnorm_spec(d))
-                .chain(NormConfig::SWEEP.map(|c| allreduce_rmsnorm_spec(d, c)))
+        .flat_map(move |d| {
+            std::iter::once(add_rmsnorm_spec(d)).chain(
+                shapes
+                    .clone()
+                    .map(move |(_, &c)| allreduce_rmsnorm_spec(d, c)),
+            )
         })
         .filter(move |_| runs);
     gemms
@@ -464,17 +492,29 @@ mod tests {
 
     #[test]
     fn norm_configs_are_whole_warps_and_few_vectors() {
-        assert_eq!(NormConfig::new(512, 4).unwrap(), NormConfig::DEFAULT);
+        assert_eq!(NormConfig::new(512, 4, 1).unwrap(), NormConfig::DEFAULT);
         assert_eq!(NormConfig::SWEEP[0], NormConfig::DEFAULT);
-        for (threads, unroll) in [(96, 2), (2048, 2), (384, 2), (256, 3), (256, 0), (256, 16)] {
-            let err = NormConfig::new(threads, unroll).unwrap_err().to_string();
+        for (threads, unroll, stages) in [
+            (96, 2, 1),
+            (2048, 2, 1),
+            (384, 2, 1),
+            (256, 3, 1),
+            (256, 0, 1),
+            (256, 16, 1),
+            (256, 2, 0),
+            (256, 2, 9),
+        ] {
+            let err = NormConfig::new(threads, unroll, stages)
+                .unwrap_err()
+                .to_string();
             assert!(err.contains("config"), "{err}");
         }
-        // Each config compiles to its own kernel.
-        let specs: std::collections::HashSet<_> = NormConfig::SWEEP
-            .iter()
-            .map(|&c| allreduce_rmsnorm_spec(Dtype::Bf16, c).defines)
-            .collect();
-        assert_eq!(specs.len(), NormConfig::SWEEP.len());
+        // Distinct configs; the stages are a launch parameter, so configs that differ
+        // only there share a compiled kernel.
+        let configs: std::collections::HashSet<_> = NormConfig::SWEEP.iter().collect();
+        assert_eq!(configs.len(), NormConfig::SWEEP.len());
+        let spec = |c: NormConfig| allreduce_rmsnorm_spec(Dtype::Bf16, c).defines;
+        assert_eq!(spec(NormConfig::SWEEP[1]), spec(NormConfig::DEFAULT));
+        assert_ne!(spec(NormConfig::SWEEP[3]), spec(NormConfig::DEFAULT));
     }
 }

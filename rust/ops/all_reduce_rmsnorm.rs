@@ -5,7 +5,8 @@
 //!
 //! Rank R's buffer (mapped into every rank of the node):
 //!   [0, 64 KiB)              header: epoch, finished-CTA count, error,
-//!                            ready[cta][source], done[cta][source] (u32)
+//!                            ready[part][source], done[part][source] (u32;
+//!                            FLAG_SLOTS parts: CTAs x stages)
 //!   slots                    world slots of ceil(tokens / world) rows: what
 //!                            each source pushed of R's slice
 //!   out area                 [tokens, hidden]: rows other owners normalized
@@ -30,6 +31,9 @@ pub const HEADER_BYTES: u64 = 64 * 1024;
 pub const ERROR_WORD: u64 = 2;
 pub const MAX_WORLD: usize = 8;
 pub const MAX_CTAS: u32 = 256;
+/// Flag slots of each kind in the header (the kernel's FLAG_SLOTS): one per
+/// (stage, CTA) of a call.
+pub const FLAG_SLOTS: u32 = 1023;
 pub const MAX_HIDDEN: u32 = 16384;
 
 /// Where the areas of one call lie in every rank's buffer.
@@ -93,6 +97,20 @@ pub struct Pull {
     pub rows: u64,
 }
 
+/// Parts each CTA cuts its chunk of a slice into, whose push, reduce and
+/// gather steps the kernel pipelines: at most `config.stages`, at least a
+/// row per warp in each part (fewer leave warps idle for a step's whole
+/// barrier), and CTAs x stages within the header's flag slots. The same on
+/// every rank, as the kernel needs: a function of the call's shape alone.
+pub fn stages(tokens: u64, world: usize, ctas: u32, config: NormConfig) -> u32 {
+    let chunk_rows = tokens
+        .div_ceil(world as u64)
+        .div_ceil(u64::from(ctas.max(1)));
+    let warps = u64::from(config.threads / 32);
+    let by_rows = (chunk_rows / warps).clamp(1, u64::from(config.stages));
+    (by_rows as u32).min(FLAG_SLOTS / ctas.max(1)).max(1)
+}
+
 /// Rows [start, end) of `tokens` that `rank` owns (the kernel's split).
 pub fn slice(tokens: u64, world: usize, rank: usize) -> (u64, u64) {
     let at = |r: usize| tokens * r as u64 / world as u64;
@@ -121,6 +139,7 @@ struct Params {
     eps: f32,
     residual_full: i32,
     row0: i32,
+    stages: i32,
 }
 
 /// One call: device pointers of this rank's tensors, every rank's buffer
@@ -244,6 +263,7 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         eps: call.eps,
         residual_full: i32::from(call.residual_full),
         row0: row0 as i32,
+        stages: stages(call.tokens, world, ctas, call.config) as i32,
     };
     Ok(Checked {
         params: Some(params),
@@ -273,6 +293,40 @@ mod tests {
     }
 
     #[test]
+    fn stages_leave_a_row_per_warp_and_fit_the_flags() {
+        let config = |stages| NormConfig::new(512, 4, stages).unwrap();
+        // 8K tokens on 2 ranks, 32 CTAs: 128 rows a chunk, 16 warps: up to 8 parts.
+        assert_eq!(stages(8192, 2, 32, config(4)), 4);
+        assert_eq!(stages(8192, 2, 32, config(8)), 8);
+        assert_eq!(stages(4096, 2, 32, config(8)), 4);
+        // Too few rows for two parts, or the default: one part, the unpipelined kernel.
+        assert_eq!(stages(1024, 2, 32, config(4)), 1);
+        assert_eq!(stages(8192, 2, 32, NormConfig::DEFAULT), 1);
+        assert_eq!(stages(1, 8, 256, config(8)), 1);
+        assert_eq!(stages(0, 2, 16, config(4)), 1);
+        for ctas in 1..=MAX_CTAS {
+            for tokens in [1u64, 1000, 1 << 20] {
+                let s = stages(tokens, 2, ctas, config(NormConfig::MAX_STAGES));
+                assert!((1..=NormConfig::MAX_STAGES).contains(&s));
+                assert!(
+                    s * ctas <= FLAG_SLOTS,
+                    "{tokens} tokens on {ctas} CTAs: {s} stages"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn flags_fill_the_header_as_the_kernel_lays_them_out() {
+        let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
+        assert!(source.contains(&format!("constexpr int FLAG_SLOTS = {FLAG_SLOTS};")));
+        assert!(source.contains(&format!("#define FO_MAX_WORLD {MAX_WORLD}")));
+        // 16 header words, then ready and done: a u32 per (slot, source) each.
+        assert!((16 + 2 * u64::from(FLAG_SLOTS) * MAX_WORLD as u64) * 4 <= HEADER_BYTES);
+        assert!(source.contains(&format!("area(p, owner, {HEADER_BYTES}ull")));
+    }
+
+    #[test]
     fn areas_follow_each_other_and_fit_the_params_struct() {
         let l = Layout::new(4, 1001, 8192, Dtype::Bf16).unwrap();
         assert_eq!(l.slot_bytes, 251 * 16384);
@@ -281,7 +335,7 @@ mod tests {
         assert_eq!(l.bytes, l.res_offset + 1001 * 16384);
         assert!(Layout::new(0, 1, 8, Dtype::Bf16).is_err());
         assert!(Layout::new(9, 1, 8, Dtype::Bf16).is_err());
-        // The CUDA struct: 5 pointers, 8 bases, 5 u64, 4 ints, a float, 2 ints (padded to 8).
+        // The CUDA struct: 5 pointers, 8 bases, 5 u64, 4 ints, a float, 3 ints.
         assert_eq!(std::mem::size_of::<Params>(), 176);
         let p = Layout::pull(2, 100, 8192, Dtype::Bf16).unwrap();
         let area = 100 * 16384;

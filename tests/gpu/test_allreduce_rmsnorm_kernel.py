@@ -4,7 +4,8 @@ barriers are between the CTAs of the ranks, so every rank's kernel must be resid
 Stores to "peers" are plain stores to other buffers, with the same system-scope fences and
 flags as over NVLink. Checked against the fp32 composition on fresh random inputs, over calls
 that change the token count and the CTA count (the epochs must stay in step), in both residual
-modes, and in a CUDA graph replayed with fresh inputs."""
+modes, with each CTA's rows pipelined in several parts, in the pull layout, and in a CUDA graph
+replayed with fresh inputs."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ EPS = 1e-6
 class Ranks:
     """`world` emulated ranks sharing one device: zeroed buffers, a stream each."""
 
-    def __init__(self, world: int, max_tokens: int, hidden: int, dtype: torch.dtype):
-        self.world, self.hidden, self.dtype = world, hidden, dtype
+    def __init__(self, world: int, max_tokens: int, hidden: int, dtype: torch.dtype, config=None,
+                 pull: bool = False):
+        self.world, self.hidden, self.dtype, self.config, self.pull = world, hidden, dtype, config, pull
         self.name = "bfloat16" if dtype == torch.bfloat16 else "float16"
-        self.nbytes = _core.allreduce_rmsnorm_buffer_bytes(world, max_tokens, hidden, self.name)
+        self.nbytes = _core.allreduce_rmsnorm_buffer_bytes(world, max_tokens, hidden, self.name, pull=pull)
         self.buffers = [torch.zeros(self.nbytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
         self.bases = [b.data_ptr() for b in self.buffers]
         self.streams = [torch.cuda.Stream() for _ in range(world)]
@@ -38,7 +40,7 @@ class Ranks:
             _core.allreduce_rmsnorm_launch(0, (xs[r].data_ptr(), residual.data_ptr(), weight.data_ptr(),
                                                outs[r].data_ptr(), residual_outs[r].data_ptr()),
                                            self.bases, self.nbytes, r, tokens, self.hidden, EPS, full, self.name,
-                                           ctas, TIMEOUT_NS, s.cuda_stream)
+                                           ctas, TIMEOUT_NS, s.cuda_stream, pull=self.pull, config=self.config)
         for s in self.streams:
             main.wait_stream(s)
 
@@ -104,15 +106,46 @@ def test_calls_with_changing_tokens_and_ctas(world, dtype) -> None:
         run_and_check(ranks, tokens, full, ctas, seed=world * 100 + i)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("config", [(512, 4, 4), (256, 2, 8)])
+def test_pipelined_parts(world, config) -> None:
+    """Each CTA cuts its rows into several parts whose push, reduce and gather steps overlap: the
+    same results, epochs in step with unpipelined calls on the same buffers, parts of uneven and
+    zero rows."""
+    hidden = 2048
+    ranks = Ranks(world, 4099, hidden, torch.bfloat16, config=config)
+    calls = [(4099, 4, True), (4099, 3, False), (2500, 1, True), (64, 2, False), (1777, 5, True)]
+    engaged = [_core.allreduce_rmsnorm_stages(t, world, c, config) for t, c, _ in calls]
+    assert max(engaged) == config[2] and min(engaged) == 1, engaged
+    for i, (tokens, ctas, full) in enumerate(calls):
+        run_and_check(ranks, tokens, full, ctas, seed=world * 1000 + i)
+    ranks.config = None
+    run_and_check(ranks, 1031, True, 8, seed=world * 1000 + 99)
+
+
+@pytest.mark.parametrize("config", [None, (512, 4, 4)])
+def test_pull_layout(config) -> None:
+    """The layout gemm_all_reduce_rmsnorm(backend="peer") uses: each rank's partial copied into its
+    own x area, every owner reading its rows there from each peer (loads, not pushes)."""
+    world, tokens, hidden = 2, 3001, 1024
+    ranks = Ranks(world, tokens, hidden, torch.float16, config=config, pull=True)
+    if config is not None:
+        assert _core.allreduce_rmsnorm_stages(tokens, world, 4, config) == 4
+    for i, ctas in enumerate([4, 7]):
+        run_and_check(ranks, tokens, True, ctas, seed=50 + i)
+
+
 def test_widest_rows() -> None:
     ranks = Ranks(2, 300, 16384, torch.bfloat16)
     run_and_check(ranks, 300, True, 4, seed=7)
     run_and_check(ranks, 129, False, 8, seed=8)
 
 
-def test_graph_replays_with_fresh_inputs() -> None:
+@pytest.mark.parametrize("config", [None, (512, 4, 4)])
+def test_graph_replays_with_fresh_inputs(config) -> None:
     world, tokens, hidden, dtype = 2, 777, 4096, torch.bfloat16
-    ranks = Ranks(world, tokens, hidden, dtype)
+    ranks = Ranks(world, tokens, hidden, dtype, config=config)
+    assert _core.allreduce_rmsnorm_stages(tokens, world, 8, config) == (1 if config is None else 3)
     xs, residual, weight = fresh(world, tokens, hidden, dtype, 1)
     outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
     res_outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
