@@ -110,11 +110,11 @@ def test_calls_with_changing_tokens_and_ctas(world, dtype) -> None:
 @pytest.mark.parametrize("config", [(512, 4, 4), (256, 2, 8)])
 def test_pipelined_parts(world, config) -> None:
     """Each CTA cuts its rows into several parts whose push, reduce and gather steps overlap: the
-    same results, epochs in step with unpipelined calls on the same buffers, parts of uneven and
-    zero rows."""
+    same results, epochs in step with unpipelined calls on the same buffers, slices and parts of
+    uneven rows."""
     hidden = 2048
     ranks = Ranks(world, 4099, hidden, torch.bfloat16, config=config)
-    calls = [(4099, 4, True), (4099, 3, False), (2500, 1, True), (64, 2, False), (1777, 5, True)]
+    calls = [(4099, 4, True), (4099, 3, False), (2500, 1, True), (24, 2, False), (1777, 5, True)]
     engaged = [_core.allreduce_rmsnorm_stages(t, world, c, config) for t, c, _ in calls]
     assert max(engaged) == config[2] and min(engaged) == 1, engaged
     for i, (tokens, ctas, full) in enumerate(calls):
