@@ -80,14 +80,13 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import sys
 from typing import Optional, Sequence
 
 import torch
 
-from flashoverlap import bench
+from flashoverlap import _env, bench
 from flashoverlap.cli import _shape
 
 TOKENS = (128, 512, 1024, 2048, 4096, 8192, 16384)
@@ -180,16 +179,14 @@ def best_of(times: dict, ctas: Sequence[int], prefix: str = "fo_") -> tuple[int,
 def parse_config(text: str) -> tuple[int, int, int]:
     """'256x2' -> (256, 2, 1), '512x4s4' -> (512, 4, 4): threads per CTA, vectors in flight per lane
     and the most parts each CTA pipelines its rows in (1: the steps one after the other)."""
-    match = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?", text.strip().lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected THREADSxUNROLL[sSTAGES] such as 256x2 or 512x4s4, got {text!r}")
-    threads, unroll, stages = match.groups()
-    return int(threads), int(unroll), int(stages or 1)
+    try:
+        return _env.parse_norm_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def config_name(config: Sequence[int]) -> str:
-    stages = config[2] if len(config) > 2 else 1
-    return f"{config[0]}x{config[1]}" + (f"s{stages}" if stages != 1 else "")
+    return _env.format_norm_config(config)
 
 
 def config_lines(rows: list, configs: Sequence[Sequence[int]], fo_ctas: Sequence[int]) -> list[str]:
@@ -282,7 +279,7 @@ def fmt(v, width: int, spec: str = ".1f", suffix: str = "") -> str:
 def table(rows: list, meta: dict, dtype: str, fo_ctas: Sequence[int]) -> list[str]:
     """The main table: one line per token count, then the verdict summary and any wrong result."""
     lines = [f"# AllReduce + add + RMSNorm, {meta['world_size']} x {meta['gpu']}, hidden {rows[0]['hidden']}, {dtype}, "
-             f"{meta['date']}; command: {meta['command']}",
+             f"{meta['date']}; command: {meta['command']}; kernel {config_name(_env.norm_config())}",
              "# times in us (median, max over ranks); best = fastest fo (residual full) on <= 32 CTAs [its CTAs]; "
              "x norm = baseline / best (baseline: NCCL in place + torch add-RMSNorm, the faster of eager and compiled "
              f"where measured); /symm = best / symm (bar <= {SYMM_BAR}); shard = fastest residual_out='sharded'; "

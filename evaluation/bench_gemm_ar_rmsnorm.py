@@ -43,7 +43,7 @@ import sys
 
 import torch
 
-from flashoverlap import _core, bench
+from flashoverlap import _core, _env, bench
 from flashoverlap.cli import _shape
 
 SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 4096), (8192, 14336), (8192, 1024),
@@ -196,7 +196,7 @@ def main() -> int:
     data = bench.spawn_ranks(_worker, world, list(args.shapes), args.dtype, args.iters, args.warmup)
     rows = data["rows"]
     lines = [f"# GEMM + AllReduce + add-RMSNorm, {world} x {data['meta']['gpu']}, {args.dtype}, "
-             f"{data['meta']['date']}; command: {data['meta']['command']}",
+             f"{data['meta']['date']}; command: {data['meta']['command']}; peer kernel {_env.format_norm_config(_env.norm_config())}",
              "# times in us (median, max over ranks); x = seq time / that variant's time; "
              "err = relative error vs fp32 of out (o) and residual_out (r)",
              f"{'M x N x K':>18} " + " ".join(f"{v:>10}" for v in VARIANTS) +

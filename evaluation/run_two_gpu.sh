@@ -13,6 +13,7 @@
 #   arn    bench_gemm_ar_rmsnorm.py (issue 4)                     [28]
 #   norm   bench_all_reduce_rmsnorm.py (issue 6)                  [29]
 #   normcfg  the same, each kernel config: the stages pipelined (issue 6) [19 at 1K and 8K tokens]
+#   arns4  bench_gemm_ar_rmsnorm.py with FLASHOVERLAP_NORM_CONFIG=512x4s4 (issue 4: the peer backend's kernel pipelined) [28]
 #   coll   bench_collectives.py (issue 8)                         [32]
 #   e1     e1_correctness.py (issues 4, 8)                        [14]
 #   e2     e2_predictive_search.py, NCCL (issue 5)                [67]
@@ -27,14 +28,14 @@
 # The 2x H200 curves ship in the package (NCCL 2.28.9): `tune` is needed
 # only under another NCCL version. With ~30 minutes of 2-GPU time (a machine
 # start takes a few): ar rs a2a arn norm coll first in one call, then e2 e2ce
-# e1 argather collgather, then tests.
+# e1 argather collgather normcfg arns4, then tests.
 # After `e2` (and `tune`), the predictor can be refitted on any machine:
 #   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
 # (the profile `tune` wrote in $FLASHOVERLAP_CACHE_DIR/profiles-v1/ to replay with it).
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
-  sed -n '2,30p' "$0"
+  sed -n '2,/^set /{/^set /!p}' "$0"
   exit 2
 fi
 out="$1"
@@ -54,6 +55,7 @@ part_command() {
     arn) echo "timeout 360 python $here/bench_gemm_ar_rmsnorm.py --out $out/bench_gemm_ar_rmsnorm_h200x2_bfloat16" ;;
     norm) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --out $out/bench_all_reduce_rmsnorm_h200x2" ;;
     normcfg) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --configs 512x4s2 512x4s4 512x2s4 --out $out/bench_all_reduce_rmsnorm_configs_h200x2" ;;
+    arns4) echo "env FLASHOVERLAP_NORM_CONFIG=512x4s4 timeout 360 python $here/bench_gemm_ar_rmsnorm.py --out $out/bench_gemm_ar_rmsnorm_s4_h200x2_bfloat16" ;;
     coll) echo "timeout 420 python $here/bench_collectives.py --world-size 2 --out $out/bench_collectives_h200x2" ;;
     e1) echo "timeout 300 python $here/e1_correctness.py --world-size 2 --out $out/e1_correctness_h200x2.txt" ;;
     e2) echo "timeout 570 python $here/e2_predictive_search.py --world-size 2 --out $out/e2_predictive_search_h200x2" ;;

@@ -544,13 +544,17 @@ fn gemm_all_reduce(
     .map_err(to_py)
 }
 
+/// Peer buffers as PeerGroup.core_buffers gives them: (every rank's base,
+/// bytes each, this rank, wait timeout in ns, kernel config (threads,
+/// unroll, stages)).
+type PeerBuffers = (Vec<u64>, u64, usize, u64, (u32, u32, u32));
+
 /// The fused norm of gemm_all_reduce_rmsnorm: (residual_in, residual_out,
-/// norm weight, eps, peer buffers for backend="peer": (bases, bytes, rank,
-/// timeout_ns)).
-type NormArgs = (u64, u64, u64, f32, Option<(Vec<u64>, u64, usize, u64)>);
+/// norm weight, eps, peer buffers for backend="peer").
+type NormArgs = (u64, u64, u64, f32, Option<PeerBuffers>);
 
 fn peer_norm(
-    (bases, buffer_bytes, rank, timeout_ns): (Vec<u64>, u64, usize, u64),
+    (bases, buffer_bytes, rank, timeout_ns, config): PeerBuffers,
 ) -> PyResult<gar::PeerNorm> {
     let world = bases.len();
     if !(1..=arn::MAX_WORLD).contains(&world) || rank >= world || bases.contains(&0) {
@@ -567,6 +571,7 @@ fn peer_norm(
         rank,
         buffer_bytes,
         timeout_ns,
+        config: norm_config(Some(config))?,
     })
 }
 
@@ -998,7 +1003,7 @@ fn norm_config(config: Option<(u32, u32, u32)>) -> PyResult<kernels::NormConfig>
 /// small): a producer that stores its partial there spares the launch's copy.
 #[pyfunction]
 fn allreduce_rmsnorm_partial(
-    buffers: (Vec<u64>, u64, usize, u64),
+    buffers: PeerBuffers,
     rows: u64,
     hidden: u32,
     dtype: &str,

@@ -65,8 +65,81 @@ def test_partial_lies_in_this_ranks_x_area_and_needs_room() -> None:
     need = _core.allreduce_rmsnorm_buffer_bytes(2, rows, hidden, "bfloat16", pull=True)
     area = rows * hidden * 2
     bases = [1 << 40, 2 << 40]
-    assert _core.allreduce_rmsnorm_partial((bases, need, 1, 0), rows, hidden, "bfloat16") == bases[1] + need - area
+    config = (512, 4, 1)
+    assert _core.allreduce_rmsnorm_partial((bases, need, 1, 0, config), rows, hidden, "bfloat16") == \
+        bases[1] + need - area
     with pytest.raises(ValueError, match="peer buffers"):
-        _core.allreduce_rmsnorm_partial((bases, need, 1, 0), rows + 1, hidden, "bfloat16")
+        _core.allreduce_rmsnorm_partial((bases, need, 1, 0, config), rows + 1, hidden, "bfloat16")
     with pytest.raises(ValueError, match="rank"):
-        _core.allreduce_rmsnorm_partial((bases, need, 2, 0), rows, hidden, "bfloat16")
+        _core.allreduce_rmsnorm_partial((bases, need, 2, 0, config), rows, hidden, "bfloat16")
+    with pytest.raises(ValueError, match="config"):
+        _core.allreduce_rmsnorm_partial((bases, need, 1, 0, (512, 3, 1)), rows, hidden, "bfloat16")
+
+
+@pytest.mark.parametrize("text,config", [("512x4", (512, 4, 1)), (" 512X4S4 ", (512, 4, 4)),
+                                         ("256x2s8", (256, 2, 8)), ("1024x1s1", (1024, 1, 1))])
+def test_norm_config_parses(monkeypatch, text, config) -> None:
+    from flashoverlap import _env
+
+    assert _env.parse_norm_config(text) == config
+    assert _env.parse_norm_config(_env.format_norm_config(config)) == config
+    monkeypatch.setenv("FLASHOVERLAP_NORM_CONFIG", text)
+    assert _env.norm_config() == config
+
+
+@pytest.mark.parametrize("text,words", [("512", ["THREADSxUNROLL"]), ("512x4s", ["THREADSxUNROLL"]),
+                                        ("384x4", ["power of two"]), ("512x3", ["unroll"]),
+                                        ("512x4s9", ["stages"]), ("512x4s0", ["stages"])])
+def test_bad_norm_config_is_named(monkeypatch, text, words) -> None:
+    from flashoverlap import _env
+
+    monkeypatch.setenv("FLASHOVERLAP_NORM_CONFIG", text)
+    with pytest.raises(ValueError) as info:
+        _env.norm_config()
+    for word in ["FLASHOVERLAP_NORM_CONFIG"] + words:
+        assert word in str(info.value), str(info.value)
+
+
+def _group_worker(rank: int, world: int, init_file: str, configs: list, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from flashoverlap import peer_norm
+
+    os.environ["FLASHOVERLAP_NORM_CONFIG"] = configs[rank]
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        group = peer_norm.PeerGroup(dist.group.WORLD, torch.device("cpu"))
+        verdict = f"ok {group.config}"
+    except ValueError as e:
+        verdict = f"ValueError {e}"
+    with open(f"{out_dir}/{rank}.txt", "w") as f:
+        f.write(verdict)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("configs,agree", [(["512x4s4", "512x4s4"], True), (["512x4s4", "512x4"], False)])
+def test_ranks_must_agree_on_the_norm_config(tmp_path, configs, agree) -> None:
+    """A peer group's ranks compare FLASHOVERLAP_NORM_CONFIG when the group is made (the kernel's
+    parts must match across ranks): where they differ every rank raises, so none waits for the
+    others in a kernel."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_group_worker, args=(r, 2, str(tmp_path / "init"), configs, str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(100)
+        if p.is_alive():
+            p.kill()
+            pytest.fail("a rank did not finish making its peer group")
+    verdicts = [(tmp_path / f"{r}.txt").read_text() for r in range(2)]
+    if agree:
+        assert verdicts == ["ok (512, 4, 4)"] * 2
+    else:
+        for v in verdicts:
+            assert v.startswith("ValueError") and "FLASHOVERLAP_NORM_CONFIG differs" in v, v

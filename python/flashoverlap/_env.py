@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -69,6 +70,44 @@ def ce_all_reduce() -> str:
     if v not in CE_ALL_REDUCE:
         raise ValueError(f"FLASHOVERLAP_CE_ALLREDUCE: expected one of {CE_ALL_REDUCE}, got {v!r}")
     return v
+
+
+NORM_CONFIG_DEFAULT = (512, 4, 1)
+
+
+def parse_norm_config(text: str) -> tuple[int, int, int]:
+    """'512x4' -> (512, 4, 1), '512x4s4' -> (512, 4, 4): the peer-memory AllReduce + RMSNorm
+    kernel's threads per CTA, 16-byte vectors in flight per lane and the most parts each CTA
+    pipelines its rows in. ValueError for anything the kernel cannot be built as."""
+    match = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?", text.strip().lower())
+    if match is None:
+        raise ValueError(f"expected THREADSxUNROLL[sSTAGES] such as 512x4 or 512x4s4, got {text!r}")
+    threads, unroll, stages = match.groups()
+    config = (int(threads), int(unroll), int(stages or 1))
+    from . import _core
+
+    _core.allreduce_rmsnorm_stages(1, 1, 1, config)  # the core's range checks: ValueError
+    return config
+
+
+def format_norm_config(config) -> str:
+    """(512, 4, 1) -> '512x4', (512, 4, 4) -> '512x4s4': parse_norm_config's inverse."""
+    stages = config[2] if len(config) > 2 else 1
+    return f"{config[0]}x{config[1]}" + (f"s{stages}" if stages != 1 else "")
+
+
+def norm_config() -> tuple[int, int, int]:
+    """FLASHOVERLAP_NORM_CONFIG: the shape of the peer-memory AllReduce + RMSNorm kernel
+    (all_reduce_rmsnorm, gemm_all_reduce_rmsnorm's backend="peer"), THREADSxUNROLL[sSTAGES];
+    default 512x4 (one part: push, reduce and gather one after the other). Read when a peer
+    group is made; every rank of a group must set it alike."""
+    raw = os.environ.get("FLASHOVERLAP_NORM_CONFIG", "").strip()
+    if not raw:
+        return NORM_CONFIG_DEFAULT
+    try:
+        return parse_norm_config(raw)
+    except ValueError as e:
+        raise ValueError(f"FLASHOVERLAP_NORM_CONFIG: {e}") from None
 
 
 def nccl_max_ctas() -> int | None:

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _core
+from . import _core, _env
 from ._validation import check_device, check_tensor, dtype_name
 from .communicator import resolve_group
 from .ops import _LIB, _register
@@ -56,9 +56,17 @@ class PeerGroup:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, op: str = "all_reduce_rmsnorm"):
         self.group, self.device, self.op = group, device, op
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        hosts = [None] * self.world
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        self.peer = len(set(hosts)) == 1 and self.world <= MAX_WORLD
+        # The kernel's shape: its parts must match across ranks, so every rank checks it agrees
+        # (each raises alike, before anything is launched).
+        config = _env.norm_config()
+        facts = [None] * self.world
+        dist.all_gather_object(facts, (socket.gethostname(), config), group=group)
+        configs = {c for _, c in facts}
+        if len(configs) > 1:
+            raise ValueError(f"{op}: FLASHOVERLAP_NORM_CONFIG differs across the group's ranks "
+                             f"({sorted(configs)}); set it alike on every rank")
+        self.config = config
+        self.peer = len({h for h, _ in facts}) == 1 and self.world <= MAX_WORLD
         self.memory: Optional["_core.PeerMemory"] = None
 
     def ensure(self, nbytes: int) -> bool:
@@ -97,8 +105,9 @@ class PeerGroup:
         return True
 
     def core_buffers(self) -> tuple:
-        """(every rank's buffer base, bytes each, this rank, wait timeout in ns), as the core takes them."""
-        return self.memory.bases, self.memory.bytes, self.rank, wait_timeout_ns()
+        """(every rank's buffer base, bytes each, this rank, wait timeout in ns, kernel config), as the
+        core takes them."""
+        return self.memory.bases, self.memory.bytes, self.rank, wait_timeout_ns(), self.config
 
     def partial(self, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         """This rank's partial area (pull layout, an output of [rows, hidden]) as a tensor that
@@ -113,13 +122,14 @@ class PeerGroup:
         buffers (made and large enough: `ensure`). pull: the buffers are laid out for
         gemm_all_reduce_rmsnorm's backend="peer" (x is copied into this rank's partial first,
         unless x is `partial(...)`);
-        config: (threads, unroll, stages) of the kernel, default the library's."""
+        config: (threads, unroll, stages) of the kernel, default the group's (FLASHOVERLAP_NORM_CONFIG)."""
         hidden = x.shape[-1]
         _core.allreduce_rmsnorm_launch(self.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
                                                            out.data_ptr(), residual_out.data_ptr()),
                                        self.memory.bases, self.memory.bytes, self.rank, x.numel() // hidden, hidden, float(eps), full,
                                        dtype_name(x.dtype), ctas, wait_timeout_ns(),
-                                       torch.cuda.current_stream(self.device).cuda_stream, pull=pull, config=config)
+                                       torch.cuda.current_stream(self.device).cuda_stream, pull=pull,
+                                       config=config or self.config)
 
     def check_error(self) -> None:
         # Only a bounded wait can record an error, and reading the word waits for the device:

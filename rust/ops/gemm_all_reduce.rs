@@ -560,6 +560,8 @@ pub struct PeerNorm {
     /// A cross-GPU wait gives up after this long (0: never), recording the
     /// error in the buffer's header.
     pub timeout_ns: u64,
+    /// The shape of the per-group kernel (the same on every rank).
+    pub config: crate::cuda::kernels::NormConfig,
 }
 
 impl PeerNorm {
@@ -591,7 +593,7 @@ impl PeerNorm {
             dtype,
             buffer_bytes: self.buffer_bytes,
             pull: Some(arn::Pull { first, rows: m }),
-            config: crate::cuda::kernels::NormConfig::DEFAULT,
+            config: self.config,
         }
     }
 
@@ -715,9 +717,7 @@ pub fn gemm_all_reduce(
     let norm_kernel = norm
         .map(|_| {
             let spec = match peer {
-                Some(_) => {
-                    kernels::allreduce_rmsnorm_spec(args.dtype, kernels::NormConfig::DEFAULT)
-                }
+                Some(p) => kernels::allreduce_rmsnorm_spec(args.dtype, p.config),
                 None => kernels::add_rmsnorm_spec(args.dtype),
             };
             kernels::load(&comm.device, &spec)
@@ -1076,6 +1076,7 @@ mod tests {
             rank: 1,
             buffer_bytes: layout.bytes,
             timeout_ns: 0,
+            config: crate::cuda::kernels::NormConfig::DEFAULT,
         };
         assert_eq!(
             peer.partial(100, 64, Dtype::Bf16).unwrap(),
