@@ -151,46 +151,45 @@ __device__ __forceinline__ void copy(uint4* __restrict__ to, const uint4* __rest
   }
 }
 
+// Set once a wait timed out: the CTA abandons the call. Never reset within a
+// call, so a thread that reads it late still reads what the others read.
+__shared__ int abandoned;
+
 // Raises ready[ready_slot][rank] and done[done_slot][rank] (a slot < 0:
 // not that flag) in each peer's buffer once every thread's stores are done:
-// the barrier orders them before thread 0's system-scope fence, which makes
-// them visible before the flags.
+// thread i stores peer rank + 1 + i's flags with system-scope release
+// semantics, which (cumulative over the barrier before them) make every
+// thread's earlier loads and stores visible to the peer before the flag.
 __device__ __forceinline__ void raise(const Params& p, int ready_slot, int done_slot, unsigned epoch) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    for (int i = 1; i < p.world; ++i) {
-      unsigned* h = header(p, (p.rank + i) % p.world);
-      if (ready_slot >= 0) store_release_sys(h + READY + ready_slot * FO_MAX_WORLD + p.rank, epoch);
-      if (done_slot >= 0) store_release_sys(h + DONE + done_slot * FO_MAX_WORLD + p.rank, epoch);
-    }
+  if (threadIdx.x < p.world - 1) {
+    unsigned* h = header(p, (p.rank + 1 + threadIdx.x) % p.world);
+    if (ready_slot >= 0) store_release_sys(h + READY + ready_slot * FO_MAX_WORLD + p.rank, epoch);
+    if (done_slot >= 0) store_release_sys(h + DONE + done_slot * FO_MAX_WORLD + p.rank, epoch);
   }
 }
 
-// Waits until every peer raised flag[slot][peer] of the kind at base_word
-// in this rank's buffer to `epoch`; false (and the error recorded) on timeout.
+// Waits until every peer raised flag[slot][peer] of the kind at base_word in
+// this rank's buffer to `epoch` (thread i watches peer rank + 1 + i; its
+// acquire, ordered before the other threads by the barrier after it, makes
+// the peer's data visible to all); false (and the error recorded) on timeout.
 __device__ __forceinline__ bool wait_all(const Params& p, int base_word, int slot, unsigned epoch) {
-  __shared__ int ok;
-  __syncthreads();  // every thread has read the last wait's verdict
-  if (threadIdx.x == 0) {
-    ok = 1;
+  __syncthreads();  // no thread still reads the verdict of a wait before
+  if (threadIdx.x < p.world - 1) {
     unsigned* h = header(p, p.rank);
+    const int peer = (p.rank + 1 + threadIdx.x) % p.world;
+    const unsigned* flag = h + base_word + slot * FO_MAX_WORLD + peer;
     const unsigned long long start = p.timeout_ns ? now_ns() : 0;
-    for (int i = 1; i < p.world && ok; ++i) {
-      const int peer = (p.rank + i) % p.world;
-      const unsigned* flag = h + base_word + slot * FO_MAX_WORLD + peer;
-      // Signed distance: epochs wrap around without harm.
-      while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0) {
-        if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
-          atomicExch(h + ERROR, 1u + base_word);
-          ok = 0;
-          break;
-        }
+    // Signed distance: epochs wrap around without harm.
+    while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0 && !*static_cast<volatile int*>(&abandoned)) {
+      if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
+        atomicExch(h + ERROR, 1u + base_word);
+        abandoned = 1;
       }
     }
   }
   __syncthreads();
-  return ok;
+  return !abandoned;
 }
 
 // Lane `lane`'s share of sum(r^2) over a row of r, in the order in which the
@@ -373,6 +372,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
   // Pull mode: the partial already lies in this rank's buffer; ready only says so.
   const bool pull = p.x_offset != 0;
   const int stages = p.stages;
+  if (threadIdx.x == 0) abandoned = 0;  // read only after the first step's barriers
 
   // Step t pushes part t + 1, reduces part t, gathers part t - 1.
   bool ok = true;
