@@ -192,15 +192,60 @@ __device__ __forceinline__ bool wait_all(const Params& p, int base_word, int slo
   return !abandoned;
 }
 
-// Lane `lane`'s share of sum(r^2) over a row of r, in the order in which the
-// reduce step accumulates it (vectors lane, lane + 32, ... in blocks of
-// UNROLL), then summed over the warp: bit-identical wherever it is computed.
-__device__ __forceinline__ float row_scale(const uint4* r_row, int vecs, int lane, float hidden, float eps) {
+// The warps that share a row. A part with fewer rows than the CTA has warps
+// gives each row `size` warps (a power of two, at most 15 groups: the named
+// barriers 1..15), so that a short call is not one warp's chain of loads per
+// row. Thread `t` of the group's `threads` takes vectors t, t + threads, ...
+struct RowGroup {
+  int size, index, count, t, threads;
+};
+
+__device__ __forceinline__ RowGroup row_group(int rows) {
+  int size = 1;
+  for (int c = 2; c <= WARPS && rows * c <= WARPS; c *= 2) {
+    if (WARPS / c <= 15) size = c;
+  }
+  const int warp = threadIdx.x / 32;
+  return {size, warp / size, WARPS / size, (warp % size) * 32 + threadIdx.x % 32, size * 32};
+}
+
+// Threads that share a row: WARP_ROWS (32) where the caller knows each row
+// is a warp's, so that its loops stride by a constant; else the group's.
+constexpr int WARP_ROWS = 32, ANY_ROWS = 0;
+template <int FIXED>
+__device__ __forceinline__ int row_threads(const RowGroup& g) {
+  return FIXED ? FIXED : g.threads;
+}
+
+// The group's sum of each thread's `v`, the same in every thread: over each
+// warp by shuffles, then over the group's warps in order (a slot per warp,
+// `parity` alternating between rows so one barrier per row suffices).
+template <int FIXED>
+__device__ __forceinline__ float group_sum(float v, const RowGroup& g, int parity) {
+  __shared__ float slots[2][WARPS];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (FIXED || g.size == 1) return v;
+  const int first = g.index * g.size;
+  if (threadIdx.x % 32 == 0) slots[parity][first + g.t / 32] = v;
+  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + g.index), "r"(g.threads) : "memory");
+  float total = 0.f;
+  for (int w = 0; w < g.size; ++w) total += slots[parity][first + w];
+  return total;
+}
+
+// A thread's share of sum(r^2) over a row of r, in the order in which the
+// reduce step accumulates it (its vectors in blocks of UNROLL), then summed
+// over the row's group: bit-identical wherever it is computed.
+template <int FIXED>
+__device__ __forceinline__ float row_scale(const uint4* r_row, int vecs, const RowGroup& g, int parity, float hidden,
+                                           float eps) {
+  const int threads = row_threads<FIXED>(g);
   float squares = 0.f;
-  for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
+  for (int v0 = g.t; v0 < vecs; v0 += threads * UNROLL) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int v = v0 + 32 * u;
+      const int v = v0 + threads * u;
       if (v >= vecs) continue;
       const uint4 r = r_row[v];
 #pragma unroll
@@ -210,9 +255,7 @@ __device__ __forceinline__ float row_scale(const uint4* r_row, int vecs, int lan
       }
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
-  return rsqrtf(squares / hidden + eps);
+  return rsqrtf(group_sum<FIXED>(squares, g, parity) / hidden + eps);
 }
 
 __device__ __forceinline__ uint4 normalized(uint4 r, uint4 g, float scale) {
@@ -225,16 +268,17 @@ __device__ __forceinline__ uint4 normalized(uint4 r, uint4 g, float scale) {
   return y;
 }
 
-// Normalizes a row of r by `scale` (lane's vectors, UNROLL loads in flight),
-// handing store(v, r, y) each vector of r and of the normalized row.
-template <typename Store>
-__device__ __forceinline__ void normalize_row(const uint4* r_row, const uint4* weight, float scale, int vecs, int lane,
-                                              Store store) {
-  for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
+// Normalizes a row of r by `scale` (the thread's vectors, UNROLL loads in
+// flight), handing store(v, r, y) each vector of r and of the normalized row.
+template <int FIXED, typename Store>
+__device__ __forceinline__ void normalize_row(const uint4* r_row, const uint4* weight, float scale, int vecs,
+                                              const RowGroup& grp, Store store) {
+  const int threads = row_threads<FIXED>(grp);
+  for (int v0 = grp.t; v0 < vecs; v0 += threads * UNROLL) {
     uint4 r[UNROLL], g[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int v = v0 + 32 * u;
+      const int v = v0 + threads * u;
       if (v < vecs) {
         r[u] = r_row[v];
         g[u] = weight[v];
@@ -242,7 +286,7 @@ __device__ __forceinline__ void normalize_row(const uint4* r_row, const uint4* w
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int v = v0 + 32 * u;
+      const int v = v0 + threads * u;
       if (v < vecs) store(v, r[u], normalized(r[u], g[u], scale));
     }
   }
@@ -263,23 +307,24 @@ __device__ __forceinline__ void push(const Params& p, int stage, int vecs) {
   }
 }
 
-// Step 2 for part `stage` of this rank's slice: one warp per row.
-__device__ __forceinline__ void reduce(const Params& p, int stage, int vecs, bool pull) {
-  int first, last;
-  part(p, p.rank, stage, first, last);
+// Step 2 over rows [first, last) of this rank's slice: a row group per row.
+template <int FIXED>
+__device__ __forceinline__ void reduce_rows(const Params& p, int first, int last, int vecs, bool pull,
+                                            const RowGroup& grp) {
   const int s0 = slice_start(p, p.rank);
-  const int lane = threadIdx.x % 32;
-  for (int row = first + threadIdx.x / 32; row < last; row += WARPS) {
+  const int threads = row_threads<FIXED>(grp);
+  int parity = 0;
+  for (int row = first + grp.index; row < last; row += grp.count, parity ^= 1) {
     const long long base = static_cast<long long>(row) * vecs;
     const long long local = static_cast<long long>(row - s0) * vecs;
     uint4* r_row = p.residual_out + (p.residual_full ? base : local);
     float squares = 0.f;
-    for (int v0 = lane; v0 < vecs; v0 += 32 * UNROLL) {
+    for (int v0 = grp.t; v0 < vecs; v0 += threads * UNROLL) {
       float acc[UNROLL][8];
       uint4 res[UNROLL];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const int v = v0 + 32 * u;
+        const int v = v0 + threads * u;
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
         if (v < vecs) res[u] = p.residual[base + v];
@@ -291,7 +336,7 @@ __device__ __forceinline__ void reduce(const Params& p, int stage, int vecs, boo
         uint4 w[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-          const int v = v0 + 32 * u;
+          const int v = v0 + threads * u;
           if (v < vecs) w[u] = from[v];
         }
 #pragma unroll
@@ -305,7 +350,7 @@ __device__ __forceinline__ void reduce(const Params& p, int stage, int vecs, boo
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const int v = v0 + 32 * u;
+        const int v = v0 + threads * u;
         if (v >= vecs) continue;
         uint4 r;
 #pragma unroll
@@ -324,11 +369,9 @@ __device__ __forceinline__ void reduce(const Params& p, int stage, int vecs, boo
         }
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
-    const float scale = rsqrtf(squares / p.hidden + p.eps);
-    // r_row: written by this lane above.
-    normalize_row(r_row, p.weight, scale, vecs, lane, [&](int v, uint4, uint4 y) {
+    const float scale = rsqrtf(group_sum<FIXED>(squares, grp, parity) / p.hidden + p.eps);
+    // r_row: this thread's vectors, written by it above.
+    normalize_row<FIXED>(r_row, p.weight, scale, vecs, grp, [&](int v, uint4, uint4 y) {
       p.out[base + v] = y;
       for (int i = 1; !p.residual_full && i < p.world; ++i) {
         const int peer = (p.rank + i) % p.world;
@@ -338,10 +381,37 @@ __device__ __forceinline__ void reduce(const Params& p, int stage, int vecs, boo
   }
 }
 
+// Step 2 for part `stage` of this rank's slice.
+__device__ __forceinline__ void reduce(const Params& p, int stage, int vecs, bool pull) {
+  int first, last;
+  part(p, p.rank, stage, first, last);
+  const RowGroup grp = row_group(last - first);
+  if (grp.size == 1) {
+    reduce_rows<WARP_ROWS>(p, first, last, vecs, pull, grp);
+  } else {
+    reduce_rows<ANY_ROWS>(p, first, last, vecs, pull, grp);
+  }
+}
+
+// Step 3's rows [first, last) of another owner's r (full residual):
+// normalized here as the owner did, with its row groups, bit for bit.
+template <int FIXED>
+__device__ __forceinline__ void gather_rows(const Params& p, int first, int last, int vecs, const RowGroup& grp) {
+  const uint4* staged = reinterpret_cast<const uint4*>(area(p, p.rank, p.res_offset));
+  int parity = 0;
+  for (int row = first + grp.index; row < last; row += grp.count, parity ^= 1) {
+    const long long base = static_cast<long long>(row) * vecs;
+    const float scale = row_scale<FIXED>(staged + base, vecs, grp, parity, static_cast<float>(p.hidden), p.eps);
+    normalize_row<FIXED>(staged + base, p.weight, scale, vecs, grp, [&](int v, uint4 r, uint4 y) {
+      p.residual_out[base + v] = r;
+      p.out[base + v] = y;
+    });
+  }
+}
+
 // Step 3 for part `stage` of every other owner's slice: their normalized
 // rows, or their r, normalized here as the owner did.
 __device__ __forceinline__ void gather(const Params& p, int stage, int vecs) {
-  const int lane = threadIdx.x % 32;
   for (int i = 1; i < p.world; ++i) {
     const int owner = (p.rank + i) % p.world;
     int first, last;
@@ -351,14 +421,13 @@ __device__ __forceinline__ void gather(const Params& p, int stage, int vecs) {
       copy(p.out + at, reinterpret_cast<const uint4*>(area(p, p.rank, p.out_offset)) + at, count);
       continue;
     }
-    const uint4* staged = reinterpret_cast<const uint4*>(area(p, p.rank, p.res_offset));
-    for (int row = first + threadIdx.x / 32; row < last; row += WARPS) {
-      const long long base = static_cast<long long>(row) * vecs;
-      const float scale = row_scale(staged + base, vecs, lane, static_cast<float>(p.hidden), p.eps);
-      normalize_row(staged + base, p.weight, scale, vecs, lane, [&](int v, uint4 r, uint4 y) {
-        p.residual_out[base + v] = r;
-        p.out[base + v] = y;
-      });
+    const RowGroup grp = row_group(last - first);
+    // Groups change between owners: no warp may write a slot another still reads.
+    if (grp.size > 1) __syncthreads();
+    if (grp.size == 1) {
+      gather_rows<WARP_ROWS>(p, first, last, vecs, grp);
+    } else {
+      gather_rows<ANY_ROWS>(p, first, last, vecs, grp);
     }
   }
 }

@@ -101,8 +101,10 @@ def test_calls_with_changing_tokens_and_ctas(world, dtype) -> None:
     ranks = Ranks(world, 1031, hidden, dtype)
     # Epochs advance once per call whatever the CTA count; tokens not divisible by the world
     # size, fewer tokens than CTAs, a single token.
+    # Parts of fewer rows than warps share each row among 2-16 warps (128 tokens on 32 CTAs: 8).
     for i, (tokens, ctas, full) in enumerate([(1031, 8, True), (517, 3, False), (5, 16, True), (1, 2, False),
-                                              (1024, 32, True), (999, 1, False)]):
+                                              (1024, 32, True), (999, 1, False), (128 * world, 32, True),
+                                              (200, 16, True), (60, 8, False), (61, 8, True)]):
         run_and_check(ranks, tokens, full, ctas, seed=world * 100 + i)
 
 
