@@ -27,7 +27,7 @@
 //      once instead of twice (r and out).
 // With one stage the steps run one after the other: NVLink idles while the
 // CTA gathers, and the local memory while it pushes. With more, step t
-// pushes part t + 1, reduces part t and gathers part t - 1 before one fence
+// pushes part t + 1, reduces part t and gathers part t - 1 before one barrier
 // raises the flags of all three: the stores of a push drain over NVLink
 // while the CTA reads and writes its local rows, and every wait is for flags
 // the peers raised one step earlier.
@@ -169,16 +169,16 @@ __device__ __forceinline__ void raise(const Params& p, int ready_slot, int done_
   }
 }
 
-// Waits until every peer raised flag[slot][peer] of the kind at base_word in
+// Waits until every peer raised flag[at][peer] of the kind at base_word in
 // this rank's buffer to `epoch` (thread i watches peer rank + 1 + i; its
 // acquire, ordered before the other threads by the barrier after it, makes
 // the peer's data visible to all); false (and the error recorded) on timeout.
-__device__ __forceinline__ bool wait_all(const Params& p, int base_word, int slot, unsigned epoch) {
+__device__ __forceinline__ bool wait_all(const Params& p, int base_word, int at, unsigned epoch) {
   __syncthreads();  // no thread still reads the verdict of a wait before
   if (threadIdx.x < p.world - 1) {
     unsigned* h = header(p, p.rank);
     const int peer = (p.rank + 1 + threadIdx.x) % p.world;
-    const unsigned* flag = h + base_word + slot * FO_MAX_WORLD + peer;
+    const unsigned* flag = h + base_word + at * FO_MAX_WORLD + peer;
     const unsigned long long start = p.timeout_ns ? now_ns() : 0;
     // Signed distance: epochs wrap around without harm.
     while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0 && !*static_cast<volatile int*>(&abandoned)) {
