@@ -120,11 +120,13 @@ def _group_worker(rank: int, world: int, init_file: str, configs: list, out_dir:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("configs,agree", [(["512x4s4", "512x4s4"], True), (["512x4s4", "512x4"], False)])
-def test_ranks_must_agree_on_the_norm_config(tmp_path, configs, agree) -> None:
+@pytest.mark.parametrize("configs,agree,words", [(["512x4s4", "512x4s4"], True, ""),
+                                                (["512x4s4", "512x4"], False, "FLASHOVERLAP_NORM_CONFIG differs"),
+                                                (["512x4", "512x3"], False, "rank 1: FLASHOVERLAP_NORM_CONFIG")])
+def test_ranks_must_agree_on_the_norm_config(tmp_path, configs, agree, words) -> None:
     """A peer group's ranks compare FLASHOVERLAP_NORM_CONFIG when the group is made (the kernel's
-    parts must match across ranks): where they differ every rank raises, so none waits for the
-    others in a kernel."""
+    parts must match across ranks): where they differ, or one rank's is invalid, every rank
+    raises, so none waits for the others in a collective or a kernel."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -142,4 +144,4 @@ def test_ranks_must_agree_on_the_norm_config(tmp_path, configs, agree) -> None:
         assert verdicts == ["ok (512, 4, 4)"] * 2
     else:
         for v in verdicts:
-            assert v.startswith("ValueError") and "FLASHOVERLAP_NORM_CONFIG differs" in v, v
+            assert v.startswith("ValueError") and words in v, v

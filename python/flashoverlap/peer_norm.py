@@ -56,17 +56,23 @@ class PeerGroup:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, op: str = "all_reduce_rmsnorm"):
         self.group, self.device, self.op = group, device, op
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        # The kernel's shape: its parts must match across ranks, so every rank checks it agrees
-        # (each raises alike, before anything is launched).
-        config = _env.norm_config()
+        # The kernel's shape: its parts must match across ranks, so the ranks compare it and all
+        # raise alike (a bad value on one rank too: none is left waiting for the others).
+        try:
+            config, error = _env.norm_config(), None
+        except ValueError as e:
+            config, error = None, str(e)
         facts = [None] * self.world
-        dist.all_gather_object(facts, (socket.gethostname(), config), group=group)
-        configs = {c for _, c in facts}
+        dist.all_gather_object(facts, (socket.gethostname(), config, error), group=group)
+        errors = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(facts) if e is not None]
+        if errors:
+            raise ValueError(f"{op}: {'; '.join(errors)}")
+        configs = {c for _, c, _ in facts}
         if len(configs) > 1:
             raise ValueError(f"{op}: FLASHOVERLAP_NORM_CONFIG differs across the group's ranks "
                              f"({sorted(configs)}); set it alike on every rank")
         self.config = config
-        self.peer = len({h for h, _ in facts}) == 1 and self.world <= MAX_WORLD
+        self.peer = len({h for h, _, _ in facts}) == 1 and self.world <= MAX_WORLD
         self.memory: Optional["_core.PeerMemory"] = None
 
     def ensure(self, nbytes: int) -> bool:
