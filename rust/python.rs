@@ -1209,7 +1209,7 @@ type A2aOptions = (u32, Option<u32>, Option<String>, String);
 /// (schedule, chosen group count, (groups, predicted us) per candidate,
 /// sequential us); schedule "sequential": the library GEMM, then one
 /// exchange (the group count is then the best overlapped one's).
-type A2aPrediction = (&'static str, u32, Vec<(u32, f64)>, f64);
+type A2aPrediction = (&'static str, u32, Vec<(u32, f64)>, f64, f64);
 
 fn a2a_options(o: &A2aOptions) -> PyResult<ga2a::Options> {
     Ok(ga2a::Options {
@@ -1249,8 +1249,9 @@ fn all_to_all_tables<'py>(
 /// The group count the predictor picks for GEMM + All-to-All over the whole
 /// routing (`matrix[p][q]`: rows rank p sends rank q) on a device with
 /// `sms` SMs of compute capability `major`, each candidate's predicted time
-/// in microseconds, and the predicted sequential time (library GEMM, then
-/// one All-to-All). Needs no GPU.
+/// in microseconds, the predicted sequential time (library GEMM, then one
+/// All-to-All), and what an overlapped call pays once beyond its candidate's
+/// time (the choice weighs it for more than one group). Needs no GPU.
 #[pyfunction]
 #[pyo3(signature = (n, k, matrix, dtype="bfloat16", sms=132, major=9, reserved_sms=None, kernel=None, backend="nccl"))]
 #[allow(clippy::too_many_arguments)]
@@ -1277,7 +1278,13 @@ fn plan_all_to_all_groups(
     } else {
         "overlap"
     };
-    Ok((schedule, choice.groups, predicted, sequential))
+    Ok((
+        schedule,
+        choice.groups,
+        predicted,
+        sequential,
+        choice.fixed_us,
+    ))
 }
 
 /// Enqueues GEMM + All-to-All; buffers = (send, send_rows, tables,

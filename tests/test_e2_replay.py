@@ -55,18 +55,19 @@ def test_predictions_match_the_committed_two_gpu_measurements(name: str, bound: 
     assert s["mean"] <= bound and s["pick_mean"] >= pick_mean and s["pick_min"] >= pick_min, s
 
 
-@pytest.mark.parametrize("name,bound,pick", [("e2_predictive_search_h200x2", 0.06, 0.975),
-                                             ("e2_predictive_search_ce_h200x2", 0.09, 0.98)])
-def test_all_to_all_predictions_match_the_committed_two_gpu_measurements(name: str, bound: float,
-                                                                          pick: float) -> None:
-    # GEMM + All-to-All, 8 shapes x 8 group counts each, measured with the model that predicts them:
-    # 5.2% on NCCL (picks 0.980 of the best on average: the search's wave-aligned group counts,
-    # 11 and 43, ran 13-20% slower than predicted) and 7.8% on the copy engines (0.986).
+@pytest.mark.parametrize("name,bound,pick_mean,pick_min", [("e2_predictive_search_h200x2", 0.06, 0.99, 0.95),
+                                                            ("e2_predictive_search_ce_h200x2", 0.09, 0.98, 0.92)])
+def test_all_to_all_predictions_match_the_committed_two_gpu_measurements(name: str, bound: float, pick_mean: float,
+                                                                          pick_min: float) -> None:
+    # GEMM + All-to-All, 8 shapes x 8 group counts each (2x H200, 2026-11-24). NCCL: recorded 5.2%,
+    # the predicted-best measured count at 0.982 / 0.913 of the best (the wave-aligned counts 11 and
+    # 43 ran 13-20% slower than predicted); with NCCL_ALL_TO_ALL_GROUP_US (5 us a group) 5.8% and
+    # 0.993 / 0.960. Copy engines (20 us a group): 7.8%, 0.986 / 0.928.
     cases = replay.replay_all_to_all(str(replay.os.path.join(replay.HERE, "results", f"{name}.csv")))
     assert len(cases) == 8 and all(len(c["rows"]) == 8 for c in cases.values())
     s = replay.summary_all_to_all(cases)
-    assert s["replayed"] <= bound and s["replayed"] <= s["recorded"] + 1e-9, s
-    assert s["pick_mean"] >= pick and s["unmeasured"] <= 1, s
+    assert s["replayed"] <= bound, s
+    assert s["best_pick_mean"] >= pick_mean and s["best_pick_min"] >= pick_min, s
 
 
 def test_the_all_to_all_replay_cli(capsys) -> None:

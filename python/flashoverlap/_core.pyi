@@ -199,6 +199,7 @@ def gemm_all_to_all(group_name: str, x: int, weight: int, out: int, m: int, n: i
                     options: tuple[int, Optional[int], Optional[str], str]) -> None: ...
 def plan_all_to_all_groups(n: int, k: int, matrix: list[list[int]], dtype: str = "bfloat16", sms: int = 132,
                            major: int = 9, reserved_sms: Optional[int] = None, kernel: Optional[str] = None,
-                           backend: str = "nccl") -> tuple[str, int, list[tuple[int, float]], float]:
-    """(schedule, fastest group count, [(groups, predicted us)], predicted sequential us) for a routing."""
+                           backend: str = "nccl") -> tuple[str, int, list[tuple[int, float]], float, float]:
+    """(schedule, fastest group count, [(groups, predicted us)], predicted sequential us, an overlapped
+    call's fixed us) for a routing."""
 def all_to_all(group_name: str, send: int, recv: int, count: int, dtype: str, stream: int) -> None: ...

@@ -101,12 +101,14 @@ def plan_gemm_reduce_scatter(m: int, n: int, k: int, world_size: int, *, dtype: 
 class AllToAllPrediction(NamedTuple):
     """What the predictor says of a GEMM + All-to-All routing: the schedule ("overlap", or
     "sequential": the library GEMM then one exchange, where no group count is predicted to beat
-    it), the fastest group count, the predicted time of every candidate group count, and of the
-    sequential schedule."""
+    it), the fastest group count, the predicted time of every candidate group count, of the
+    sequential schedule, and what an overlapped call pays once beyond its candidate's time
+    (fork, join; weighed for more than one group)."""
     schedule: str
     groups: int
     predicted_us: dict
     sequential_us: float
+    overlap_fixed_us: float = 0.0
 
 
 def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = torch.bfloat16, sms: int = 132,
@@ -130,7 +132,7 @@ def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = t
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
         if not least <= value < 2**31:
             raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
-    schedule, best, predicted, sequential = _core.plan_all_to_all_groups(n, k, matrix, dtype_name(dtype), sms,
-                                                                         compute_capability[0], reserved_sms, kernel,
-                                                                         backend)
-    return AllToAllPrediction(schedule, best, dict(predicted), sequential)
+    schedule, best, predicted, sequential, fixed = _core.plan_all_to_all_groups(n, k, matrix, dtype_name(dtype), sms,
+                                                                                compute_capability[0], reserved_sms,
+                                                                                kernel, backend)
+    return AllToAllPrediction(schedule, best, dict(predicted), sequential, fixed)

@@ -113,6 +113,16 @@ pub const COPY_ENGINE_ALL_REDUCE_GROUP_US: f64 = 3.0;
 /// by `python evaluation/e2_replay.py --all-to-all`.
 pub const COPY_ENGINE_ALL_TO_ALL_GROUP_US: f64 = 20.0;
 
+/// What each wave group of an All-to-All on NCCL (a grouped send/receive
+/// per peer) adds that the pipeline does not hide: on 2x H200 (E2,
+/// evaluation/results/e2_predictive_search_h200x2.csv) times grew again past
+/// ~8 groups, and the wave-aligned counts the search liked (11, 43 groups)
+/// ran 13-20% slower than predicted (picks 0.982 / 0.913 of the best). Fitted
+/// by `python evaluation/e2_replay.py ... --all-to-all`: 3 us is the least
+/// that moves the picks, 5 the least that fixes the worst (0.993 / 0.960),
+/// at 5.2% -> 5.8% error; 8 us costs 7.5%. Not re-measured.
+pub const NCCL_ALL_TO_ALL_GROUP_US: f64 = 5.0;
+
 /// How much slower the overlapped GEMM runs beside cross-GPU traffic than
 /// its profile (timed alone) says: on 2x H200 the E2 partitions of GEMM-bound
 /// shapes ran 5-10% above the model with NCCL, and with the copy engines
@@ -176,6 +186,7 @@ fn hardware_for(
             overlap_fixed_us,
             overlap_group_us: match (backend, kind) {
                 (Backend::CopyEngine, CollectiveKind::AllToAll) => COPY_ENGINE_ALL_TO_ALL_GROUP_US,
+                (Backend::Nccl, CollectiveKind::AllToAll) if world > 1 => NCCL_ALL_TO_ALL_GROUP_US,
                 (Backend::CopyEngine, CollectiveKind::AllReduce) if world > 1 && !fused_norm => {
                     COPY_ENGINE_ALL_REDUCE_GROUP_US
                 }

@@ -91,6 +91,8 @@ pub struct GroupChoice {
     /// The chosen group count's overlapped time, per-call cost included.
     pub overlap_us: f64,
     pub timelines: Vec<(u32, Timeline)>,
+    /// What an overlapped call pays once beyond its timeline (more than one group).
+    pub fixed_us: f64,
 }
 
 impl GroupChoice {
@@ -169,6 +171,7 @@ pub fn choose_groups(
         sequential: overlapped >= t.sequential_us,
         overlap_us: overlapped,
         timelines,
+        fixed_us: hw.overlap_fixed_us,
     })
 }
 
