@@ -358,20 +358,14 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
     widths.dedup();
     let unreorders = widths.into_iter().map(|(bm, bn)| unreorder_spec(bm, bn));
     // One kernel per compiled shape (configs that differ in stages alone share it).
-    let sweep = NormConfig::SWEEP;
-    let shapes = sweep.iter().enumerate().filter(move |&(i, c)| {
-        !sweep[..i]
-            .iter()
-            .any(|e| (e.threads, e.unroll) == (c.threads, c.unroll))
-    });
+    let mut shapes = NormConfig::SWEEP.to_vec();
+    shapes.sort_by_key(|c| (c.threads, c.unroll));
+    shapes.dedup_by_key(|c| (c.threads, c.unroll));
     let norms = [Dtype::Bf16, Dtype::F16]
         .into_iter()
-        .flat_map(move |d| {
-            std::iter::once(add_rmsnorm_spec(d)).chain(
-                shapes
-                    .clone()
-                    .map(move |(_, &c)| allreduce_rmsnorm_spec(d, c)),
-            )
+        .flat_map(|d| {
+            std::iter::once(add_rmsnorm_spec(d))
+                .chain(shapes.iter().map(move |&c| allreduce_rmsnorm_spec(d, c)))
         })
         .filter(move |_| runs);
     gemms

@@ -28,8 +28,8 @@ use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::all_to_all::part;
 use crate::plan::{
-    best_all_to_all_groups, plan_gemm_all_to_all, AllToAllPlan, AllToAllShape, CollectiveKind,
-    Timeline,
+    best_all_to_all_groups, call_us, plan_gemm_all_to_all, AllToAllPlan, AllToAllShape,
+    CollectiveKind, Timeline,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,21 +88,24 @@ pub fn plan_for(
 pub struct GroupChoice {
     pub groups: u32,
     pub sequential: bool,
-    /// The chosen group count's overlapped time, per-call cost included.
-    pub overlap_us: f64,
     pub timelines: Vec<(u32, Timeline)>,
     /// What an overlapped call pays once beyond its timeline (more than one group).
     pub fixed_us: f64,
 }
 
 impl GroupChoice {
+    /// The chosen group count's overlapped time, per-call cost included.
+    pub fn overlap_us(&self) -> f64 {
+        let t = &self.timelines[self.groups as usize - 1].1;
+        call_us(self.groups, t, self.fixed_us)
+    }
+
     /// The predicted time of the schedule chosen (for "auto" backend choice).
     pub fn predicted_us(&self) -> f64 {
-        let t = &self.timelines[self.groups as usize - 1].1;
         if self.sequential {
-            t.sequential_us
+            self.timelines[self.groups as usize - 1].1.sequential_us
         } else {
-            self.overlap_us
+            self.overlap_us()
         }
     }
 }
@@ -165,11 +168,10 @@ pub fn choose_groups(
     let (groups, timelines) =
         best_all_to_all_groups(&shape, &hw, crate::plan::MAX_ALL_TO_ALL_GROUPS)?;
     let t = &timelines[groups as usize - 1].1;
-    let overlapped = t.overlap_us + if groups > 1 { hw.overlap_fixed_us } else { 0.0 };
+    let sequential = call_us(groups, t, hw.overlap_fixed_us) >= t.sequential_us;
     Ok(GroupChoice {
         groups,
-        sequential: overlapped >= t.sequential_us,
-        overlap_us: overlapped,
+        sequential,
         timelines,
         fixed_us: hw.overlap_fixed_us,
     })

@@ -170,6 +170,13 @@ pub fn predict_all_to_all(
     })
 }
 
+/// A call's predicted time at `groups` groups: the timeline, plus what an
+/// overlapped call pays once (`fixed_us`) when it has more than one group
+/// (one group is the sequential schedule on this kernel).
+pub fn call_us(groups: u32, t: &Timeline, fixed_us: f64) -> f64 {
+    t.overlap_us + if groups > 1 { fixed_us } else { 0.0 }
+}
+
 /// Every group count 1..=max_groups with its predicted time, and the one
 /// chosen: the fastest, more groups only when they save more than the
 /// overlapped schedule's fixed cost (one group is the sequential schedule
@@ -183,8 +190,7 @@ pub fn best_all_to_all_groups(
     let timelines = (1..=max_groups)
         .map(|g| predict_all_to_all(shape, g, hw).map(|t| (g, t)))
         .collect::<Result<Vec<_>, _>>()?;
-    let cost =
-        |(g, t): &(u32, Timeline)| t.overlap_us + if *g > 1 { hw.overlap_fixed_us } else { 0.0 };
+    let cost = |(g, t): &(u32, Timeline)| call_us(*g, t, hw.overlap_fixed_us);
     let best = timelines
         .iter()
         .min_by(|a, b| cost(a).total_cmp(&cost(b)).then(a.0.cmp(&b.0)))
