@@ -31,6 +31,14 @@
 // raises the flags of all three: the stores of a push drain over NVLink
 // while the CTA reads and writes its local rows, and every wait is for flags
 // the peers raised one step earlier.
+// One-shot (2 ranks, full residual, push mode: the `o` configs): no owners.
+// Every rank's CTA b pushes its part of ALL rows of x into the peer's
+// buffer, and then sums, adds its own residual and normalizes its part of
+// all rows itself: as many bytes cross NVLink as in the two steps above
+// (each direction carries the rows once), one barrier fewer, no gather, and
+// every rank computes its rows with its own residual and weight, exactly the
+// torch composition. A closing flag exchange (done of the last part) keeps a
+// rank's next call from writing into a buffer the peer still reads.
 // Pull mode (x_offset != 0: gemm_all_reduce_rmsnorm, one call per wave
 // group): the producing GEMM stored each rank's partial straight into its
 // own buffer's x area, so step 1 pushes nothing and only raises ready;
@@ -106,6 +114,7 @@ struct Params {
   int residual_full;
   int row0;                                // first row of this call (0 in push mode)
   int stages;                              // parts per chunk, CTAs x stages <= FLAG_SLOTS
+  int oneshot;                             // every rank reduces every row (2 ranks, full, push)
 };
 
 namespace {
@@ -115,17 +124,21 @@ __device__ __forceinline__ unsigned* header(const Params& p, int rank) {
 __device__ __forceinline__ char* area(const Params& p, int rank, unsigned long long offset) {
   return reinterpret_cast<char*>(p.bases[rank]) + offset;
 }
-// Slot of `source` in `owner`'s buffer (after the 64 KiB header).
+// Slot of `source` in `owner`'s buffer (after the 64 KiB header). One-shot
+// slots hold every row, so only the world - 1 peers get one.
 __device__ __forceinline__ uint4* slot(const Params& p, int owner, int source) {
-  return reinterpret_cast<uint4*>(area(p, owner, 65536ull + static_cast<unsigned long long>(source) * p.slot_bytes));
+  const int index = p.oneshot ? (source - owner - 1 + p.world) % p.world : source;
+  return reinterpret_cast<uint4*>(area(p, owner, 65536ull + static_cast<unsigned long long>(index) * p.slot_bytes));
 }
 __device__ __forceinline__ int slice_start(const Params& p, int owner) {
   return p.row0 + static_cast<int>(static_cast<long long>(p.tokens) * owner / p.world);
 }
 // Part `stage` of chunk b of owner's slice: rows [first, last). The slice
 // is cut into CTAs x stages parts, CTA b's chunk being parts bS .. bS + S - 1.
+// One-shot: the slice is every row.
 __device__ __forceinline__ void part(const Params& p, int owner, int stage, int& first, int& last) {
-  const int s0 = slice_start(p, owner), s1 = slice_start(p, owner + 1);
+  const int s0 = p.oneshot ? p.row0 : slice_start(p, owner);
+  const int s1 = p.oneshot ? p.row0 + p.tokens : slice_start(p, owner + 1);
   const long long rows = s1 - s0, parts = static_cast<long long>(gridDim.x) * p.stages;
   const long long k = static_cast<long long>(blockIdx.x) * p.stages + stage;
   first = s0 + static_cast<int>(rows * k / parts);
@@ -296,12 +309,14 @@ __device__ __forceinline__ void normalize_row(const uint4* r_row, const uint4* w
 namespace {
 // Step 1 for part `stage`: copies it of every other owner's slice of x into
 // that owner's slot for this rank.
+// One-shot: its part of every row (the slots then hold every row).
 __device__ __forceinline__ void push(const Params& p, int stage, int vecs) {
   for (int i = 1; i < p.world; ++i) {
     const int owner = (p.rank + i) % p.world;
     int first, last;
     part(p, owner, stage, first, last);
-    const long long offset = static_cast<long long>(first - slice_start(p, owner)) * vecs;
+    const int s0 = p.oneshot ? p.row0 : slice_start(p, owner);
+    const long long offset = static_cast<long long>(first - s0) * vecs;
     copy(slot(p, owner, p.rank) + offset, p.x + static_cast<long long>(first) * vecs,
          static_cast<long long>(last - first) * vecs);
   }
@@ -311,8 +326,10 @@ __device__ __forceinline__ void push(const Params& p, int stage, int vecs) {
 template <int FIXED>
 __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last, int vecs, bool pull,
                                             const RowGroup& grp) {
-  const int s0 = slice_start(p, p.rank);
+  const int s0 = p.oneshot ? p.row0 : slice_start(p, p.rank);
   const int threads = row_threads<FIXED>(grp);
+  // Two-shot with the full residual: r goes to every peer (one-shot: each computes its own).
+  const bool share_r = p.residual_full && !p.oneshot;
   int parity = 0;
   for (int row = first + grp.index; row < last; row += grp.count, parity ^= 1) {
     const long long base = static_cast<long long>(row) * vecs;
@@ -363,7 +380,7 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
           word(r, i) = t;
         }
         r_row[v] = r;
-        for (int i = 1; p.residual_full && i < p.world; ++i) {
+        for (int i = 1; share_r && i < p.world; ++i) {
           const int peer = (p.rank + i) % p.world;
           reinterpret_cast<uint4*>(area(p, peer, p.res_offset))[base + v] = r;
         }
@@ -452,12 +469,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
       ok = wait_all(p, READY, flag_slot(t), epoch);
       if (ok) reduce(p, t, vecs, pull);
     }
-    if (ok && t >= 1) {
+    if (ok && t >= 1 && !p.oneshot) {
       ok = wait_all(p, DONE, flag_slot(t - 1), epoch);
       if (ok) gather(p, t - 1, vecs);
     }
-    if (ok && (pushes || reduces)) raise(p, pushes ? flag_slot(t + 1) : -1, reduces ? flag_slot(t) : -1, epoch);
+    // One-shot raises done once, after its last part: nothing else waits for it.
+    const bool dones = reduces && (!p.oneshot || t == stages - 1);
+    if (ok && (pushes || dones)) raise(p, pushes ? flag_slot(t + 1) : -1, dones ? flag_slot(t) : -1, epoch);
   }
+  // One-shot: the peer's CTA b has read every row this CTA pushed once its
+  // last done is up, so this rank's next call may write the slots again.
+  if (ok && p.oneshot) ok = wait_all(p, DONE, flag_slot(stages - 1), epoch);
 
   // The last CTA to finish moves this rank to the next epoch.
   __syncthreads();

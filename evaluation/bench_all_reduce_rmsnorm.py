@@ -24,9 +24,10 @@ computes r = all_reduce(x) + residual, out = r * rsqrt(mean(r^2) + eps) * weight
                    8192 tokens, 2, 4, 64 and 132 for the CTA curve; clamped to the SM count)
   fo_sharded_<c>   the same with residual_out="sharded" (each rank gets only its rows of r)
   api_16           flashoverlap.all_reduce_rmsnorm(..., ctas=16), the public function, timed alone
-  fo_<c>@<T>x<U>[s<S>]  (--configs) the fused kernel compiled with T threads per CTA and U vectors
-                   in flight per lane, each CTA pipelining its rows in up to S parts (the default
-                   is 512x4, one part), full residual, c in 8, 16, 32: the sweep that picks the
+  fo_<c>@<T>x<U>[s<S>][o]  (--configs) the fused kernel compiled with T threads per CTA and U
+                   vectors in flight per lane, each CTA pipelining its rows in up to S parts (the
+                   default is 512x4, one part), one-shot where o is given (on 2 ranks every rank
+                   reduces every row), full residual, c in 8, 16, 32: the sweep that picks the
                    kernel's shape (its best<=32 per config is listed)
 
 fo_<c> and fo_sharded_<c> call the registered op torch.ops.flashoverlap.all_reduce_rmsnorm, what
@@ -176,9 +177,10 @@ def best_of(times: dict, ctas: Sequence[int], prefix: str = "fo_") -> tuple[int,
     return c, us
 
 
-def parse_config(text: str) -> tuple[int, int, int]:
-    """'256x2' -> (256, 2, 1), '512x4s4' -> (512, 4, 4): threads per CTA, vectors in flight per lane
-    and the most parts each CTA pipelines its rows in (1: the steps one after the other)."""
+def parse_config(text: str) -> tuple[int, int, int, bool]:
+    """'256x2' -> (256, 2, 1, False), '512x4s4o' -> (512, 4, 4, True): threads per CTA, vectors in
+    flight per lane, the most parts each CTA pipelines its rows in (1: the steps one after the
+    other) and one-shot (o: 2 ranks, full residual: every rank reduces every row)."""
     try:
         return _env.parse_norm_config(text)
     except ValueError as e:

@@ -12,7 +12,7 @@
 #   a2a    bench_gemm_a2a.py, both backends (issue 4)             [36]
 #   arn    bench_gemm_ar_rmsnorm.py (issue 4)                     [28]
 #   norm   bench_all_reduce_rmsnorm.py (issue 6)                  [29]
-#   normcfg  the same, each kernel config: the stages pipelined (issue 6) [19 at 1K and 8K tokens]
+#   normcfg  the same, each kernel config: the stages pipelined, one-shot (issue 6) [19 at 1K and 8K tokens]
 #   arns4  bench_gemm_ar_rmsnorm.py with FLASHOVERLAP_NORM_CONFIG=512x4s4 (issue 4: the peer backend's kernel pipelined) [28]
 #   coll   bench_collectives.py (issue 8)                         [32]
 #   e1     e1_correctness.py (issues 4, 8)                        [14]
@@ -54,7 +54,7 @@ part_command() {
     a2a) echo "timeout 360 python $here/bench_gemm_a2a.py --out $out/bench_gemm_a2a_h200x2_bfloat16" ;;
     arn) echo "timeout 360 python $here/bench_gemm_ar_rmsnorm.py --out $out/bench_gemm_ar_rmsnorm_h200x2_bfloat16" ;;
     norm) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --out $out/bench_all_reduce_rmsnorm_h200x2" ;;
-    normcfg) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --configs 512x4s2 512x4s4 512x2s4 --out $out/bench_all_reduce_rmsnorm_configs_h200x2" ;;
+    normcfg) echo "timeout 420 python $here/bench_all_reduce_rmsnorm.py --world-size 2 --configs 512x4s4 512x4o 512x4s4o 512x4s8o --out $out/bench_all_reduce_rmsnorm_configs_h200x2" ;;
     arns4) echo "env FLASHOVERLAP_NORM_CONFIG=512x4s4 timeout 360 python $here/bench_gemm_ar_rmsnorm.py --out $out/bench_gemm_ar_rmsnorm_s4_h200x2_bfloat16" ;;
     coll) echo "timeout 420 python $here/bench_collectives.py --world-size 2 --out $out/bench_collectives_h200x2" ;;
     e1) echo "timeout 300 python $here/e1_correctness.py --world-size 2 --out $out/e1_correctness_h200x2.txt" ;;

@@ -546,8 +546,8 @@ fn gemm_all_reduce(
 
 /// Peer buffers as PeerGroup.core_buffers gives them: (every rank's base,
 /// bytes each, this rank, wait timeout in ns, kernel config (threads,
-/// unroll, stages)).
-type PeerBuffers = (Vec<u64>, u64, usize, u64, (u32, u32, u32));
+/// unroll, stages, oneshot)).
+type PeerBuffers = (Vec<u64>, u64, usize, u64, (u32, u32, u32, bool));
 
 /// The fused norm of gemm_all_reduce_rmsnorm: (residual_in, residual_out,
 /// norm weight, eps, peer buffers for backend="peer").
@@ -966,32 +966,36 @@ fn allreduce_rmsnorm_buffer_bytes(
     pull: bool,
 ) -> PyResult<u64> {
     let dtype = self::dtype(dtype)?;
-    let layout = if pull {
-        arn::Layout::pull(world, tokens, hidden, dtype)
+    if pull {
+        Ok(arn::Layout::pull(world, tokens, hidden, dtype)
+            .map_err(to_py)?
+            .bytes)
     } else {
-        arn::Layout::new(world, tokens, hidden, dtype)
-    };
-    Ok(layout.map_err(to_py)?.bytes)
+        arn::Layout::needed(world, tokens, hidden, dtype).map_err(to_py)
+    }
 }
 
-/// Parts each CTA pipelines its rows in, for a call of `tokens` rows on
-/// `world` ranks and `ctas` CTAs with kernel `config` (threads, unroll,
-/// stages; default the library's).
+/// Parts each CTA pipelines its rows in, for a push call keeping the full
+/// residual of `tokens` rows on `world` ranks and `ctas` CTAs with kernel
+/// `config` (threads, unroll, stages, oneshot; default the library's).
 #[pyfunction]
 #[pyo3(signature = (tokens, world, ctas, config=None))]
 fn allreduce_rmsnorm_stages(
     tokens: u64,
     world: usize,
     ctas: u32,
-    config: Option<(u32, u32, u32)>,
+    config: Option<(u32, u32, u32, bool)>,
 ) -> PyResult<u32> {
-    Ok(arn::stages(tokens, world, ctas, norm_config(config)?))
+    let config = norm_config(config)?;
+    // A one-shot call's slices are every row (as arn::Call::oneshot decides).
+    let slices = if config.oneshot && world == 2 { 1 } else { world };
+    Ok(arn::stages(tokens, slices, ctas, config))
 }
 
-fn norm_config(config: Option<(u32, u32, u32)>) -> PyResult<kernels::NormConfig> {
+fn norm_config(config: Option<(u32, u32, u32, bool)>) -> PyResult<kernels::NormConfig> {
     match config {
-        Some((threads, unroll, stages)) => {
-            kernels::NormConfig::new(threads, unroll, stages).map_err(to_py)
+        Some((threads, unroll, stages, oneshot)) => {
+            kernels::NormConfig::with(threads, unroll, stages, oneshot).map_err(to_py)
         }
         None => Ok(kernels::NormConfig::DEFAULT),
     }
@@ -1020,7 +1024,7 @@ fn allreduce_rmsnorm_partial(
 /// the buffers are laid out for gemm_all_reduce_rmsnorm's backend="peer";
 /// x is first copied into this rank's x area unless it lies there already
 /// (its sequential schedule).
-/// `config`: (threads, unroll, stages) of the kernel (default the library's;
+/// `config`: (threads, unroll, stages, oneshot) of the kernel (default the library's;
 /// other values for the benchmark's sweep).
 #[pyfunction]
 #[pyo3(signature = (device, tensors, bases, buffer_bytes, rank, tokens, hidden, eps, residual_full, dtype, ctas, timeout_ns, stream, pull=false, config=None))]
@@ -1041,7 +1045,7 @@ fn allreduce_rmsnorm_launch(
     timeout_ns: u64,
     stream: usize,
     pull: bool,
-    config: Option<(u32, u32, u32)>,
+    config: Option<(u32, u32, u32, bool)>,
 ) -> PyResult<()> {
     let _keep = driver::KeepCurrent::new();
     let dtype = self::dtype(dtype)?;

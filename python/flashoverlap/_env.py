@@ -72,18 +72,20 @@ def ce_all_reduce() -> str:
     return v
 
 
-NORM_CONFIG_DEFAULT = (512, 4, 1)
+NORM_CONFIG_DEFAULT = (512, 4, 1, False)
 
 
-def parse_norm_config(text: str) -> tuple[int, int, int]:
-    """'512x4' -> (512, 4, 1), '512x4s4' -> (512, 4, 4): the peer-memory AllReduce + RMSNorm
-    kernel's threads per CTA, 16-byte vectors in flight per lane and the most parts each CTA
-    pipelines its rows in. ValueError for anything the kernel cannot be built as."""
-    match = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?", text.strip().lower())
+def parse_norm_config(text: str) -> tuple[int, int, int, bool]:
+    """'512x4' -> (512, 4, 1, False), '512x4s4' -> (512, 4, 4, False), '512x4s4o' -> (512, 4, 4,
+    True): the peer-memory AllReduce + RMSNorm kernel's threads per CTA, 16-byte vectors in flight
+    per lane, the most parts each CTA pipelines its rows in, and one-shot (o: on two ranks keeping
+    the full residual, each rank sums and normalizes every row itself, one exchange instead of
+    two). ValueError for anything the kernel cannot be built as."""
+    match = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(o?)", text.strip().lower())
     if match is None:
-        raise ValueError(f"expected THREADSxUNROLL[sSTAGES] such as 512x4 or 512x4s4, got {text!r}")
-    threads, unroll, stages = match.groups()
-    config = (int(threads), int(unroll), int(stages or 1))
+        raise ValueError(f"expected THREADSxUNROLL[sSTAGES][o] such as 512x4, 512x4s4 or 512x4s4o, got {text!r}")
+    threads, unroll, stages, oneshot = match.groups()
+    config = (int(threads), int(unroll), int(stages or 1), oneshot == "o")
     from . import _core
 
     _core.allreduce_rmsnorm_stages(1, 1, 1, config)  # the core's range checks: ValueError
@@ -91,16 +93,17 @@ def parse_norm_config(text: str) -> tuple[int, int, int]:
 
 
 def format_norm_config(config) -> str:
-    """(512, 4, 1) -> '512x4', (512, 4, 4) -> '512x4s4': parse_norm_config's inverse."""
+    """(512, 4, 1, False) -> '512x4', (512, 4, 4, True) -> '512x4s4o': parse_norm_config's inverse."""
     stages = config[2] if len(config) > 2 else 1
-    return f"{config[0]}x{config[1]}" + (f"s{stages}" if stages != 1 else "")
+    oneshot = len(config) > 3 and config[3]
+    return f"{config[0]}x{config[1]}" + (f"s{stages}" if stages != 1 else "") + ("o" if oneshot else "")
 
 
-def norm_config() -> tuple[int, int, int]:
+def norm_config() -> tuple[int, int, int, bool]:
     """FLASHOVERLAP_NORM_CONFIG: the shape of the peer-memory AllReduce + RMSNorm kernel
-    (all_reduce_rmsnorm, gemm_all_reduce_rmsnorm's backend="peer"), THREADSxUNROLL[sSTAGES];
-    default 512x4 (one part: push, reduce and gather one after the other). Read when a peer
-    group is made; every rank of a group must set it alike."""
+    (all_reduce_rmsnorm, gemm_all_reduce_rmsnorm's backend="peer"), THREADSxUNROLL[sSTAGES][o];
+    default 512x4 (one part: push, reduce and gather one after the other; two-shot). Read when a
+    peer group is made; every rank of a group must set it alike."""
     raw = os.environ.get("FLASHOVERLAP_NORM_CONFIG", "").strip()
     if not raw:
         return NORM_CONFIG_DEFAULT

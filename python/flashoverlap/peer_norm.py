@@ -128,7 +128,7 @@ class PeerGroup:
         buffers (made and large enough: `ensure`). pull: the buffers are laid out for
         gemm_all_reduce_rmsnorm's backend="peer" (x is copied into this rank's partial first,
         unless x is `partial(...)`);
-        config: (threads, unroll, stages) of the kernel, default the group's (FLASHOVERLAP_NORM_CONFIG)."""
+        config: (threads, unroll, stages, oneshot) of the kernel, default the group's (FLASHOVERLAP_NORM_CONFIG)."""
         hidden = x.shape[-1]
         _core.allreduce_rmsnorm_launch(self.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
                                                            out.data_ptr(), residual_out.data_ptr()),

@@ -259,11 +259,14 @@ pub fn add_rmsnorm_spec(dtype: Dtype) -> KernelSpec {
 /// 256 threads or 2 vectors spill nothing. Which is fastest over NVLink is
 /// for the 2-GPU sweep (evaluation/bench_all_reduce_rmsnorm.py --configs)
 /// to say; the others exist for that sweep.
+/// `oneshot` (a launch parameter too): on two ranks keeping the full
+/// residual, every rank reduces every row (see the kernel's header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct NormConfig {
     pub threads: u32,
     pub unroll: u32,
     pub stages: u32,
+    pub oneshot: bool,
 }
 
 impl NormConfig {
@@ -271,6 +274,7 @@ impl NormConfig {
         threads: 512,
         unroll: 4,
         stages: 1,
+        oneshot: false,
     };
     /// The most parts a config may ask for.
     pub const MAX_STAGES: u32 = 8;
@@ -283,22 +287,30 @@ impl NormConfig {
             threads: 512,
             unroll: 4,
             stages: 2,
+            oneshot: false,
         },
         Self {
             threads: 512,
             unroll: 4,
             stages: 4,
+            oneshot: false,
         },
         Self {
             threads: 512,
             unroll: 2,
             stages: 4,
+            oneshot: false,
         },
     ];
 
     /// A config the kernel supports: 128 to 1024 threads (whole warps, a
     /// power of two), 1, 2, 4 or 8 vectors in flight, 1 to MAX_STAGES parts.
     pub fn new(threads: u32, unroll: u32, stages: u32) -> crate::error::Result<Self> {
+        Self::with(threads, unroll, stages, false)
+    }
+
+    /// [`NormConfig::new`], one-shot or not.
+    pub fn with(threads: u32, unroll: u32, stages: u32, oneshot: bool) -> crate::error::Result<Self> {
         if !(128..=1024).contains(&threads)
             || !threads.is_power_of_two()
             || ![1, 2, 4, 8].contains(&unroll)
@@ -314,6 +326,7 @@ impl NormConfig {
             threads,
             unroll,
             stages,
+            oneshot,
         })
     }
 }

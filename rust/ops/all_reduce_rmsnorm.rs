@@ -3,14 +3,21 @@
 //! buffers, reduces and normalizes its own slice, and pushes the normalized
 //! rows back, on a few CTAs, with no NCCL and no multicast.
 //!
-//! Rank R's buffer (mapped into every rank of the node):
+//! Rank R's buffer (mapped into every rank of the node), push mode:
 //!   [0, 64 KiB)              header: epoch, finished-CTA count, error,
 //!                            ready[part][source], done[part][source] (u32;
 //!                            FLAG_SLOTS parts: CTAs x stages)
-//!   slots                    world slots of ceil(tokens / world) rows: what
-//!                            each source pushed of R's slice
+//!   slot area                world slots of ceil(tokens / world) rows: what
+//!                            each source pushed of R's slice (one-shot:
+//!                            world - 1 slots of every row)
 //!   out area                 [tokens, hidden]: rows other owners normalized
 //!   residual area            [tokens, hidden]: their residual rows (full mode)
+//! The three areas are each a third of the buffer whatever the call's size:
+//! a push writes into the peers' slot areas before it waits for anything,
+//! and must not land on rows a peer still gathers from its out or residual
+//! area for the previous call (of another size). One-shot calls end with a
+//! flag exchange, so that the next call's pushes cannot overwrite the slots
+//! a peer still reads.
 //! The header starts zeroed and is never reset: flags carry epochs.
 //!
 //! Pull mode (gemm_all_reduce_rmsnorm with `backend="peer"`): the GEMM stores
@@ -49,20 +56,43 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// Push mode: a call of `tokens` rows.
-    pub fn new(world: usize, tokens: u64, hidden: u32, dtype: Dtype) -> Result<Self> {
+    /// Push mode: a call of `tokens` rows in buffers of `capacity` bytes
+    /// (`bytes` is what the call needs: a smaller capacity only sizes the
+    /// areas, for [`Layout::needed`]). `oneshot`: one-shot slots.
+    pub fn new(
+        world: usize,
+        tokens: u64,
+        hidden: u32,
+        dtype: Dtype,
+        capacity: u64,
+        oneshot: bool,
+    ) -> Result<Self> {
         check_world(world)?;
         let row = u64::from(hidden) * u64::from(dtype.bytes());
-        let slot_bytes = tokens.div_ceil(world as u64) * row;
-        let out_offset = HEADER_BYTES + world as u64 * slot_bytes;
-        let res_offset = out_offset + tokens * row;
+        let slot_bytes = if oneshot {
+            tokens * row
+        } else {
+            tokens.div_ceil(world as u64) * row
+        };
+        let slots = if oneshot { world - 1 } else { world } as u64;
+        // Each area holds the largest of the three (whole 16-byte vectors).
+        let need = (slots * slot_bytes).max(tokens * row);
+        let area = (capacity.saturating_sub(HEADER_BYTES) / 3 / 16 * 16).max(need);
         Ok(Self {
             slot_bytes,
-            out_offset,
-            res_offset,
+            out_offset: HEADER_BYTES + area,
+            res_offset: HEADER_BYTES + 2 * area,
             x_offset: 0,
-            bytes: res_offset + tokens * row,
+            bytes: HEADER_BYTES + 2 * area + need,
         })
+    }
+
+    /// Bytes a push-mode buffer needs for calls of up to `tokens` rows,
+    /// one-shot (2 ranks: [`Call::oneshot`]) or not.
+    pub fn needed(world: usize, tokens: u64, hidden: u32, dtype: Dtype) -> Result<u64> {
+        let two = Self::new(world, tokens, hidden, dtype, 0, false)?;
+        let one = Self::new(world, tokens, hidden, dtype, 0, world == 2)?;
+        Ok(HEADER_BYTES + 3 * (two.out_offset - HEADER_BYTES).max(one.out_offset - HEADER_BYTES))
     }
 
     /// Pull mode: calls over row ranges of an output of `rows` rows.
@@ -102,6 +132,7 @@ pub struct Pull {
 /// row per warp in each part (fewer leave warps idle for a step's whole
 /// barrier), and CTAs x stages within the header's flag slots. The same on
 /// every rank, as the kernel needs: a function of the call's shape alone.
+/// (A one-shot call's slices are every row: pass `world` 1.)
 pub fn stages(tokens: u64, world: usize, ctas: u32, config: NormConfig) -> u32 {
     let chunk_rows = tokens
         .div_ceil(world as u64)
@@ -140,6 +171,7 @@ struct Params {
     residual_full: i32,
     row0: i32,
     stages: i32,
+    oneshot: i32,
 }
 
 /// One call: device pointers of this rank's tensors, every rank's buffer
@@ -171,9 +203,23 @@ pub struct Call {
 impl Call {
     pub fn layout(&self) -> Result<Layout> {
         match self.pull {
-            None => Layout::new(self.bases.len(), self.tokens, self.hidden, self.dtype),
+            None => Layout::new(
+                self.bases.len(),
+                self.tokens,
+                self.hidden,
+                self.dtype,
+                self.buffer_bytes,
+                self.oneshot(),
+            ),
             Some(p) => Layout::pull(self.bases.len(), p.rows, self.hidden, self.dtype),
         }
+    }
+
+    /// Whether the call runs one-shot: asked for by its config, and a push
+    /// of two ranks keeping the full residual (elsewhere one-shot would move
+    /// more bytes, or has no rows to skip).
+    pub fn oneshot(&self) -> bool {
+        self.config.oneshot && self.bases.len() == 2 && self.residual_full && self.pull.is_none()
     }
 }
 
@@ -263,7 +309,13 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         eps: call.eps,
         residual_full: i32::from(call.residual_full),
         row0: row0 as i32,
-        stages: stages(call.tokens, world, ctas, call.config) as i32,
+        stages: stages(
+            call.tokens,
+            if call.oneshot() { 1 } else { world },
+            ctas,
+            call.config,
+        ) as i32,
+        oneshot: i32::from(call.oneshot()),
     };
     Ok(Checked {
         params: Some(params),
@@ -327,16 +379,34 @@ mod tests {
     }
 
     #[test]
-    fn areas_follow_each_other_and_fit_the_params_struct() {
-        let l = Layout::new(4, 1001, 8192, Dtype::Bf16).unwrap();
-        assert_eq!(l.slot_bytes, 251 * 16384);
-        assert_eq!(l.out_offset, HEADER_BYTES + 4 * l.slot_bytes);
-        assert_eq!(l.res_offset, l.out_offset + 1001 * 16384);
-        assert_eq!(l.bytes, l.res_offset + 1001 * 16384);
-        assert!(Layout::new(0, 1, 8, Dtype::Bf16).is_err());
-        assert!(Layout::new(9, 1, 8, Dtype::Bf16).is_err());
-        // The CUDA struct: 5 pointers, 8 bases, 5 u64, 4 ints, a float, 3 ints.
-        assert_eq!(std::mem::size_of::<Params>(), 176);
+    fn areas_are_thirds_of_the_buffer_and_fit_the_params_struct() {
+        let row = 16384;
+        let needed = Layout::needed(4, 1001, 8192, Dtype::Bf16).unwrap();
+        assert_eq!(needed, HEADER_BYTES + 3 * 4 * 251 * row);
+        for capacity in [needed, needed + 4096, 1 << 30] {
+            let l = Layout::new(4, 1001, 8192, Dtype::Bf16, capacity, false).unwrap();
+            assert_eq!(l.slot_bytes, 251 * row);
+            let area = (capacity - HEADER_BYTES) / 3 / 16 * 16;
+            assert_eq!(l.out_offset, HEADER_BYTES + area);
+            assert_eq!(l.res_offset, HEADER_BYTES + 2 * area);
+            assert!(l.bytes <= capacity);
+            // The areas do not depend on the call's size: a smaller call keeps them.
+            let small = Layout::new(4, 7, 8192, Dtype::Bf16, capacity, false).unwrap();
+            assert_eq!((small.out_offset, small.res_offset), (l.out_offset, l.res_offset));
+        }
+        // Too small a buffer: the call needs more than it has.
+        let short = Layout::new(4, 1001, 8192, Dtype::Bf16, needed - 16, false).unwrap();
+        assert!(short.bytes > needed - 16);
+        // One-shot on 2 ranks: one slot of every row, within the same thirds.
+        let needed2 = Layout::needed(2, 1001, 8192, Dtype::Bf16).unwrap();
+        let one = Layout::new(2, 1001, 8192, Dtype::Bf16, needed2, true).unwrap();
+        assert_eq!(one.slot_bytes, 1001 * row);
+        assert!(one.slot_bytes <= one.out_offset - HEADER_BYTES && one.bytes <= needed2);
+        assert!(Layout::new(0, 1, 8, Dtype::Bf16, 0, false).is_err());
+        assert!(Layout::new(9, 1, 8, Dtype::Bf16, 0, false).is_err());
+        // The CUDA struct: 5 pointers, 8 bases, 5 u64, 4 ints, a float, 4 ints.
+        assert_eq!(std::mem::size_of::<Params>(), 184);
+        let l = Layout::new(2, 8, 8, Dtype::Bf16, 0, false).unwrap();
         let p = Layout::pull(2, 100, 8192, Dtype::Bf16).unwrap();
         let area = 100 * 16384;
         assert_eq!(

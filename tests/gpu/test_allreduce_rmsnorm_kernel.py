@@ -4,8 +4,9 @@ barriers are between the CTAs of the ranks, so every rank's kernel must be resid
 Stores to "peers" are plain stores to other buffers, with the same system-scope fences and
 flags as over NVLink. Checked against the fp32 composition on fresh random inputs, over calls
 that change the token count and the CTA count (the epochs must stay in step), in both residual
-modes, with each CTA's rows pipelined in several parts, in the pull layout, and in a CUDA graph
-replayed with fresh inputs."""
+modes, with each CTA's rows pipelined in several parts, one-shot (2 ranks: every rank reduces every
+row, with its own residual and weight) mixed with two-shot calls on the same buffers, in the pull
+layout, and in a CUDA graph replayed with fresh inputs."""
 
 from __future__ import annotations
 
@@ -33,11 +34,14 @@ class Ranks:
         self.streams = [torch.cuda.Stream() for _ in range(world)]
 
     def launch(self, xs, residual, weight, outs, residual_outs, full: bool, ctas: int) -> None:
+        """residual, weight: one for every rank, or a list of each rank's."""
         tokens = xs[0].shape[0]
         main = torch.cuda.current_stream()
         for r, s in enumerate(self.streams):
             s.wait_stream(main)
-            _core.allreduce_rmsnorm_launch(0, (xs[r].data_ptr(), residual.data_ptr(), weight.data_ptr(),
+            res = residual[r] if isinstance(residual, list) else residual
+            w = weight[r] if isinstance(weight, list) else weight
+            _core.allreduce_rmsnorm_launch(0, (xs[r].data_ptr(), res.data_ptr(), w.data_ptr(),
                                                outs[r].data_ptr(), residual_outs[r].data_ptr()),
                                            self.bases, self.nbytes, r, tokens, self.hidden, EPS, full, self.name,
                                            ctas, TIMEOUT_NS, s.cuda_stream, pull=self.pull, config=self.config)
@@ -109,7 +113,7 @@ def test_calls_with_changing_tokens_and_ctas(world, dtype) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("config", [(512, 4, 4), (256, 2, 8)])
+@pytest.mark.parametrize("config", [(512, 4, 4, False), (256, 2, 8, False)])
 def test_pipelined_parts(world, config) -> None:
     """Each CTA cuts its rows into several parts whose push, reduce and gather steps overlap: the
     same results, epochs in step with unpipelined calls on the same buffers, slices and parts of
@@ -125,7 +129,7 @@ def test_pipelined_parts(world, config) -> None:
     run_and_check(ranks, 1031, True, 8, seed=world * 1000 + 99)
 
 
-@pytest.mark.parametrize("config", [None, (512, 4, 4)])
+@pytest.mark.parametrize("config", [None, (512, 4, 4, False)])
 def test_pull_layout(config) -> None:
     """The layout gemm_all_reduce_rmsnorm(backend="peer") uses: each rank's partial copied into its
     own x area, every owner reading its rows there from each peer (loads, not pushes)."""
@@ -137,17 +141,63 @@ def test_pull_layout(config) -> None:
         run_and_check(ranks, tokens, True, ctas, seed=50 + i)
 
 
+ONESHOT = (512, 4, 4, True)
+
+
+def test_oneshot_uses_each_ranks_own_residual_and_weight() -> None:
+    """One-shot: every rank sums every row itself and adds its own residual and weight, as the
+    torch composition on that rank does (two-shot takes the owner's: tensor parallelism's
+    replicated residual)."""
+    world, tokens, hidden, dtype = 2, 1001, 2048, torch.bfloat16
+    ranks = Ranks(world, tokens, hidden, dtype, config=ONESHOT)
+    for i, ctas in enumerate([8, 3]):
+        xs, _, _ = fresh(world, tokens, hidden, dtype, 70 + i)
+        per_rank = [fresh(1, tokens, hidden, dtype, 80 + 10 * i + r) for r in range(world)]
+        residuals, weights = [p[1] for p in per_rank], [p[2] for p in per_rank]
+        outs = [torch.full((tokens, hidden), float("nan"), device="cuda", dtype=dtype) for _ in range(world)]
+        res_outs = [torch.full((tokens, hidden), float("nan"), device="cuda", dtype=dtype) for _ in range(world)]
+        ranks.launch(xs, residuals, weights, outs, res_outs, True, ctas)
+        torch.cuda.synchronize()
+        assert ranks.errors() == [0] * world
+        for r in range(world):
+            out_ref, r_ref = reference(xs, residuals[r], weights[r])
+            assert rel(outs[r], out_ref) <= 1e-2 and rel(res_outs[r], r_ref) <= 1e-2, f"ctas {ctas} rank {r}"
+
+
+def test_oneshot_and_twoshot_calls_share_the_buffers() -> None:
+    """One-shot and two-shot calls of growing and shrinking sizes, back to back on the same
+    buffers (a push lands before any wait, so areas must not move with the call's size), and
+    one-shot configs where it does not apply (sharded residual) running two-shot."""
+    world, hidden = 2, 4096
+    ranks = Ranks(world, 3001, hidden, torch.bfloat16)
+    calls = [(ONESHOT, 64, 8, True), (None, 3001, 8, True), (ONESHOT, 3001, 8, True), (ONESHOT, 5, 4, True),
+             ((512, 4, 1, True), 2999, 16, True), (ONESHOT, 700, 8, False), (None, 1, 2, True),
+             ((512, 4, 2, False), 3000, 6, True), (ONESHOT, 3001, 32, True)]
+    for i, (config, tokens, ctas, full) in enumerate(calls):
+        ranks.config = config
+        run_and_check(ranks, tokens, full, ctas, seed=300 + i)
+
+
+def test_oneshot_applies_to_two_ranks_only() -> None:
+    """With 3 ranks a one-shot config runs two-shot (one-shot would move more bytes): still right."""
+    ranks = Ranks(3, 1000, 1024, torch.float16, config=ONESHOT)
+    for i, (tokens, ctas, full) in enumerate([(1000, 8, True), (99, 4, False)]):
+        run_and_check(ranks, tokens, full, ctas, seed=400 + i)
+
+
 def test_widest_rows() -> None:
     ranks = Ranks(2, 300, 16384, torch.bfloat16)
     run_and_check(ranks, 300, True, 4, seed=7)
     run_and_check(ranks, 129, False, 8, seed=8)
 
 
-@pytest.mark.parametrize("config", [None, (512, 4, 4)])
+@pytest.mark.parametrize("config", [None, (512, 4, 4, False), (512, 4, 4, True)])
 def test_graph_replays_with_fresh_inputs(config) -> None:
     world, tokens, hidden, dtype = 2, 777, 4096, torch.bfloat16
     ranks = Ranks(world, tokens, hidden, dtype, config=config)
-    assert _core.allreduce_rmsnorm_stages(tokens, world, 8, config) == (1 if config is None else 3)
+    # One-shot parts cut every row, not a rank's slice: 97 rows a CTA, 4 parts of 16 warps' rows.
+    parts = 1 if config is None else 4 if config[3] else 3
+    assert _core.allreduce_rmsnorm_stages(tokens, world, 8, config) == parts
     xs, residual, weight = fresh(world, tokens, hidden, dtype, 1)
     outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
     res_outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
