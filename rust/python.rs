@@ -988,7 +988,11 @@ fn allreduce_rmsnorm_stages(
 ) -> PyResult<u32> {
     let config = norm_config(config)?;
     // A one-shot call's slices are every row (as arn::Call::oneshot decides).
-    let slices = if config.oneshot && world == 2 { 1 } else { world };
+    let slices = if config.oneshot && world == 2 {
+        1
+    } else {
+        world
+    };
     Ok(arn::stages(tokens, slices, ctas, config))
 }
 

@@ -310,7 +310,12 @@ impl NormConfig {
     }
 
     /// [`NormConfig::new`], one-shot or not.
-    pub fn with(threads: u32, unroll: u32, stages: u32, oneshot: bool) -> crate::error::Result<Self> {
+    pub fn with(
+        threads: u32,
+        unroll: u32,
+        stages: u32,
+        oneshot: bool,
+    ) -> crate::error::Result<Self> {
         if !(128..=1024).contains(&threads)
             || !threads.is_power_of_two()
             || ![1, 2, 4, 8].contains(&unroll)

@@ -369,6 +369,52 @@ mod tests {
     }
 
     #[test]
+    fn oneshot_runs_only_two_ranks_pushing_the_full_residual() {
+        let config = NormConfig::with(512, 4, 4, true).unwrap();
+        let call = |world: usize, full: bool, pull: Option<Pull>| Call {
+            x: 16,
+            residual: 16,
+            weight: 16,
+            out: 16,
+            residual_out: 16,
+            bases: vec![1 << 20; world],
+            rank: 0,
+            tokens: 1000,
+            hidden: 1024,
+            eps: 1e-6,
+            residual_full: full,
+            timeout_ns: 0,
+            dtype: Dtype::Bf16,
+            buffer_bytes: 1 << 30,
+            pull,
+            config,
+        };
+        assert!(call(2, true, None).oneshot());
+        assert!(!call(3, true, None).oneshot());
+        assert!(!call(2, false, None).oneshot());
+        let pull = Some(Pull {
+            first: 0,
+            rows: 1000,
+        });
+        assert!(!call(2, true, pull).oneshot());
+        // One-shot parts cut every row: 1000 rows on 8 CTAs of 16 warps allow 4 parts (2 ranks' slices: 3).
+        let oneshot = checked(&call(2, true, None), 8).unwrap().params.unwrap();
+        assert_eq!((oneshot.oneshot, oneshot.stages), (1, 4));
+        assert_eq!(oneshot.slot_bytes, 1000 * 2048);
+        let mut two = call(2, true, None);
+        two.config = NormConfig::new(512, 4, 4).unwrap();
+        let two = checked(&two, 8).unwrap().params.unwrap();
+        assert_eq!(
+            (two.oneshot, two.stages, two.slot_bytes),
+            (0, 3, 500 * 2048)
+        );
+        // A buffer too small for the call is refused before launch.
+        let mut small = call(2, true, None);
+        small.buffer_bytes = Layout::needed(2, 990, 1024, Dtype::Bf16).unwrap();
+        assert!(checked(&small, 8).is_err());
+    }
+
+    #[test]
     fn flags_fill_the_header_as_the_kernel_lays_them_out() {
         let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
         assert!(source.contains(&format!("constexpr int FLAG_SLOTS = {FLAG_SLOTS};")));
@@ -392,7 +438,10 @@ mod tests {
             assert!(l.bytes <= capacity);
             // The areas do not depend on the call's size: a smaller call keeps them.
             let small = Layout::new(4, 7, 8192, Dtype::Bf16, capacity, false).unwrap();
-            assert_eq!((small.out_offset, small.res_offset), (l.out_offset, l.res_offset));
+            assert_eq!(
+                (small.out_offset, small.res_offset),
+                (l.out_offset, l.res_offset)
+            );
         }
         // Too small a buffer: the call needs more than it has.
         let short = Layout::new(4, 1001, 8192, Dtype::Bf16, needed - 16, false).unwrap();
