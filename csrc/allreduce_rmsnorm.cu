@@ -133,12 +133,17 @@ __device__ __forceinline__ uint4* slot(const Params& p, int owner, int source) {
 __device__ __forceinline__ int slice_start(const Params& p, int owner) {
   return p.row0 + static_cast<int>(static_cast<long long>(p.tokens) * owner / p.world);
 }
+// Owner's slice as the steps cut it, [slice_first, slice_end): one-shot's is every row.
+__device__ __forceinline__ int slice_first(const Params& p, int owner) {
+  return p.oneshot ? p.row0 : slice_start(p, owner);
+}
+__device__ __forceinline__ int slice_end(const Params& p, int owner) {
+  return p.oneshot ? p.row0 + p.tokens : slice_start(p, owner + 1);
+}
 // Part `stage` of chunk b of owner's slice: rows [first, last). The slice
 // is cut into CTAs x stages parts, CTA b's chunk being parts bS .. bS + S - 1.
-// One-shot: the slice is every row.
 __device__ __forceinline__ void part(const Params& p, int owner, int stage, int& first, int& last) {
-  const int s0 = p.oneshot ? p.row0 : slice_start(p, owner);
-  const int s1 = p.oneshot ? p.row0 + p.tokens : slice_start(p, owner + 1);
+  const int s0 = slice_first(p, owner), s1 = slice_end(p, owner);
   const long long rows = s1 - s0, parts = static_cast<long long>(gridDim.x) * p.stages;
   const long long k = static_cast<long long>(blockIdx.x) * p.stages + stage;
   first = s0 + static_cast<int>(rows * k / parts);
@@ -315,8 +320,7 @@ __device__ __forceinline__ void push(const Params& p, int stage, int vecs) {
     const int owner = (p.rank + i) % p.world;
     int first, last;
     part(p, owner, stage, first, last);
-    const int s0 = p.oneshot ? p.row0 : slice_start(p, owner);
-    const long long offset = static_cast<long long>(first - s0) * vecs;
+    const long long offset = static_cast<long long>(first - slice_first(p, owner)) * vecs;
     copy(slot(p, owner, p.rank) + offset, p.x + static_cast<long long>(first) * vecs,
          static_cast<long long>(last - first) * vecs);
   }
@@ -326,7 +330,7 @@ __device__ __forceinline__ void push(const Params& p, int stage, int vecs) {
 template <int FIXED>
 __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last, int vecs, bool pull,
                                             const RowGroup& grp) {
-  const int s0 = p.oneshot ? p.row0 : slice_start(p, p.rank);
+  const int s0 = slice_first(p, p.rank);
   const int threads = row_threads<FIXED>(grp);
   // Two-shot with the full residual: r goes to every peer (one-shot: each computes its own).
   const bool share_r = p.residual_full && !p.oneshot;

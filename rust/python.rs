@@ -987,13 +987,8 @@ fn allreduce_rmsnorm_stages(
     config: Option<(u32, u32, u32, bool)>,
 ) -> PyResult<u32> {
     let config = norm_config(config)?;
-    // A one-shot call's slices are every row (as arn::Call::oneshot decides).
-    let slices = if config.oneshot && world == 2 {
-        1
-    } else {
-        world
-    };
-    Ok(arn::stages(tokens, slices, ctas, config))
+    let oneshot = arn::runs_oneshot(config, world, true, false);
+    Ok(arn::stages(tokens, world, ctas, config, oneshot))
 }
 
 fn norm_config(config: Option<(u32, u32, u32, bool)>) -> PyResult<kernels::NormConfig> {

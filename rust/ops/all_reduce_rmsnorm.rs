@@ -91,7 +91,13 @@ impl Layout {
     /// one-shot (2 ranks: [`Call::oneshot`]) or not.
     pub fn needed(world: usize, tokens: u64, hidden: u32, dtype: Dtype) -> Result<u64> {
         let two = Self::new(world, tokens, hidden, dtype, 0, false)?;
-        let one = Self::new(world, tokens, hidden, dtype, 0, world == 2)?;
+        // Whether a one-shot config could run one-shot here at all.
+        let config = NormConfig {
+            oneshot: true,
+            ..NormConfig::DEFAULT
+        };
+        let oneshot = runs_oneshot(config, world, true, false);
+        let one = Self::new(world, tokens, hidden, dtype, 0, oneshot)?;
         Ok(HEADER_BYTES + 3 * (two.out_offset - HEADER_BYTES).max(one.out_offset - HEADER_BYTES))
     }
 
@@ -132,14 +138,20 @@ pub struct Pull {
 /// row per warp in each part (fewer leave warps idle for a step's whole
 /// barrier), and CTAs x stages within the header's flag slots. The same on
 /// every rank, as the kernel needs: a function of the call's shape alone.
-/// (A one-shot call's slices are every row: pass `world` 1.)
-pub fn stages(tokens: u64, world: usize, ctas: u32, config: NormConfig) -> u32 {
-    let chunk_rows = tokens
-        .div_ceil(world as u64)
-        .div_ceil(u64::from(ctas.max(1)));
+/// `oneshot`: the call runs one-shot ([`runs_oneshot`]), its slice every row.
+pub fn stages(tokens: u64, world: usize, ctas: u32, config: NormConfig, oneshot: bool) -> u32 {
+    let slices = if oneshot { 1 } else { world as u64 };
+    let chunk_rows = tokens.div_ceil(slices).div_ceil(u64::from(ctas.max(1)));
     let warps = u64::from(config.threads / 32);
     let by_rows = (chunk_rows / warps).clamp(1, u64::from(config.stages));
     (by_rows as u32).min(FLAG_SLOTS / ctas.max(1)).max(1)
+}
+
+/// Whether a call runs one-shot: asked for by its config, and a push of two
+/// ranks keeping the full residual (elsewhere one-shot would move more bytes,
+/// or has no rows to skip).
+pub fn runs_oneshot(config: NormConfig, world: usize, residual_full: bool, pull: bool) -> bool {
+    config.oneshot && world == 2 && residual_full && !pull
 }
 
 /// Rows [start, end) of `tokens` that `rank` owns (the kernel's split).
@@ -215,11 +227,14 @@ impl Call {
         }
     }
 
-    /// Whether the call runs one-shot: asked for by its config, and a push
-    /// of two ranks keeping the full residual (elsewhere one-shot would move
-    /// more bytes, or has no rows to skip).
+    /// Whether the call runs one-shot ([`runs_oneshot`]).
     pub fn oneshot(&self) -> bool {
-        self.config.oneshot && self.bases.len() == 2 && self.residual_full && self.pull.is_none()
+        runs_oneshot(
+            self.config,
+            self.bases.len(),
+            self.residual_full,
+            self.pull.is_some(),
+        )
     }
 }
 
@@ -309,12 +324,7 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         eps: call.eps,
         residual_full: i32::from(call.residual_full),
         row0: row0 as i32,
-        stages: stages(
-            call.tokens,
-            if call.oneshot() { 1 } else { world },
-            ctas,
-            call.config,
-        ) as i32,
+        stages: stages(call.tokens, world, ctas, call.config, call.oneshot()) as i32,
         oneshot: i32::from(call.oneshot()),
     };
     Ok(Checked {
@@ -348,17 +358,17 @@ mod tests {
     fn stages_leave_a_row_per_warp_and_fit_the_flags() {
         let config = |stages| NormConfig::new(512, 4, stages).unwrap();
         // 8K tokens on 2 ranks, 32 CTAs: 128 rows a chunk, 16 warps: up to 8 parts.
-        assert_eq!(stages(8192, 2, 32, config(4)), 4);
-        assert_eq!(stages(8192, 2, 32, config(8)), 8);
-        assert_eq!(stages(4096, 2, 32, config(8)), 4);
+        assert_eq!(stages(8192, 2, 32, config(4), false), 4);
+        assert_eq!(stages(8192, 2, 32, config(8), false), 8);
+        assert_eq!(stages(4096, 2, 32, config(8), false), 4);
         // Too few rows for two parts, or the default: one part, the unpipelined kernel.
-        assert_eq!(stages(1024, 2, 32, config(4)), 1);
-        assert_eq!(stages(8192, 2, 32, NormConfig::DEFAULT), 1);
-        assert_eq!(stages(1, 8, 256, config(8)), 1);
-        assert_eq!(stages(0, 2, 16, config(4)), 1);
+        assert_eq!(stages(1024, 2, 32, config(4), false), 1);
+        assert_eq!(stages(8192, 2, 32, NormConfig::DEFAULT, false), 1);
+        assert_eq!(stages(1, 8, 256, config(8), false), 1);
+        assert_eq!(stages(0, 2, 16, config(4), false), 1);
         for ctas in 1..=MAX_CTAS {
             for tokens in [1u64, 1000, 1 << 20] {
-                let s = stages(tokens, 2, ctas, config(NormConfig::MAX_STAGES));
+                let s = stages(tokens, 2, ctas, config(NormConfig::MAX_STAGES), false);
                 assert!((1..=NormConfig::MAX_STAGES).contains(&s));
                 assert!(
                     s * ctas <= FLAG_SLOTS,
