@@ -28,6 +28,14 @@
 // buffer tma_c maps (columns as usual), so the tile grid and the output
 // layout can differ from the row-major output's.
 //
+// Pushed stores (`push_flags` non-null, the "push" backend): every box also
+// goes to tma_peer, a map of the peer's staging slot with tma_c's geometry,
+// so each tile crosses NVLink while the GEMM goes on; once a tile's stores
+// are complete the peer's ready flag of the tile's group (word
+// push_flags[group * PEER_FLAG_STRIDE]) gets a system-scope release add,
+// which the peer's reduction waits for. With push_flags null, tma_peer is
+// never touched.
+//
 // Compile-time constants: FO_BF16 (1: bf16, 0: fp16), FO_BN (128 or 256: the
 // tile's N; BM is 128, 64 rows per consumer warpgroup), FO_STAGES.
 #include "ptx.cuh"
@@ -54,6 +62,9 @@ constexpr int EPI_COLS = 128, EPI_BOXES = EPI_COLS / 64, BOX_BYTES = BM * 64 * 2
 constexpr int EPI_BYTES = BM * EPI_COLS * 2, CHUNKS = BN / EPI_COLS;
 // Named barriers between the 256 consumer threads and the 32 of the store warp.
 constexpr unsigned BAR_EPI_FULL = 1, BAR_EPI_FREE = 2, EPI_THREADS = 256 + 32;
+// Words between two groups' ready flags in a peer buffer (rust/comm/peer.rs:
+// one per possible source rank).
+constexpr int PEER_FLAG_STRIDE = 8;
 static_assert(BN == 128 || BN == 256, "wgmma wrappers exist for N = 128 and 256");
 
 typedef unsigned short elem_t;
@@ -72,7 +83,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fo_gemm_signal_sm90(const __grid_constant__ fo::TensorMap tma_a, const __grid_constant__ fo::TensorMap tma_b,
                         const __grid_constant__ fo::TensorMap tma_c, int M, int N, int K, const int* __restrict__ tile_order,
                         const int* __restrict__ tile_group, unsigned* __restrict__ counters, int num_tiles,
-                        int staged, const int* __restrict__ row_table) {
+                        int staged, const int* __restrict__ row_table,
+                        const __grid_constant__ fo::TensorMap tma_peer, unsigned* __restrict__ push_flags) {
   // Stages first (1024-byte aligned, as 128-byte swizzling requires), the
   // epilogue buffer, then the full/empty barrier pair of every stage.
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -92,6 +104,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fo::prefetch_tensor_map(&tma_a);
     fo::prefetch_tensor_map(&tma_b);
     fo::prefetch_tensor_map(&tma_c);
+    if (push_flags != nullptr) fo::prefetch_tensor_map(&tma_peer);
     for (int s = 0; s < STAGES; ++s) {
       fo::mbar_init(full(s), 1);   // the producer's arrive; TMA completes the bytes
       fo::mbar_init(empty(s), 8);  // one arrive per consumer warp
@@ -135,6 +148,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           if (lane == 0) {
             for (int box = 0; box < EPI_BOXES; ++box)
               fo::tma_store_2d(&tma_c, epi + box * BOX_BYTES, n0 + ch * EPI_COLS + box * 64, m0);
+            if (push_flags != nullptr)
+              for (int box = 0; box < EPI_BOXES; ++box)
+                fo::tma_store_2d(&tma_peer, epi + box * BOX_BYTES, n0 + ch * EPI_COLS + box * 64, m0);
             fo::bulk_commit();
             fo::bulk_wait_read();
           }
@@ -149,6 +165,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             fo::bulk_wait_all();
             fo::fence_async_global();
             fo::signal_add(counters + tile_group[pos], 1u);
+            if (push_flags != nullptr) fo::signal_add_sys(push_flags + tile_group[pos] * PEER_FLAG_STRIDE, 1u);
           }
         }
       }

@@ -77,4 +77,10 @@ __device__ __forceinline__ void signal_add(unsigned* counter, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(counter), "r"(v) : "memory");
 }
 
+// The same at system scope: the counter lives in another GPU's memory and
+// the stores it publishes crossed NVLink.
+__device__ __forceinline__ void signal_add_sys(unsigned* counter, unsigned v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;\n" ::"l"(counter), "r"(v) : "memory");
+}
+
 }  // namespace fo

@@ -78,7 +78,7 @@ fn gemm_kernel(name: Option<&str>) -> PyResult<Option<GemmKernel>> {
 fn backend(name: &str) -> PyResult<gar::Backend> {
     gar::Backend::parse(name).ok_or_else(|| {
         PyValueError::new_err(format!(
-            "backend: expected 'nccl', 'copy_engine' or 'peer', got {name:?}"
+            "backend: expected 'nccl', 'copy_engine', 'push' or 'peer', got {name:?}"
         ))
     })
 }

@@ -538,6 +538,22 @@ def test_fused_norm_plans_charge_the_norm(backend: str) -> None:
     assert one.predicted_overlap_us > few.predicted_overlap_us
 
 
+@pytest.mark.parametrize("fused_norm", [False, True])
+def test_push_plans_two_hopper_ranks_alone(fused_norm: bool) -> None:
+    """backend='push' plans like the copy engines (4 or 8 SMs left to the sums), on exactly 2
+    ranks of sm_90 (the GEMM's epilogue pushes); anything else is refused by name."""
+    plan = plan_gemm_all_reduce(8192, 8192, 4096, 2, mode="overlap", backend="push", fused_norm=fused_norm)
+    assert plan.schedule == "overlap" and len(plan.groups) > 1
+    assert plan.ctas in (132 - 4, 132 - 8, 132 - 16)
+    for world in (1, 3, 8):
+        with pytest.raises(ValueError, match="exactly 2 ranks"):
+            plan_gemm_all_reduce(8192, 8192, 4096, world, backend="push", fused_norm=fused_norm)
+    with pytest.raises(ValueError, match="sm_90"):
+        plan_gemm_all_reduce(8192, 8192, 4096, 2, backend="push", compute_capability=(8, 0), sms=108)
+    with pytest.raises(ValueError, match="sm_90"):
+        plan_gemm_all_reduce(8192, 8192, 4096, 2, backend="push", kernel="sm80")
+
+
 def test_fused_norm_option_errors() -> None:
     with pytest.raises(ValueError, match="peer"):
         plan_gemm_all_reduce(4096, 8192, 4096, 2, backend="peer")

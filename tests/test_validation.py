@@ -470,6 +470,44 @@ def test_peer_backend_passes_the_fused_norms_checks(no_distributed, call) -> Non
     assert not str(info.value).startswith("backend:"), info.value
 
 
+PUSH_REFUSERS = {
+    "gemm_reduce_scatter": lambda x, w: flashoverlap.gemm_reduce_scatter(x, w, backend="push"),
+    "gemm_all_to_all": lambda x, w: flashoverlap.gemm_all_to_all(x, w, [16], [16], backend="push"),
+    "backend_of_reduce_scatter": lambda x, w: flashoverlap.backend_of(x, w, op="gemm_reduce_scatter",
+                                                                     backend="push"),
+}
+
+
+@pytest.mark.parametrize("op", PUSH_REFUSERS)
+def test_push_backend_is_the_all_reduce_ops_alone(no_distributed, op) -> None:
+    x, w = operands()
+    with raises_naming(ValueError, "backend", "gemm_all_reduce"):
+        PUSH_REFUSERS[op](x, w)
+    valid_plan_still_works()
+
+
+@pytest.mark.parametrize("call", [
+    lambda x, w: gemm_all_reduce(x, w, backend="push"),
+    lambda x, w: plan_of(x, w, backend="push"),
+    lambda x, w: flashoverlap.backend_of(x, w, backend="push"),
+    lambda x, w: flashoverlap.gemm_all_reduce_rmsnorm(x, w, *_norm_args(x, w), backend="push"),
+], ids=["gemm_all_reduce", "plan_of", "backend_of", "gemm_all_reduce_rmsnorm"])
+def test_push_backend_passes_the_all_reduce_ops_checks(no_distributed, call) -> None:
+    x, w = operands()
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        call(x, w)
+    assert not str(info.value).startswith("backend:"), info.value
+
+
+def test_push_backend_is_not_an_environment_default(no_distributed, monkeypatch: pytest.MonkeyPatch) -> None:
+    # FLASHOVERLAP_BACKEND applies to every op, and only the GEMM + AllReduce ones push.
+    from flashoverlap import _env
+
+    monkeypatch.setenv("FLASHOVERLAP_BACKEND", "push")
+    with pytest.raises(ValueError, match="FLASHOVERLAP_BACKEND"):
+        _env.backend()
+
+
 def test_bad_backend_in_the_environment(no_distributed, monkeypatch: pytest.MonkeyPatch) -> None:
     from flashoverlap import _env
 

@@ -25,6 +25,9 @@ def force_sequential() -> bool:
 
 
 BACKENDS = ("auto", "nccl", "copy_engine")
+# What gemm_all_reduce and gemm_all_reduce_rmsnorm take beyond BACKENDS (by argument only: the
+# other ops have no such path, so FLASHOVERLAP_BACKEND cannot name it).
+AR_BACKENDS = (*BACKENDS, "push")
 
 
 def reserved_sms() -> int | None:

@@ -79,6 +79,9 @@ def _resolve_backend(comm: Communicator, backend: Optional[str]) -> str:
         backend = _env.backend()
     if backend == "peer":  # gemm_all_reduce_rmsnorm's own; its caller checked it
         return backend
+    if backend == "push":  # the GEMM + AllReduce ops' own; their callers checked it
+        _check_push(comm)
+        return backend
     _check_backend(backend)
     if backend == "auto":
         allowed = _allowed_backends(comm)
@@ -156,7 +159,7 @@ def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, b
     if backend == "auto":
         backend = _auto_backend(comm, "gemm_all_reduce", m, n, k, dtype, plan_args)
         plan_args = _op_options(mode, bands_per_group, kernel, backend, order, norm is not None)
-    if backend == "copy_engine" and mode != "sequential":
+    if backend in ("copy_engine", "push") and mode != "sequential":
         comm.ensure_peer_buffers(out.numel() * out.element_size())
 
     def call(staging_ptr: int = 0):
@@ -168,7 +171,7 @@ def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, b
         # A swizzled plan reduces in a staging buffer, taken from torch's allocator on this
         # stream: the op's last use of it is ordered before whatever this stream runs after it.
         # (Every rank plans alike, so all grow their copy-engine slots together.)
-        if backend == "copy_engine":
+        if backend in ("copy_engine", "push"):
             comm.ensure_peer_buffers(staged)
         staging = torch.empty(staged // x.element_size(), dtype=x.dtype, device=x.device)
         schedule, _ = call(staging.data_ptr())
@@ -488,12 +491,26 @@ def _check_kernel(kernel: Optional[str]) -> None:
         raise ValueError(f"kernel: expected one of {KERNELS} or None, got {kernel!r}")
 
 
-def _check_backend(backend: Optional[str], norm: bool = False) -> None:
-    """norm: gemm_all_reduce_rmsnorm's, which also runs on "peer"."""
-    allowed = (*_env.BACKENDS, "peer") if norm else _env.BACKENDS
+def _check_backend(backend: Optional[str], norm: bool = False, push: bool = False) -> None:
+    """norm: gemm_all_reduce_rmsnorm's, which also runs on "peer"; push: a GEMM + AllReduce op's,
+    which also runs on "push"."""
+    allowed = (*(_env.AR_BACKENDS if push or norm else _env.BACKENDS), *(("peer",) if norm else ()))
     if backend is not None and backend not in allowed:
-        hint = " ('peer' runs gemm_all_reduce_rmsnorm only)" if backend == "peer" else ""
+        hint = {"peer": " ('peer' runs gemm_all_reduce_rmsnorm only)",
+                "push": " ('push' runs gemm_all_reduce and gemm_all_reduce_rmsnorm only)"}.get(backend, "")
         raise ValueError(f"backend: expected one of {allowed} or None, got {backend!r}{hint}")
+
+
+def _check_push(comm: Communicator) -> None:
+    """What backend="push" needs of the communicator, before anything runs: 2 ranks of one node
+    (each GEMM stores into the other's memory) on Hopper (the sm_90 GEMM's epilogue pushes)."""
+    if comm.world_size != 2 or not comm.one_node:
+        raise ValueError(f"backend: 'push' runs on exactly 2 ranks of one node; communicator {comm.name!r} has "
+                         f"{comm.world_size}{'' if comm.one_node else ' across nodes'}: use 'copy_engine', 'nccl' "
+                         "or 'auto'")
+    major = torch.cuda.get_device_capability(comm.device)[0]
+    if major != 9:
+        raise ValueError(f"backend: 'push' stores from the sm_90 GEMM (Hopper); {comm.device} is sm_{major}x")
 
 
 def _check_order(order: Optional[str]) -> None:
@@ -536,15 +553,15 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, *, kernel: Optional[str] = None,
 
 
 def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order=None,
-                  norm: bool = False):
+                  norm: bool = False, push: bool = False):
     """The argument checks of the collective ops, in the documented order (shapes and dtypes,
     options, an initialised process group, devices), then the communicator (created
     collectively on first use). Returns (M, N, K, communicator). norm: the fused-norm op's
-    (backend "peer" allowed)."""
+    (backends "peer" and "push" allowed); push: gemm_all_reduce's ("push" allowed)."""
     m, n, k = check_gemm_operands(x, weight, devices=False)
     _check_mode(mode, bands_per_group)
     _check_kernel(kernel)
-    _check_backend(backend, norm)
+    _check_backend(backend, norm, push)
     _check_order(order)
     return m, n, k, _communicator_of(x, group, communicator, weight)
 
@@ -578,7 +595,11 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
     kernel: the GEMM kernel, as for :func:`gemm`.
     backend: what moves each group's bytes: "copy_engine" (copies into peers' memory on the copy
       engines, and a sum on the few SMs the GEMM leaves free; every rank on one node), "nccl"
-      (ncclAllReduce), or "auto" (per shape, whichever the predictor times faster; NCCL alone off
+      (ncclAllReduce), "push" (2 ranks of one node, Hopper: the GEMM's epilogue stores every tile
+      into the other rank's memory too, over NVLink while it computes, and each group is summed
+      on the few SMs the GEMM leaves free as both ranks' tiles land: no copy engine, no NCCL;
+      by argument only, "auto" does not pick it yet: its 2-GPU timings are not in the model), or
+      "auto" (per shape, whichever the predictor times faster; NCCL alone off
       one node; :func:`backend_of` says which); default:
       FLASHOVERLAP_BACKEND, else "auto". The first call of a larger output with the copy engines
       grows the peer buffers, collectively. Where the plan falls back to running the GEMM then
@@ -589,7 +610,10 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
       the output, then copied into place) or "auto" (whichever the predictor says is faster);
       default: FLASHOVERLAP_ORDER, else "auto". bands_per_group implies "banded".
     """
-    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order)
+    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order,
+                                  push=True)
+    if backend == "push":
+        _check_push(comm)
     return torch.ops.flashoverlap.gemm_all_reduce(x, weight, comm.name, mode, bands_per_group, kernel, backend,
                                                   order)
 
@@ -601,7 +625,7 @@ def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, c
     with ``fused_norm=True``, the plan ``gemm_all_reduce_rmsnorm`` runs (banded, the norm charged to
     each group)."""
     m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order,
-                                  norm=bool(fused_norm))
+                                  norm=bool(fused_norm), push=True)
     order = "banded" if fused_norm else _resolve_order(order)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
@@ -628,7 +652,7 @@ def backend_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *
         raise ValueError(f"op: expected 'gemm_all_reduce' or 'gemm_reduce_scatter', got {op!r}")
     if op == "gemm_all_reduce":
         m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend,
-                                      order)
+                                      order, push=True)
     else:
         comm = _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
         m, n, k = _rs_shape(x, weight, comm.world_size)
@@ -707,7 +731,8 @@ def gemm_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: tor
     tensor parallelism has them); the other backends use each rank's own. Its buffers hold three [M, N] areas per rank (made
     and grown collectively, outside CUDA graph capture, and kept until
     :func:`destroy_peer_groups`); "auto" never picks it yet (its timings on two GPUs are still
-    unmeasured). Returns (out, residual_out)."""
+    unmeasured). "push" (2 ranks, Hopper) runs as for :func:`gemm_all_reduce`, each group's norm
+    after its sum. Returns (out, residual_out)."""
     # Every argument is checked before the communicator is looked up (or created, collectively).
     check_gemm_operands(x, weight, devices=False)
     _check_norm_operands(x, weight, residual, norm_weight, eps)
@@ -715,6 +740,8 @@ def gemm_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: tor
     comm = get_communicator(group, communicator=communicator)
     for name, t in (("residual", residual), ("norm_weight", norm_weight)):
         check_device(name, t, comm.device)
+    if backend == "push":
+        _check_push(comm)
     if backend == "peer":
         from . import peer_norm
 

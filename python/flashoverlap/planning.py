@@ -19,8 +19,8 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
                          order: str = "auto", fused_norm: bool = False) -> "_core.Plan":
     """The GEMM + AllReduce plan for out[m, n] = x[m, k] @ w[n, k]^T over ``world_size`` GPUs with
     ``sms`` multiprocessors (default: an H200). raster_bands: row bands per L2 raster block of the
-    tile order inside each group (default: the planner's choice). backend: "nccl", "copy_engine"
-    or "auto" (whichever the predictor times faster for the shape; the copy engines are a choice
+    tile order inside each group (default: the planner's choice). backend: "nccl", "copy_engine",
+    "push" (2 GPUs, Hopper) or "auto" (whichever the predictor times faster for the shape; the copy engines are a choice
     up to 8 GPUs, taken to be one node). order: "banded"
     (groups of whole row bands, reduced in place), "swizzled" (groups of whole waves in one raster
     over the output, reduced in a staging buffer and un-reordered) or "auto" (the faster
@@ -31,7 +31,7 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
     if not isinstance(fused_norm, bool):
         raise TypeError(f"fused_norm: expected a bool, got {type(fused_norm).__name__}")
-    backends = (*_env.BACKENDS, "peer") if fused_norm else _env.BACKENDS
+    backends = (*_env.AR_BACKENDS, "peer") if fused_norm else _env.AR_BACKENDS
     if backend not in backends:
         raise ValueError(f"backend: expected one of {backends}, got {backend!r}")
     if order not in _env.ORDERS:

@@ -19,6 +19,13 @@ pub enum Backend {
     /// loads), adds the residual, normalizes and stores the rows into every
     /// rank (csrc/allreduce_rmsnorm.cu, pull mode); one node only.
     Peer,
+    /// gemm_all_reduce and gemm_all_reduce_rmsnorm on 2 ranks of one node
+    /// with the sm_90 GEMM: its epilogue stores every tile into the peer's
+    /// staging slot too (TMA over NVLink, while the GEMM goes on) and counts
+    /// it in the peer's ready flag of its group; each group is then summed
+    /// by the copy-engine backend's reduction on the reserved SMs. No copy
+    /// engine, no per-group copy: only the sums run after the GEMM's tiles.
+    Push,
 }
 
 impl Backend {
@@ -27,6 +34,7 @@ impl Backend {
             "nccl" => Some(Backend::Nccl),
             "copy_engine" => Some(Backend::CopyEngine),
             "peer" => Some(Backend::Peer),
+            "push" => Some(Backend::Push),
             _ => None,
         }
     }
@@ -36,6 +44,18 @@ impl Backend {
             Backend::Nccl => "nccl",
             Backend::CopyEngine => "copy_engine",
             Backend::Peer => "peer",
+            Backend::Push => "push",
+        }
+    }
+
+    /// The error of an op that has no path on this backend.
+    pub fn unsupported(self, op: &str) -> Error {
+        match self {
+            Backend::Push => Error::Invalid(format!(
+                "backend: 'push' runs gemm_all_reduce and gemm_all_reduce_rmsnorm only, not {op}; \
+                 use 'nccl', 'copy_engine' or 'auto'"
+            )),
+            _ => Self::peer_unsupported(op),
         }
     }
 
@@ -95,7 +115,7 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for b in [Backend::Nccl, Backend::CopyEngine, Backend::Peer] {
+        for b in [Backend::Nccl, Backend::CopyEngine, Backend::Peer, Backend::Push] {
             assert_eq!(Backend::parse(b.name()), Some(b));
         }
         assert_eq!(Backend::parse("auto"), None);

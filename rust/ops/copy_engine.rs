@@ -482,6 +482,78 @@ pub fn enqueue(
     Ok(())
 }
 
+/// The push backend's version of [`enqueue`] (2 ranks, every group a
+/// [`Group::Sum`] of the whole group): no copy, no copy stream. The GEMM
+/// (`launch_gemm(push, push_flags)`, given where to store its second copy
+/// of each tile and the peer's ready flags to count them in) writes every
+/// tile into the peer's slot itself, so the caller's stream first waits for
+/// that slot to be free (the peer summed this rank's previous call); per
+/// group the reduce stream waits for this rank's own tiles (the GEMM's
+/// counter) and the peer's (its pushes, counted in this rank's ready flag),
+/// sums, and runs `after`:
+///
+/// Caller S:       wait(free) [fork] GEMM (stores, pushes, counts)        [join]
+/// Reduce stream R:          wait(c0) wait(ready g0) reduce(g0) ... set(free at peer)
+pub fn enqueue_pushed(
+    comm: &Communicator,
+    call: &Call,
+    caller: RawStream,
+    launch_gemm: impl FnOnce(u64, u64) -> Result<()>,
+    mut after: impl FnMut(usize, RawStream) -> Result<()>,
+) -> Result<()> {
+    let peer = call.peer;
+    let layout = peer.layout;
+    let me = peer.rank;
+    let (Some(signals), Some(reducer)) = (call.signals, call.reducer) else {
+        return Err(Error::Invalid(
+            "internal: the push backend needs the GEMM's counters and a reduction".into(),
+        ));
+    };
+    let other = match peer.peers().collect::<Vec<_>>()[..] {
+        [p] => p,
+        _ => {
+            return Err(Error::Invalid(format!(
+                "backend: 'push' runs on exactly 2 ranks, this communicator has {}",
+                layout.world
+            )))
+        }
+    };
+    if call
+        .groups
+        .iter()
+        .any(|g| !matches!(g, Group::Sum(e) if e.src_stride == 0))
+    {
+        return Err(Error::Invalid(
+            "internal: the push backend sums whole groups (an AllReduce on 2 ranks)".into(),
+        ));
+    }
+    let reduces = comm.reduce_stream.0;
+    let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+    // The GEMM writes into the peer's slot for this rank from its first tile.
+    let free = layout.free_flag(peer.bases[me], other);
+    stream::wait_geq(caller, free, 1)?;
+    stream::write(caller, free, 0)?;
+    comm.fork.order(caller, reduces)?;
+    // Offsets into the slot are those into the GEMM's store buffer
+    // ([`Exchange::slot_offset`]), so the slot is laid out like it.
+    let slot = layout.slot(peer.bases[other], other, me);
+    launch_gemm(slot, layout.ready_flag(peer.bases[other], 0, me))?;
+    for (g, group) in call.groups.iter().enumerate() {
+        let Group::Sum(e) = group else { unreachable!("checked above") };
+        let counter = signals.counter(g);
+        stream::wait_geq(reduces, counter, e.tiles)?;
+        stream::write(reduces, counter, 0)?;
+        let ready = layout.ready_flag(peer.bases[me], g, other);
+        stream::wait_geq(reduces, ready, e.tiles)?;
+        stream::write(reduces, ready, 0)?;
+        reduce(reducer, peer, e, call.reduce_ctas, reduces)?;
+        after(g, reduces)?;
+    }
+    // Every pushed tile of this call is summed: the peer may push again.
+    stream::write(reduces, layout.free_flag(peer.bases[other], me), 1)?;
+    comm.reduce_join.order(reduces, caller)
+}
+
 /// A plain collective on the copy engines (no GEMM).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Plain {

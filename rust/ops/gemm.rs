@@ -74,7 +74,19 @@ pub struct Signals {
     pub store_rows: u32,
     /// Positions the row table lists.
     pub tile_count: u32,
+    /// The push backend: every tile is also stored at this address (a
+    /// peer's staging slot, laid out like the buffer the tile goes to:
+    /// `out`, `staging` or `store`), and each group's ready flag in that
+    /// peer's buffer (`push_flags` + group * PEER_FLAG_STRIDE words) counts
+    /// its tiles once they are there. 0: no push (sm_90 kernel only).
+    pub push: u64,
+    pub push_flags: u64,
 }
+
+/// Words between two groups' ready flags in a peer buffer, as the sm_90
+/// kernel strides its pushed flags (csrc/gemm_signal_sm90.cu).
+pub const PEER_FLAG_STRIDE: u64 = 8;
+const _: () = assert!(PEER_FLAG_STRIDE as usize == crate::comm::peer::MAX_PEER_WORLD);
 
 impl Signals {
     /// The counter of group `g` (4-byte words from `counters`).
@@ -159,6 +171,11 @@ pub fn launch(
     };
     let mut count = tiles as i32;
     let grid = ctas.min(tiles).max(1);
+    if (signals.push != 0) != (signals.push_flags != 0) || (signals.push != 0 && signals.counters == 0) {
+        return Err(Error::Invalid(
+            "internal: a pushed launch needs its slot, its flags and the group counters".into(),
+        ));
+    }
     let tail: [*mut c_void; 10] = [
         (&mut c as *mut u64).cast(),
         (&mut m as *mut i32).cast(),
@@ -172,6 +189,9 @@ pub fn launch(
         (&mut row_table as *mut u64).cast(),
     ];
     match gemm.which {
+        GemmKernel::Sm80 if signals.push != 0 => Err(Error::Invalid(
+            "backend: 'push' stores from the sm_90 GEMM's epilogue; this call runs the sm80 kernel".into(),
+        )),
         GemmKernel::Sm80 => {
             let (mut a, mut b) = (args.x, args.weight);
             let mut params: Vec<*mut c_void> =
@@ -184,27 +204,29 @@ pub fn launch(
             let (bm, _, bk) = gemm.which.tile();
             let mut a = tensor_map::row_major_2d(args.x, args.m, args.k, bm, bk, args.dtype)?;
             let mut b = tensor_map::row_major_2d(args.weight, args.n, args.k, bn, bk, args.dtype)?;
-            // The epilogue stores 128 x 64 boxes (one 128-byte swizzle row each).
-            let mut out = if signals.staging != 0 {
-                tensor_map::row_major_2d(signals.staging, tiles * bm, bn, bm, 64, args.dtype)?
-            } else if signals.row_table != 0 {
-                tensor_map::row_major_2d(
-                    signals.store,
-                    signals.store_rows,
-                    args.n,
-                    bm,
-                    64,
-                    args.dtype,
-                )?
-            } else {
-                tensor_map::row_major_2d(args.out, args.m, args.n, bm, 64, args.dtype)?
+            // The epilogue stores 128 x 64 boxes (one 128-byte swizzle row
+            // each), into `base` laid out as the call's store buffer.
+            let store_map = |base: u64| {
+                if signals.staging != 0 {
+                    tensor_map::row_major_2d(base, tiles * bm, bn, bm, 64, args.dtype)
+                } else if signals.row_table != 0 {
+                    tensor_map::row_major_2d(base, signals.store_rows, args.n, bm, 64, args.dtype)
+                } else {
+                    tensor_map::row_major_2d(base, args.m, args.n, bm, 64, args.dtype)
+                }
             };
+            let mut out = store_map(c)?;
+            // Without a push the kernel never reads the peer map: any valid one does.
+            let mut peer = store_map(if signals.push != 0 { signals.push } else { c })?;
+            let mut push_flags = signals.push_flags;
             let mut params: Vec<*mut c_void> = vec![
                 (&mut a as *mut _ as *mut c_void),
                 (&mut b as *mut _ as *mut c_void),
                 (&mut out as *mut _ as *mut c_void),
             ];
             params.extend(&tail[1..]);
+            params.push(&mut peer as *mut _ as *mut c_void);
+            params.push((&mut push_flags as *mut u64).cast());
             gemm.kernel
                 .launch(grid, gemm.which.threads(), stream, &mut params)
         }

@@ -17,6 +17,11 @@
 //! AllReduce, residual add and RMSNorm is one kernel on the reserved SMs
 //! that reads every rank's partial over NVLink (ops/all_reduce_rmsnorm.rs).
 //!
+//! With the push backend (`Backend::Push`, 2 ranks of one node, sm_90)
+//! the GEMM's epilogue stores each tile into the peer's staging slot too,
+//! over NVLink while it computes, and the copy-engine backend's reduction
+//! sums each group once both ranks' tiles are in (no copy at all).
+//!
 //! Where the plan says overlap does not pay, nothing is enqueued here: the
 //! caller runs its library GEMM (cuBLAS, faster than ours today) and then
 //! `all_reduce::all_reduce`.
@@ -179,6 +184,10 @@ fn hardware_for(
                 40.0,
             ),
             Backend::Peer => (CollectiveModel::analytic(12.0, peer_gbps(reserved)), 0.0),
+            Backend::Push => (
+                CollectiveModel::analytic(PUSH_GROUP_LATENCY_US, push_gbps(reserved)),
+                PUSH_FIXED_US,
+            ),
         };
         HardwareModel {
             gemm_tflops,
@@ -187,7 +196,9 @@ fn hardware_for(
             overlap_group_us: match (backend, kind) {
                 (Backend::CopyEngine, CollectiveKind::AllToAll) => COPY_ENGINE_ALL_TO_ALL_GROUP_US,
                 (Backend::Nccl, CollectiveKind::AllToAll) if world > 1 => NCCL_ALL_TO_ALL_GROUP_US,
-                (Backend::CopyEngine, CollectiveKind::AllReduce) if world > 1 && !fused_norm => {
+                (Backend::CopyEngine | Backend::Push, CollectiveKind::AllReduce)
+                    if world > 1 && !fused_norm =>
+                {
                     COPY_ENGINE_ALL_REDUCE_GROUP_US
                 }
                 (Backend::Nccl, CollectiveKind::AllReduce | CollectiveKind::ReduceScatter)
@@ -268,6 +279,23 @@ fn copy_engine_gbps(kind: CollectiveKind, reserved: u32, world: u32) -> f64 {
 /// model's 12 us per group stands for its launch and two cross-GPU barriers.
 fn peer_gbps(reserved: u32) -> f64 {
     (20.0 * f64::from(reserved.max(1))).min(360.0)
+}
+
+/// The push backend's constants, NOT measured on two GPUs yet (estimates
+/// until `run_two_gpu.sh ar` times it): per group two stream waits and the
+/// sum's launch, per call the wait for the peer's free flag and the join.
+const PUSH_GROUP_LATENCY_US: f64 = 6.0;
+const PUSH_FIXED_US: f64 = 10.0;
+
+/// The push backend's rate on H200 in GB/s of AllReduce bus traffic (on 2
+/// ranks: the group's bytes): its bytes cross NVLink inside the GEMM, so
+/// what follows a group is the sum of both ranks' tiles on the reserved SMs,
+/// the one-exchange AllReduce's sum rate (see [`copy_engine_gbps`]), capped
+/// by what the links gave NCCL (~360 GB/s), since the last pushes trail the
+/// GEMM's last tiles.
+fn push_gbps(reserved: u32) -> f64 {
+    let ctas = f64::from(reserved.clamp(1, copy_engine::MAX_REDUCE_CTAS));
+    (ctas * 80.0 / 3.0 * 2.0).min(360.0)
 }
 
 /// Where a call is planned: the device, the backend and SMs left to it.
@@ -359,8 +387,10 @@ pub(crate) fn fastest_reservation<P>(
     let candidates: Vec<u32> = match (reserved, backend) {
         (Some(r), _) => vec![r],
         (None, Backend::Nccl) => vec![NCCL_RESERVED_SMS],
-        (None, Backend::CopyEngine) if fused_norm => COPY_ENGINE_NORM_RESERVED_SMS.to_vec(),
-        (None, Backend::CopyEngine) => COPY_ENGINE_RESERVED_SMS.to_vec(),
+        (None, Backend::CopyEngine | Backend::Push) if fused_norm => {
+            COPY_ENGINE_NORM_RESERVED_SMS.to_vec()
+        }
+        (None, Backend::CopyEngine | Backend::Push) => COPY_ENGINE_RESERVED_SMS.to_vec(),
         (None, Backend::Peer) => PEER_RESERVED_SMS.to_vec(),
     };
     let single = candidates.len() == 1;
@@ -460,6 +490,20 @@ pub fn plan_for(
     if opts.backend == Backend::Peer && !opts.fused_norm {
         return Err(Backend::peer_unsupported("gemm_all_reduce"));
     }
+    if opts.backend == Backend::Push {
+        if world != 2 {
+            return Err(Error::Invalid(format!(
+                "backend: 'push' runs on exactly 2 ranks (each GEMM stores its tiles into the other's \
+                 memory); this group has {world}: use 'copy_engine', 'nccl' or 'auto'"
+            )));
+        }
+        if major != 9 || matches!(opts.kernel, Some(GemmKernel::Sm80)) {
+            return Err(Error::Invalid(
+                "backend: 'push' stores from the sm_90 GEMM's epilogue (Hopper only, kernel None or sm90)"
+                    .into(),
+            ));
+        }
+    }
     fastest_reservation(
         opts.reserved_sms,
         opts.backend,
@@ -515,7 +559,7 @@ fn prepare(
         )?;
         let groups = plan.partition.len().max(1);
         let collectives = plan.partition.collectives();
-        if opts.backend == Backend::CopyEngine {
+        if matches!(opts.backend, Backend::CopyEngine | Backend::Push) {
             // Offsets only (no buffers yet): N % 8 == 0 keeps every group's
             // rows on 16-byte vectors.
             copy_engine::check_groups(&copy_engine::all_reduces(
@@ -760,7 +804,8 @@ pub fn gemm_all_reduce(
     };
     match opts.backend {
         Backend::Nccl => enqueue_nccl(comm, &run, &kernel, caller)?,
-        Backend::CopyEngine => enqueue_copy_engine(comm, &run, &kernel, caller)?,
+        Backend::CopyEngine => enqueue_copy_engine(comm, &run, &kernel, caller, false)?,
+        Backend::Push => enqueue_copy_engine(comm, &run, &kernel, caller, true)?,
         Backend::Peer => enqueue_peer(comm, &run, &kernel, args.out, caller)?,
     }
     Ok(Enqueued::Overlap)
@@ -925,17 +970,23 @@ fn exchanges(collectives: &[Collective], base: u64, elem: u64) -> Vec<Exchange> 
         .collect()
 }
 
+/// The copy-engine backend, or with `pushed` the push backend (the GEMM
+/// moves the bytes itself; the sums are the same).
 fn enqueue_copy_engine(
     comm: &Communicator,
     run: &Run,
     kernel: &gemm::LoadedGemm,
     caller: RawStream,
+    pushed: bool,
 ) -> Result<()> {
     let args = run.args;
-    let groups = copy_engine::all_reduces(
-        exchanges(run.collectives, run.base(), args.dtype.bytes() as u64),
-        comm.world as usize,
-    );
+    let exchanges = exchanges(run.collectives, run.base(), args.dtype.bytes() as u64);
+    // Pushed, both ranks get every tile and sum the whole group.
+    let groups = if pushed {
+        copy_engine::sums(exchanges)
+    } else {
+        copy_engine::all_reduces(exchanges, comm.world as usize)
+    };
     let peer = copy_engine::peer_buffers(comm, &groups)?;
     let reducer = copy_engine::load_reducer(comm, args.dtype, peer.layout.world)?;
     let call = copy_engine::Call {
@@ -949,16 +1000,33 @@ fn enqueue_copy_engine(
             .reserved_sms
             .min(copy_engine::MAX_REDUCE_CTAS),
     };
+    let after = |g: usize, stream: RawStream| {
+        let group = &run.collectives[g];
+        run.unreorder(group, stream)?;
+        run.norm(group, stream, comm.device.sms)
+    };
+    if pushed {
+        return copy_engine::enqueue_pushed(
+            comm,
+            &call,
+            caller,
+            |push, push_flags| {
+                let signals = Signals {
+                    push,
+                    push_flags,
+                    ..run.signals
+                };
+                gemm::launch(kernel, args, &signals, run.plan.ctas, caller)
+            },
+            after,
+        );
+    }
     copy_engine::enqueue(
         comm,
         &call,
         caller,
         || gemm::launch(kernel, args, &run.signals, run.plan.ctas, caller),
-        |g, stream| {
-            let group = &run.collectives[g];
-            run.unreorder(group, stream)?;
-            run.norm(group, stream, comm.device.sms)
-        },
+        after,
     )
 }
 

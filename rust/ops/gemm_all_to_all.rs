@@ -46,7 +46,7 @@ impl Options {
     fn reserved(&self) -> u32 {
         self.reserved_sms.unwrap_or(match self.backend {
             Backend::Nccl => NCCL_RESERVED_SMS,
-            Backend::CopyEngine | Backend::Peer => 0,
+            Backend::CopyEngine | Backend::Peer | Backend::Push => 0,
         })
     }
 }
@@ -59,8 +59,8 @@ pub fn plan_for(
     opts: &Options,
     major: i32,
 ) -> Result<(GemmKernel, AllToAllPlan)> {
-    if opts.backend == Backend::Peer {
-        return Err(Backend::peer_unsupported("gemm_all_to_all"));
+    if matches!(opts.backend, Backend::Peer | Backend::Push) {
+        return Err(opts.backend.unsupported("gemm_all_to_all"));
     }
     let sent: u64 = send_splits.iter().sum();
     if sent != u64::from(args.m) {
@@ -251,7 +251,7 @@ pub fn gemm_all_to_all(
         Ok(())
     };
     match opts.backend {
-        Backend::Peer => Err(Backend::peer_unsupported("gemm_all_to_all")),
+        Backend::Peer | Backend::Push => Err(opts.backend.unsupported("gemm_all_to_all")),
         Backend::Nccl => enqueue_nccl(comm, &plan, args, buffers, caller, launch),
         Backend::CopyEngine => {
             let groups = moves(

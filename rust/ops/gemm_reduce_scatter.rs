@@ -56,8 +56,8 @@ pub fn plan_for(
     sms: u32,
     major: i32,
 ) -> Result<(GemmKernel, ReduceScatterPlan)> {
-    if opts.backend == Backend::Peer {
-        return Err(Backend::peer_unsupported("gemm_reduce_scatter"));
+    if matches!(opts.backend, Backend::Peer | Backend::Push) {
+        return Err(opts.backend.unsupported("gemm_reduce_scatter"));
     }
     fastest_reservation(
         opts.reserved_sms,
@@ -222,7 +222,7 @@ pub fn gemm_reduce_scatter(
     };
     let launch = || gemm::launch(&kernel, args, &signals, plan.ctas, caller);
     match opts.backend {
-        Backend::Peer => return Err(Backend::peer_unsupported("gemm_reduce_scatter")),
+        Backend::Peer | Backend::Push => return Err(opts.backend.unsupported("gemm_reduce_scatter")),
         Backend::Nccl => enqueue_nccl(comm, plan, args, send, &signals, caller, launch)?,
         Backend::CopyEngine => {
             let groups = copy_engine::sums(exchanges(plan, args, send, args.out));

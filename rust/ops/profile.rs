@@ -197,7 +197,7 @@ fn group_curve(
             .get(&(sms, world, kind, CurveOf::NcclGroup))
             .copied(),
         // Not profiled yet: the constants stand.
-        Backend::Peer => None,
+        Backend::Peer | Backend::Push => None,
         Backend::CopyEngine => r
             .curves
             .iter()

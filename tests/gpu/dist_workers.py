@@ -938,6 +938,31 @@ def tune_copy_engine(rank: int, world: int, seed: int) -> dict:
     return {"curves": [c["us"] for c in profile["collectives"]]}
 
 
+def push_refused(rank: int, world: int, seed: int) -> dict:
+    """backend="push" where it cannot run (3 ranks; ops other than the GEMM + AllReduce ones): a
+    clear ValueError before anything runs, and the ops still right afterwards."""
+    import torch
+
+    import flashoverlap
+
+    device = device_of(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    good = dict(seed=seed, lead=[600], n=2048, k=512, dtype="bf16", mode="overlap", bands=1)
+    x, w = make_inputs(seed, rank, (600,), 2048, 512, torch.bfloat16, device)
+    seen = {}
+    if world != 2:
+        seen["world"] = expect_error(ValueError, "backend",
+                                     lambda: flashoverlap.gemm_all_reduce(x, w, backend="push"), "exactly 2 ranks")
+        result = run_case(rank, world, good, backend="copy_engine")
+        assert result["error"] is None, f"after a refused push: {result['error']}"
+    seen["reduce_scatter"] = expect_error(ValueError, "backend",
+                                          lambda: flashoverlap.gemm_reduce_scatter(x, w, backend="push"), "push")
+    if world == 2:
+        result = run_case(rank, world, good, backend="push")
+        assert result["error"] is None, f"after a refused push: {result['error']}"
+    return {"seen": seen}
+
+
 def load_calls(rank: int, world: int) -> dict:
     """bench.load_calls on every rank, each asking a different duration: all get the largest count."""
     from flashoverlap import bench
@@ -971,6 +996,7 @@ TARGETS = {
     "rmsnorm_cases": rmsnorm_cases,
     "rs_cases": rs_cases,
     "cases": cases,
+    "push_refused": push_refused,
     "cuda_graph": cuda_graph,
     "backends_agree": backends_agree,
     "bad_inputs": bad_inputs,

@@ -77,6 +77,39 @@ def test_gemm_all_reduce_rmsnorm_peer(tmp_path: Path, world: int, monkeypatch: p
     assert any(r["schedule"] == "sequential" for r in records), records
 
 
+# backend="push": each GEMM's epilogue stores every tile into the other rank's IPC-mapped slot too
+# and counts it in that rank's ready flag; the sums wait for both ranks' tiles. On one GPU the
+# "remote" stores stay on the device, but the protocol (slots, flags, free handshake, resets,
+# graph replays) is the one that runs over NVLink.
+@pytest.mark.parametrize("order", ["banded", "swizzled"])
+def test_gemm_all_reduce_push(tmp_path: Path, order: str) -> None:
+    results = run_workers(tmp_path, "cases", 2, cases=_some(main_cases(SEED + 30), 24), order=order,
+                          backend="push", shared=True)
+    records = results[0]["records"]
+    assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in records), records
+    assert results[1]["records"] == records
+
+
+def test_gemm_all_reduce_push_graph(tmp_path: Path) -> None:
+    results = run_workers(tmp_path, "cuda_graph", 2, m=1000, n=4096, k=1024, replays=30, seed=SEED + 31,
+                          sequential_graph=False, backend="push", shared=True)
+    assert all(r["replays"] == 30 for r in results)
+
+
+def test_gemm_all_reduce_rmsnorm_push(tmp_path: Path) -> None:
+    results = run_workers(tmp_path, "rmsnorm_cases", 2, cases=_some(norm_cases(SEED + 32), 10), replays=20,
+                          backend="push", shared=True)
+    assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in results[0]["records"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_push_refused(tmp_path: Path, world: int) -> None:
+    results = run_workers(tmp_path, "push_refused", world, seed=SEED + 33, shared=True)
+    assert all("push" in r["seen"]["reduce_scatter"] for r in results)
+    if world == 3:
+        assert all("exactly 2 ranks" in r["seen"]["world"] for r in results)
+
+
 def test_without_nccl(tmp_path: Path) -> None:
     (result, _) = run_workers(tmp_path, "without_nccl", 2, seed=SEED + 4, shared=True)
     assert "without NCCL" in result["refused"]
