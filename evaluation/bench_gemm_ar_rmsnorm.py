@@ -20,8 +20,11 @@ norm_weight, fp32 statistics, eps = 1e-6, vLLM's fused_add_rms_norm after a row-
   fo_peer  the same as fo with backend="peer" (each rank's GEMM stores its partial in its peer
            buffer; one kernel per group reads every rank's rows over NVLink, sums, adds the
            residual and normalizes, on the SMs the GEMM leaves free)
+  fo_push  the same as fo with backend="push" (each GEMM's epilogue stores every tile into the other
+           rank's slot too; each group is summed, added and normalized on the SMs the GEMM leaves
+           free once both ranks' tiles are in; 2 Hopper ranks only, NaN elsewhere)
 
-Before timing, both outputs of seq, fo, forced, fo_nccl and fo_peer are checked against the fp32
+Before timing, both outputs of seq, fo, forced, fo_nccl, fo_peer and fo_push are checked against the fp32
 composition (the fp32 product all-reduced in fp32, plus the residual, normalized in fp32): the
 relative error is the Frobenius norm of the difference over that of the reference, maximum over
 ranks. The schedule and group count are those of flashoverlap.plan_of(x, w, fused_norm=True),
@@ -49,9 +52,9 @@ from flashoverlap.cli import _shape
 SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 4096), (8192, 14336), (8192, 1024),
                                                                     (8192, 3584))]
 EPS = 1e-6
-VARIANTS = ("cublas", "nccl", "norm", "seq", "seq_fused", "fo", "forced", "fo_nccl", "fo_peer")
-CHECKED = ("seq", "seq_fused", "fo", "forced", "fo_nccl", "fo_peer")
-SPEEDUPS = ("fo", "forced", "fo_nccl", "fo_peer")
+VARIANTS = ("cublas", "nccl", "norm", "seq", "seq_fused", "fo", "forced", "fo_nccl", "fo_peer", "fo_push")
+CHECKED = ("seq", "seq_fused", "fo", "forced", "fo_nccl", "fo_peer", "fo_push")
+SPEEDUPS = ("fo", "forced", "fo_nccl", "fo_peer", "fo_push")
 
 
 def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup: int) -> tuple[dict, dict]:
@@ -126,6 +129,10 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
         return flashoverlap.gemm_all_reduce_rmsnorm(xs[i % sets], ws[i % sets], residuals[i % sets], norm_weight, EPS,
                                                     backend="peer")
 
+    def fo_push(i):
+        return flashoverlap.gemm_all_reduce_rmsnorm(xs[i % sets], ws[i % sets], residuals[i % sets], norm_weight, EPS,
+                                                    backend="push")
+
     # Correctness of the exact calls being timed, against the fp32 composition.
     res_ref = xs[0].float() @ ws[0].float().t()
     dist.all_reduce(res_ref)
@@ -134,7 +141,13 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     errors = {}
     fns = {"cublas": cublas, "nccl": nccl, "norm": norm, "seq": seq, "seq_fused": seq_fused, "fo": fo,
            "forced": forced, "fo_nccl": fo_nccl, "fo_peer": fo_peer}
+    # The same on every rank (the error keys must agree: _max_over_ranks is collective).
+    if dist.get_world_size() == 2 and torch.cuda.get_device_capability()[0] == 9:
+        fns["fo_push"] = fo_push
     for name in CHECKED:
+        if name not in fns:
+            errors[f"err_out_{name}"] = errors[f"err_res_{name}"] = math.nan
+            continue
         out, res = fns[name](0)
         errors[f"err_out_{name}"] = float((out.float() - out_ref).norm() / out_ref.norm())
         errors[f"err_res_{name}"] = float((res.float() - res_ref).norm() / res_ref.norm())
@@ -200,12 +213,12 @@ def main() -> int:
              "# times in us (median, max over ranks); x = seq time / that variant's time; "
              "err = relative error vs fp32 of out (o) and residual_out (r)",
              f"{'M x N x K':>18} " + " ".join(f"{v:>10}" for v in VARIANTS) +
-             f" {'sched':>10} {'groups':>6} {'fo x':>7} {'forced x':>8} {'nccl x':>7} {'peer x':>7}" +
+             f" {'sched':>10} {'groups':>6} {'fo x':>7} {'forced x':>8} {'nccl x':>7} {'peer x':>7} {'push x':>7}" +
              "".join(f" {f'{v} {o}':>10}" for v in SPEEDUPS for o in ("o", "r"))]
     for r in rows:
         lines.append(f"{r['m']:>6}x{r['n']}x{r['k']:<5} " + " ".join(f"{r[v + '_us']:10.1f}" for v in VARIANTS) +
                      f" {r['schedule']:>10} {r['groups']:>6} {r['fo_vs_seq']:6.3f}x {r['forced_vs_seq']:7.3f}x "
-                     f"{r['fo_nccl_vs_seq']:6.3f}x {r['fo_peer_vs_seq']:6.3f}x" +
+                     f"{r['fo_nccl_vs_seq']:6.3f}x {r['fo_peer_vs_seq']:6.3f}x {r['fo_push_vs_seq']:6.3f}x" +
                      "".join(f" {r[f'err_{o}_{v}']:10.1e}" for v in SPEEDUPS for o in ("out", "res")))
     for key, what in (("fo_vs_seq", "fo over sequential cuBLAS + NCCL + torch add-RMSNorm"),
                       ("fo_vs_seq_fused", "fo over sequential cuBLAS + NCCL + one-kernel add-RMSNorm"),
@@ -213,7 +226,9 @@ def main() -> int:
                       ("fo_nccl_vs_seq", "fo with backend='nccl' over sequential"),
                       ("fo_nccl_vs_seq_fused", "fo with backend='nccl' over sequential with the one-kernel norm"),
                       ("fo_peer_vs_seq", "fo with backend='peer' over sequential"),
-                      ("fo_peer_vs_seq_fused", "fo with backend='peer' over sequential with the one-kernel norm")):
+                      ("fo_peer_vs_seq_fused", "fo with backend='peer' over sequential with the one-kernel norm"),
+                      ("fo_push_vs_seq", "fo with backend='push' over sequential"),
+                      ("fo_push_vs_seq_fused", "fo with backend='push' over sequential with the one-kernel norm")):
         g, lo = geo(rows, key)
         lines.append(f"{what}: geometric mean {g:.3f}x, min {lo:.3f}x")
     for base in ("seq", "seq_fused"):
