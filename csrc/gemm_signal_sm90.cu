@@ -28,13 +28,15 @@
 // buffer tma_c maps (columns as usual), so the tile grid and the output
 // layout can differ from the row-major output's.
 //
-// Pushed stores (`push_flags` non-null, the "push" backend): every box also
-// goes to tma_peer, a map of the peer's staging slot with tma_c's geometry,
-// so each tile crosses NVLink while the GEMM goes on; once a tile's stores
-// are complete the peer's ready flag of the tile's group (word
-// push_flags[group * PEER_FLAG_STRIDE]) gets a system-scope release add,
-// which the peer's reduction waits for. With push_flags null, tma_peer is
-// never touched.
+// Pushed stores (`push_flags` non-null, the "push" backend): tma_peer maps
+// the peer's staging slot, so the tile crosses NVLink while the GEMM goes
+// on. Without a row table (AllReduce) every box goes to both maps, at the
+// same coordinates; with one (ReduceScatter) a negative store row -r - 1
+// sends the tile to row r of the peer's slot instead of the local buffer
+// (the tiles of the peer's shard). Once a pushed tile's stores are complete
+// the peer's ready flag of its group (word push_flags[group *
+// PEER_FLAG_STRIDE]) gets a system-scope release add, which the peer's
+// reduction waits for. With push_flags null, tma_peer is never touched.
 //
 // Compile-time constants: FO_BF16 (1: bf16, 0: fp16), FO_BN (128 or 256: the
 // tile's N; BM is 128, 64 rows per consumer warpgroup), FO_STAGES.
@@ -141,14 +143,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       const int lane = threadIdx.x % 32;
       for (int pos = blockIdx.x; pos < num_tiles; pos += gridDim.x) {
         const int tile = tile_order ? tile_order[pos] : pos;
-        const int m0 = staged ? pos * BM : row_table ? row_table[2 * pos + 1] : (tile / tiles_n) * BM;
+        const int stored = staged ? pos * BM : row_table ? row_table[2 * pos + 1] : (tile / tiles_n) * BM;
+        const bool pushed = push_flags != nullptr && (row_table == nullptr || stored < 0);
+        const bool local = stored >= 0;
+        const int m0 = local ? stored : -stored - 1;
         const int n0 = staged ? 0 : (tile % tiles_n) * BN;
         for (int ch = 0; ch < CHUNKS; ++ch) {
           fo::named_barrier(BAR_EPI_FULL, EPI_THREADS);
           if (lane == 0) {
-            for (int box = 0; box < EPI_BOXES; ++box)
-              fo::tma_store_2d(&tma_c, epi + box * BOX_BYTES, n0 + ch * EPI_COLS + box * 64, m0);
-            if (push_flags != nullptr)
+            if (local)
+              for (int box = 0; box < EPI_BOXES; ++box)
+                fo::tma_store_2d(&tma_c, epi + box * BOX_BYTES, n0 + ch * EPI_COLS + box * 64, m0);
+            if (pushed)
               for (int box = 0; box < EPI_BOXES; ++box)
                 fo::tma_store_2d(&tma_peer, epi + box * BOX_BYTES, n0 + ch * EPI_COLS + box * 64, m0);
             fo::bulk_commit();
@@ -165,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             fo::bulk_wait_all();
             fo::fence_async_global();
             fo::signal_add(counters + tile_group[pos], 1u);
-            if (push_flags != nullptr) fo::signal_add_sys(push_flags + tile_group[pos] * PEER_FLAG_STRIDE, 1u);
+            if (pushed) fo::signal_add_sys(push_flags + tile_group[pos] * PEER_FLAG_STRIDE, 1u);
           }
         }
       }

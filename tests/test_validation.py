@@ -471,10 +471,7 @@ def test_peer_backend_passes_the_fused_norms_checks(no_distributed, call) -> Non
 
 
 PUSH_REFUSERS = {
-    "gemm_reduce_scatter": lambda x, w: flashoverlap.gemm_reduce_scatter(x, w, backend="push"),
     "gemm_all_to_all": lambda x, w: flashoverlap.gemm_all_to_all(x, w, [16], [16], backend="push"),
-    "backend_of_reduce_scatter": lambda x, w: flashoverlap.backend_of(x, w, op="gemm_reduce_scatter",
-                                                                     backend="push"),
 }
 
 
@@ -491,7 +488,10 @@ def test_push_backend_is_the_all_reduce_ops_alone(no_distributed, op) -> None:
     lambda x, w: plan_of(x, w, backend="push"),
     lambda x, w: flashoverlap.backend_of(x, w, backend="push"),
     lambda x, w: flashoverlap.gemm_all_reduce_rmsnorm(x, w, *_norm_args(x, w), backend="push"),
-], ids=["gemm_all_reduce", "plan_of", "backend_of", "gemm_all_reduce_rmsnorm"])
+    lambda x, w: flashoverlap.gemm_reduce_scatter(x, w, backend="push"),
+    lambda x, w: flashoverlap.backend_of(x, w, op="gemm_reduce_scatter", backend="push"),
+], ids=["gemm_all_reduce", "plan_of", "backend_of", "gemm_all_reduce_rmsnorm", "gemm_reduce_scatter",
+        "backend_of_reduce_scatter"])
 def test_push_backend_passes_the_all_reduce_ops_checks(no_distributed, call) -> None:
     x, w = operands()
     with pytest.raises((ValueError, RuntimeError)) as info:

@@ -25,8 +25,8 @@ def force_sequential() -> bool:
 
 
 BACKENDS = ("auto", "nccl", "copy_engine")
-# What gemm_all_reduce and gemm_all_reduce_rmsnorm take beyond BACKENDS (by argument only: the
-# other ops have no such path, so FLASHOVERLAP_BACKEND cannot name it).
+# What the GEMM + AllReduce / ReduceScatter ops take beyond BACKENDS (by argument only: the
+# All-to-All has no such path, so FLASHOVERLAP_BACKEND cannot name it).
 AR_BACKENDS = (*BACKENDS, "push")
 
 

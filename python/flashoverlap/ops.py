@@ -301,7 +301,7 @@ def _gemm_reduce_scatter_impl(x: torch.Tensor, weight: torch.Tensor, group_name:
         options = _rs_options(mode, bands_per_group, kernel, backend)
     plan = _core.communicator_rs_plan(comm.name, m, n, k, dtype, stream, options)
     if plan["schedule"] == "overlap":
-        if backend == "copy_engine":
+        if backend in ("copy_engine", "push"):
             # Each peer's slot holds what it sends of every output row (every rank plans alike,
             # so all grow their slots together).
             comm.ensure_peer_buffers(plan["out_rows"] * n * x.element_size())
@@ -497,7 +497,8 @@ def _check_backend(backend: Optional[str], norm: bool = False, push: bool = Fals
     allowed = (*(_env.AR_BACKENDS if push or norm else _env.BACKENDS), *(("peer",) if norm else ()))
     if backend is not None and backend not in allowed:
         hint = {"peer": " ('peer' runs gemm_all_reduce_rmsnorm only)",
-                "push": " ('push' runs gemm_all_reduce and gemm_all_reduce_rmsnorm only)"}.get(backend, "")
+                "push": " ('push' runs gemm_all_reduce, gemm_reduce_scatter and gemm_all_reduce_rmsnorm only)"
+                }.get(backend, "")
         raise ValueError(f"backend: expected one of {allowed} or None, got {backend!r}{hint}")
 
 
@@ -682,8 +683,12 @@ def gemm_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: GroupLike 
     group, communicator, mode, bands_per_group (local row bands of every shard per group), kernel,
     backend: as for :func:`gemm_all_reduce`. With the copy engines each group's chunks go straight
     into their owners' staging slots and each rank sums its own on the SMs the GEMM leaves free;
-    with NCCL, one ncclReduceScatter per group (24 SMs left free for it)."""
+    with "push" (2 Hopper ranks) the GEMM stores the tiles of the other rank's shard straight into
+    its slot (over NVLink, as it computes them) and the same sums follow; with NCCL, one
+    ncclReduceScatter per group (24 SMs left free for it)."""
     comm = _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
+    if backend == "push":
+        _check_push(comm)
     return torch.ops.flashoverlap.gemm_reduce_scatter(x, weight, comm.name, mode, bands_per_group, kernel, backend)
 
 
@@ -704,7 +709,7 @@ def reduce_scatter_plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLi
 
 
 def _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend):
-    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
+    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, push=True)
     _rs_shape(x, weight, comm.world_size)
     return comm
 

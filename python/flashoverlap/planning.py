@@ -79,8 +79,8 @@ def plan_gemm_reduce_scatter(m: int, n: int, k: int, world_size: int, *, dtype: 
     node). Needs no GPU."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
-    if backend not in _env.BACKENDS:
-        raise ValueError(f"backend: expected one of {_env.BACKENDS}, got {backend!r}")
+    if backend not in _env.AR_BACKENDS:
+        raise ValueError(f"backend: expected one of {_env.AR_BACKENDS}, got {backend!r}")
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
     _env.ce_all_reduce()  # the core reads it for the copy engines' AllReduce model
     max_groups = _env.max_groups() if max_groups is None else max_groups

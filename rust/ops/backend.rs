@@ -19,12 +19,13 @@ pub enum Backend {
     /// loads), adds the residual, normalizes and stores the rows into every
     /// rank (csrc/allreduce_rmsnorm.cu, pull mode); one node only.
     Peer,
-    /// gemm_all_reduce and gemm_all_reduce_rmsnorm on 2 ranks of one node
-    /// with the sm_90 GEMM: its epilogue stores every tile into the peer's
-    /// staging slot too (TMA over NVLink, while the GEMM goes on) and counts
-    /// it in the peer's ready flag of its group; each group is then summed
-    /// by the copy-engine backend's reduction on the reserved SMs. No copy
-    /// engine, no per-group copy: only the sums run after the GEMM's tiles.
+    /// gemm_all_reduce, gemm_reduce_scatter and gemm_all_reduce_rmsnorm on 2
+    /// ranks of one node with the sm_90 GEMM: its epilogue stores tiles into
+    /// the peer's staging slot (TMA over NVLink, while the GEMM goes on):
+    /// every tile for an AllReduce (and locally too), those of the peer's
+    /// shard for a ReduceScatter (instead); each counts in the peer's ready
+    /// flag of its group, and each group is summed by the copy-engine
+    /// backend's reduction on the reserved SMs. No copy engine, no copy.
     Push,
 }
 
@@ -52,7 +53,8 @@ impl Backend {
     pub fn unsupported(self, op: &str) -> Error {
         match self {
             Backend::Push => Error::Invalid(format!(
-                "backend: 'push' runs gemm_all_reduce and gemm_all_reduce_rmsnorm only, not {op}; \
+                "backend: 'push' runs gemm_all_reduce, gemm_reduce_scatter and gemm_all_reduce_rmsnorm \
+                 only, not {op}; \
                  use 'nccl', 'copy_engine' or 'auto'"
             )),
             _ => Self::peer_unsupported(op),

@@ -483,7 +483,8 @@ pub fn enqueue(
 }
 
 /// The push backend's version of [`enqueue`] (2 ranks, every group a
-/// [`Group::Sum`] of the whole group): no copy, no copy stream. The GEMM
+/// [`Group::Sum`]: an AllReduce's whole group, or a ReduceScatter's chunks):
+/// no copy, no copy stream. The GEMM
 /// (`launch_gemm(push, push_flags)`, given where to store its second copy
 /// of each tile and the peer's ready flags to count them in) writes every
 /// tile into the peer's slot itself, so the caller's stream first waits for
@@ -518,13 +519,9 @@ pub fn enqueue_pushed(
             )))
         }
     };
-    if call
-        .groups
-        .iter()
-        .any(|g| !matches!(g, Group::Sum(e) if e.src_stride == 0))
-    {
+    if call.groups.iter().any(|g| !matches!(g, Group::Sum(_))) {
         return Err(Error::Invalid(
-            "internal: the push backend sums whole groups (an AllReduce on 2 ranks)".into(),
+            "internal: the push backend only sums (AllReduce, ReduceScatter)".into(),
         ));
     }
     let reduces = comm.reduce_stream.0;
@@ -544,7 +541,7 @@ pub fn enqueue_pushed(
         stream::wait_geq(reduces, counter, e.tiles)?;
         stream::write(reduces, counter, 0)?;
         let ready = layout.ready_flag(peer.bases[me], g, other);
-        stream::wait_geq(reduces, ready, e.tiles)?;
+        stream::wait_geq(reduces, ready, pushed_tiles(e, layout.world))?;
         stream::write(reduces, ready, 0)?;
         reduce(reducer, peer, e, call.reduce_ctas, reduces)?;
         after(g, reduces)?;
@@ -552,6 +549,18 @@ pub fn enqueue_pushed(
     // Every pushed tile of this call is summed: the peer may push again.
     stream::write(reduces, layout.free_flag(peer.bases[other], me), 1)?;
     comm.reduce_join.order(reduces, caller)
+}
+
+/// The tiles of group `e` the peer pushes to this rank: all of an
+/// AllReduce's (stride 0: every rank gets the whole group), a
+/// ReduceScatter's of this rank's shard (1 / world of them, every shard
+/// having as many tiles in the group).
+pub fn pushed_tiles(e: &Exchange, world: usize) -> u32 {
+    if e.src_stride == 0 {
+        e.tiles
+    } else {
+        e.tiles / world as u32
+    }
 }
 
 /// A plain collective on the copy engines (no GEMM).

@@ -81,6 +81,9 @@ pub struct Signals {
     /// its tiles once they are there. 0: no push (sm_90 kernel only).
     pub push: u64,
     pub push_flags: u64,
+    /// With a row table: rows of the peer's slot (the tiles whose store row
+    /// r is negative go to its row -r - 1 and not to `store`); 0 otherwise.
+    pub push_rows: u32,
 }
 
 /// Words between two groups' ready flags in a peer buffer, as the sm_90
@@ -171,7 +174,10 @@ pub fn launch(
     };
     let mut count = tiles as i32;
     let grid = ctas.min(tiles).max(1);
-    if (signals.push != 0) != (signals.push_flags != 0) || (signals.push != 0 && signals.counters == 0) {
+    if (signals.push != 0) != (signals.push_flags != 0)
+        || (signals.push != 0 && signals.counters == 0)
+        || (signals.push != 0 && signals.row_table != 0 && signals.push_rows == 0)
+    {
         return Err(Error::Invalid(
             "internal: a pushed launch needs its slot, its flags and the group counters".into(),
         ));
@@ -217,7 +223,11 @@ pub fn launch(
             };
             let mut out = store_map(c)?;
             // Without a push the kernel never reads the peer map: any valid one does.
-            let mut peer = store_map(if signals.push != 0 { signals.push } else { c })?;
+            let mut peer = match (signals.push, signals.row_table) {
+                (0, _) => store_map(c)?,
+                (push, 0) => store_map(push)?,
+                (push, _) => tensor_map::row_major_2d(push, signals.push_rows, args.n, bm, 64, args.dtype)?,
+            };
             let mut push_flags = signals.push_flags;
             let mut params: Vec<*mut c_void> = vec![
                 (&mut a as *mut _ as *mut c_void),

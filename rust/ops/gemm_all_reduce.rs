@@ -185,7 +185,7 @@ fn hardware_for(
             ),
             Backend::Peer => (CollectiveModel::analytic(12.0, peer_gbps(reserved)), 0.0),
             Backend::Push => (
-                CollectiveModel::analytic(PUSH_GROUP_LATENCY_US, push_gbps(reserved)),
+                CollectiveModel::analytic(PUSH_GROUP_LATENCY_US, push_gbps(kind, reserved)),
                 PUSH_FIXED_US,
             ),
         };
@@ -287,15 +287,20 @@ fn peer_gbps(reserved: u32) -> f64 {
 const PUSH_GROUP_LATENCY_US: f64 = 6.0;
 const PUSH_FIXED_US: f64 = 10.0;
 
-/// The push backend's rate on H200 in GB/s of AllReduce bus traffic (on 2
-/// ranks: the group's bytes): its bytes cross NVLink inside the GEMM, so
-/// what follows a group is the sum of both ranks' tiles on the reserved SMs,
-/// the one-exchange AllReduce's sum rate (see [`copy_engine_gbps`]), capped
-/// by what the links gave NCCL (~360 GB/s), since the last pushes trail the
+/// The push backend's rate on H200 in GB/s of bus traffic (on 2 ranks: an
+/// AllReduce's group bytes, half a ReduceScatter's): its bytes cross NVLink
+/// inside the GEMM, so what follows a group is the sum on the reserved SMs,
+/// at the copy-engine sums' fitted rates (see [`copy_engine_gbps`]: an
+/// AllReduce sums the whole group, a ReduceScatter its own chunk), capped by
+/// what the links gave NCCL (~360 GB/s), since the last pushes trail the
 /// GEMM's last tiles.
-fn push_gbps(reserved: u32) -> f64 {
+fn push_gbps(kind: CollectiveKind, reserved: u32) -> f64 {
     let ctas = f64::from(reserved.clamp(1, copy_engine::MAX_REDUCE_CTAS));
-    (ctas * 80.0 / 3.0 * 2.0).min(360.0)
+    let sums = match kind {
+        CollectiveKind::ReduceScatter => ctas * 70.0 / 3.0,
+        _ => ctas * 80.0 / 3.0 * 2.0,
+    };
+    sums.min(360.0)
 }
 
 /// Where a call is planned: the device, the backend and SMs left to it.
@@ -491,18 +496,7 @@ pub fn plan_for(
         return Err(Backend::peer_unsupported("gemm_all_reduce"));
     }
     if opts.backend == Backend::Push {
-        if world != 2 {
-            return Err(Error::Invalid(format!(
-                "backend: 'push' runs on exactly 2 ranks (each GEMM stores its tiles into the other's \
-                 memory); this group has {world}: use 'copy_engine', 'nccl' or 'auto'"
-            )));
-        }
-        if major != 9 || matches!(opts.kernel, Some(GemmKernel::Sm80)) {
-            return Err(Error::Invalid(
-                "backend: 'push' stores from the sm_90 GEMM's epilogue (Hopper only, kernel None or sm90)"
-                    .into(),
-            ));
-        }
+        check_push(world, major, opts.kernel)?;
     }
     fastest_reservation(
         opts.reserved_sms,
@@ -530,6 +524,23 @@ pub fn plan_for(
         },
         |p: &GemmAllReducePlan| p.timeline.overlap_us,
     )
+}
+
+/// What the push backend needs of a call: 2 ranks (each GEMM stores its
+/// tiles into the other's memory) and the sm_90 GEMM (its epilogue pushes).
+pub(crate) fn check_push(world: u32, major: i32, kernel: Option<GemmKernel>) -> Result<()> {
+    if world != 2 {
+        return Err(Error::Invalid(format!(
+            "backend: 'push' runs on exactly 2 ranks (each GEMM stores its tiles into the other's \
+             memory); this group has {world}: use 'copy_engine', 'nccl' or 'auto'"
+        )));
+    }
+    if major != 9 || matches!(kernel, Some(GemmKernel::Sm80)) {
+        return Err(Error::Invalid(
+            "backend: 'push' stores from the sm_90 GEMM's epilogue (Hopper only, kernel None or sm90)".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The predicted time of the call [`plan_for`] plans (for "auto" backend choice).

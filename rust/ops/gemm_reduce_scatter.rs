@@ -6,7 +6,10 @@
 //!
 //! With the copy-engine backend each group's chunk p goes to rank p's
 //! staging slot by copy engine and the chunks are summed into the output
-//! rows on the SMs the GEMM leaves free (ops/copy_engine.rs).
+//! rows on the SMs the GEMM leaves free (ops/copy_engine.rs). With the push
+//! backend (2 ranks, sm_90) the GEMM stores the tiles of the peer's shard
+//! straight into the peer's slot (over NVLink, as it computes them) instead
+//! of the send buffer, and the same sums follow.
 //!
 //! The plan (plan/reduce_scatter.rs) tiles each rank's shard separately and
 //! gives every position the row of x it reads and the row of the send
@@ -18,7 +21,7 @@
 use super::copy_engine::{self, Exchange};
 use super::gemm::{self, CounterSlots, GemmArgs, Signals};
 use super::gemm_all_reduce::{
-    fastest_kernel, fastest_reservation, kernel_candidates, Backend, Machine,
+    check_push, fastest_kernel, fastest_reservation, kernel_candidates, Backend, Machine,
 };
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
@@ -56,8 +59,11 @@ pub fn plan_for(
     sms: u32,
     major: i32,
 ) -> Result<(GemmKernel, ReduceScatterPlan)> {
-    if matches!(opts.backend, Backend::Peer | Backend::Push) {
-        return Err(opts.backend.unsupported("gemm_reduce_scatter"));
+    if opts.backend == Backend::Peer {
+        return Err(Backend::peer_unsupported("gemm_reduce_scatter"));
+    }
+    if opts.backend == Backend::Push {
+        check_push(world, major, opts.kernel)?;
     }
     fastest_reservation(
         opts.reserved_sms,
@@ -157,7 +163,7 @@ fn prepare(
                 plan.send_rows()
             )));
         }
-        if opts.backend == Backend::CopyEngine && plan.schedule == Schedule::Overlap {
+        if matches!(opts.backend, Backend::CopyEngine | Backend::Push) && plan.schedule == Schedule::Overlap {
             // Offsets only (no buffers yet).
             copy_engine::check_groups(&copy_engine::sums(exchanges(&plan, args, 0, 0)))?;
             comm.ensure_group_events(plan.groups.len())?;
@@ -166,7 +172,14 @@ fn prepare(
             kernel,
             tile_order: DeviceBuffer::from_u32(&plan.tile_order)?,
             tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
-            row_table: DeviceBuffer::from_u32(&gemm::row_table(&plan.load_rows, &plan.store_rows))?,
+            row_table: DeviceBuffer::from_u32(&gemm::row_table(
+                &plan.load_rows,
+                &if opts.backend == Backend::Push {
+                    pushed_store_rows(&plan, comm.rank as u32)
+                } else {
+                    plan.store_rows.clone()
+                },
+            ))?,
             counters: CounterSlots::new(plan.groups.len())?,
             plan,
         })
@@ -222,9 +235,9 @@ pub fn gemm_reduce_scatter(
     };
     let launch = || gemm::launch(&kernel, args, &signals, plan.ctas, caller);
     match opts.backend {
-        Backend::Peer | Backend::Push => return Err(opts.backend.unsupported("gemm_reduce_scatter")),
+        Backend::Peer => return Err(Backend::peer_unsupported("gemm_reduce_scatter")),
         Backend::Nccl => enqueue_nccl(comm, plan, args, send, &signals, caller, launch)?,
-        Backend::CopyEngine => {
+        Backend::CopyEngine | Backend::Push => {
             let groups = copy_engine::sums(exchanges(plan, args, send, args.out));
             let peer = copy_engine::peer_buffers(comm, &groups)?;
             let reducer = copy_engine::load_reducer(comm, args.dtype, peer.layout.world)?;
@@ -235,10 +248,51 @@ pub fn gemm_reduce_scatter(
                 groups: &groups,
                 reduce_ctas: plan.request.reserved_sms.min(copy_engine::MAX_REDUCE_CTAS),
             };
-            copy_engine::enqueue(comm, &call, caller, launch, |_, _| Ok(()))?;
+            if opts.backend == Backend::Push {
+                let rows = plan.out_rows() as u32;
+                copy_engine::enqueue_pushed(
+                    comm,
+                    &call,
+                    caller,
+                    |push, push_flags| {
+                        let signals = Signals {
+                            push,
+                            push_flags,
+                            push_rows: rows,
+                            ..signals
+                        };
+                        gemm::launch(&kernel, args, &signals, plan.ctas, caller)
+                    },
+                    |_, _| Ok(()),
+                )?;
+            } else {
+                copy_engine::enqueue(comm, &call, caller, launch, |_, _| Ok(()))?;
+            }
         }
     }
     Ok(Schedule::Overlap)
+}
+
+/// The store rows of a pushed call on `rank`: the tiles of this rank's
+/// shard go to the send buffer as planned; those of another shard go to
+/// row -r - 1 (the kernel's "push" marking) for r their row in that shard's
+/// owner's slot, which is laid out like the output: band j at rows j * bm.
+pub fn pushed_store_rows(plan: &ReduceScatterPlan, rank: u32) -> Vec<u32> {
+    let (bands, tiles_n, bm) = (plan.bands, plan.tiles_n, plan.request.tile.bm);
+    plan.tile_order
+        .iter()
+        .zip(&plan.store_rows)
+        .map(|(&tile, &row)| {
+            let band = tile / tiles_n;
+            let (shard, j) = (band / bands, band % bands);
+            if shard == rank {
+                row
+            } else {
+                // Two's complement: the kernel reads the table as i32.
+                (-((j * bm) as i64) - 1) as i32 as u32
+            }
+        })
+        .collect()
 }
 
 /// Each group's ReduceScatter as a copy-engine exchange: rank p's part is
@@ -361,5 +415,60 @@ mod tests {
             plan_for(&args, 2, &opts(None), SMS, 8).unwrap().0,
             GemmKernel::Sm80
         );
+    }
+
+    #[test]
+    fn pushed_tiles_go_to_their_shards_owner() {
+        // A partial last band (M / world = 1000 rows: 8 bands of 128) and several groups.
+        let args = GemmArgs {
+            x: 0,
+            weight: 0,
+            out: 0,
+            m: 2000,
+            n: 1024,
+            k: 512,
+            dtype: Dtype::Bf16,
+        };
+        let push = Options {
+            backend: Backend::Push,
+            bands_per_group: Some(3),
+            ..opts(None)
+        };
+        let (_, plan) = plan_for(&args, 2, &push, SMS, 9).unwrap();
+        assert!(plan.groups.len() > 1);
+        let bm = plan.request.tile.bm;
+        for rank in 0..2u32 {
+            let rows = pushed_store_rows(&plan, rank);
+            let mut slot_tiles = std::collections::HashMap::new();
+            for (p, &row) in rows.iter().enumerate() {
+                let band = plan.tile_order[p] / plan.tiles_n;
+                let (shard, j) = (band / plan.bands, band % plan.bands);
+                let row = row as i32;
+                if shard == rank {
+                    assert_eq!(row as u32, plan.store_rows[p], "own tiles stay where planned");
+                } else {
+                    // The peer's slot is laid out like its output: band j at rows j * bm.
+                    assert!(row < 0);
+                    assert_eq!((-row - 1) as u32, j * bm);
+                    *slot_tiles.entry(j).or_insert(0) += 1;
+                }
+            }
+            // Every band of the peer's shard, once per column of tiles.
+            assert_eq!(slot_tiles.len() as u32, plan.bands);
+            assert!(slot_tiles.values().all(|&c| c == plan.tiles_n));
+            // Each group pushes half its tiles, as the peer's wait expects.
+            for (g, group) in plan.groups.iter().enumerate() {
+                let pushed = group.positions.clone().filter(|&p| (rows[p as usize] as i32) < 0).count();
+                assert_eq!(pushed as u32, group.tiles / 2, "group {g}");
+            }
+        }
+        // Only 2 ranks, only Hopper, only the sm_90 kernel.
+        assert!(plan_for(&args, 4, &push, SMS, 9).is_err());
+        assert!(plan_for(&args, 2, &push, SMS, 8).is_err());
+        let sm80 = Options {
+            kernel: Some(GemmKernel::Sm80),
+            ..push
+        };
+        assert!(plan_for(&args, 2, &sm80, SMS, 9).is_err());
     }
 }

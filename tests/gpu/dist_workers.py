@@ -939,8 +939,8 @@ def tune_copy_engine(rank: int, world: int, seed: int) -> dict:
 
 
 def push_refused(rank: int, world: int, seed: int) -> dict:
-    """backend="push" where it cannot run (3 ranks; ops other than the GEMM + AllReduce ones): a
-    clear ValueError before anything runs, and the ops still right afterwards."""
+    """backend="push" where it cannot run (3 ranks; the All-to-All): a clear ValueError before
+    anything runs, and the ops still right afterwards."""
     import torch
 
     import flashoverlap
@@ -953,10 +953,12 @@ def push_refused(rank: int, world: int, seed: int) -> dict:
     if world != 2:
         seen["world"] = expect_error(ValueError, "backend",
                                      lambda: flashoverlap.gemm_all_reduce(x, w, backend="push"), "exactly 2 ranks")
+        seen["world_rs"] = expect_error(ValueError, "backend", lambda: flashoverlap.gemm_reduce_scatter(
+            x[:600 - 600 % world], w, backend="push"), "exactly 2 ranks")
         result = run_case(rank, world, good, backend="copy_engine")
         assert result["error"] is None, f"after a refused push: {result['error']}"
-    seen["reduce_scatter"] = expect_error(ValueError, "backend",
-                                          lambda: flashoverlap.gemm_reduce_scatter(x, w, backend="push"), "push")
+    seen["all_to_all"] = expect_error(ValueError, "backend", lambda: flashoverlap.gemm_all_to_all(
+        x, w, [600 // world] * world, [600 // world] * world, backend="push"), "push")
     if world == 2:
         result = run_case(rank, world, good, backend="push")
         assert result["error"] is None, f"after a refused push: {result['error']}"

@@ -105,9 +105,20 @@ def test_gemm_all_reduce_rmsnorm_push(tmp_path: Path) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_push_refused(tmp_path: Path, world: int) -> None:
     results = run_workers(tmp_path, "push_refused", world, seed=SEED + 33, shared=True)
-    assert all("push" in r["seen"]["reduce_scatter"] for r in results)
+    assert all("push" in r["seen"]["all_to_all"] for r in results)
     if world == 3:
-        assert all("exactly 2 ranks" in r["seen"]["world"] for r in results)
+        assert all("exactly 2 ranks" in r["seen"]["world"] and "exactly 2 ranks" in r["seen"]["world_rs"]
+                   for r in results)
+
+
+# ReduceScatter on "push": each GEMM stores the tiles of the other rank's shard into that rank's
+# slot (through the negative rows of its row table) and its own shard's into its send buffer.
+def test_gemm_reduce_scatter_push(tmp_path: Path) -> None:
+    results = run_workers(tmp_path, "rs_cases", 2, cases=_some(rs_cases(2, SEED + 34), 12), replays=20,
+                          backend="push", shared=True)
+    records = results[0]["records"]
+    assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in records), records
+    assert results[1]["records"] == records
 
 
 def test_without_nccl(tmp_path: Path) -> None:
