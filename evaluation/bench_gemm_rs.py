@@ -12,6 +12,9 @@ For each shape (x [M, K] per rank, w [N, K], out [M / world, N]):
   fo_ce       the same with backend="copy_engine" (mode auto)
   forced      flashoverlap.gemm_reduce_scatter with mode="overlap" (backend auto)
   forced_ce   the same with backend="copy_engine"
+  fo_push     the same as fo with backend="push" (each GEMM stores the tiles of the other
+              rank's shard straight into its slot; 2 Hopper ranks only, NaN elsewhere)
+  forced_push the same with mode="overlap"
   decomp      the GEMM split along M into 4 chunks (each the same sub-range of
               every rank's shard, so each chunk's ReduceScatter lands in final
               rows), each chunk's ReduceScatter on a second stream while the next
@@ -51,11 +54,12 @@ from flashoverlap.cli import _shape
 SHAPES = [(m, n, k) for m in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 4096), (8192, 14336), (8192, 1024),
                                                                     (8192, 3584))]
 CHUNKS = 4
-VARIANTS = ("cublas", "nccl", "seq", "fo", "fo_nccl", "fo_ce", "forced", "forced_ce", "decomp", "async_tp",
-            "concurrent")
+VARIANTS = ("cublas", "nccl", "seq", "fo", "fo_nccl", "fo_ce", "forced", "forced_ce", "fo_push", "forced_push",
+            "decomp", "async_tp", "concurrent")
 TOLERANCE = 1e-2
 CE_BAR = 1.25  # the bar: copy-engine gemm_reduce_scatter's geometric mean over sequential
-BACKENDS = (("nccl", "nccl"), ("ce", "copy_engine"))  # (column suffix, backend)
+BACKENDS = (("nccl", "nccl"), ("ce", "copy_engine"))  # (column suffix, backend) auto chooses from
+SCHEDULES = (*BACKENDS, ("push", "push"))  # the backends whose planned schedule each row records
 
 
 def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup: int) -> tuple[dict, dict]:
@@ -143,6 +147,10 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
            "forced_ce": op(mode="overlap", backend="copy_engine"), "decomp": decomp, "concurrent": concurrent}
     if async_tp is not None:
         fns["async_tp"] = async_tp
+    # The same on every rank (the error keys must agree: the max over ranks is collective).
+    push = world == 2 and torch.cuda.get_device_capability()[0] == 9
+    if push:
+        fns["fo_push"], fns["forced_push"] = op(backend="push"), op(mode="overlap", backend="push")
     errors = {}
     for name, f in fns.items():
         if name not in ("cublas", "nccl", "concurrent"):
@@ -152,8 +160,9 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     facts = {"schedule": plan["schedule"], "groups": len(plan["groups"]),
              "backend": flashoverlap.backend_of(xs[0], ws[0], op="gemm_reduce_scatter"), "errors": errors,
              "async_tp_error": async_tp_error}
-    for suffix, backend in BACKENDS:
-        facts[f"schedule_{suffix}"] = flashoverlap.reduce_scatter_plan_of(xs[0], ws[0], backend=backend)["schedule"]
+    for suffix, backend in SCHEDULES:
+        facts[f"schedule_{suffix}"] = (flashoverlap.reduce_scatter_plan_of(xs[0], ws[0], backend=backend)["schedule"]
+                                       if backend != "push" or push else "n/a")
     dist.barrier()
     times = bench.interleaved_times_us(fns, iters, warmup)
     return times, facts
@@ -165,11 +174,12 @@ def make_row(shape: tuple, world: int, times: dict, facts: dict) -> dict:
     m, n, k = shape
     row = {"m": m, "n": n, "k": k, "world_size": world, **{f"{v}_us": times.get(v, math.nan) for v in VARIANTS},
            "backend": facts["backend"], "schedule": facts["schedule"], "groups": facts["groups"],
-           **{f"schedule_{suffix}": facts[f"schedule_{suffix}"] for suffix, _ in BACKENDS}}
+           **{f"schedule_{suffix}": facts.get(f"schedule_{suffix}", "n/a") for suffix, _ in SCHEDULES}}
     for base in ("seq", "decomp", "async_tp"):
         row[f"fo_vs_{base}"] = row[f"{base}_us"] / row["fo_us"]
-    for v in ("fo_nccl", "fo_ce", "forced_ce", "concurrent"):
+    for v in ("fo_nccl", "fo_ce", "forced_ce", "fo_push", "forced_push", "concurrent"):
         row[f"{v}_vs_seq"] = row["seq_us"] / row[f"{v}_us"]
+    row["fo_push_vs_async_tp"] = row["async_tp_us"] / row["fo_push_us"]
     row["max_rel_error"] = max(facts["errors"].values())
     row["failed"] = " ".join(name for name, e in facts["errors"].items() if not e <= TOLERANCE)
     row["async_tp_error"] = facts["async_tp_error"] or ""
@@ -218,19 +228,25 @@ def table(rows: list, meta: dict, dtype: str) -> list[str]:
     lines = [f"# GEMM + ReduceScatter, {meta['world_size']} x {meta['gpu']}, {dtype}, {meta['date']}; "
              f"command: {meta['command']}",
              "# times in us (median, max over ranks); vs X = X time / fo time (fo: mode and backend auto); "
-             "nccl x, ce x, fce x = seq time / fo_nccl, fo_ce, forced_ce time; backend = auto's pick "
+             "nccl x, ce x, fce x, push x, fpush x = seq time / fo_nccl, fo_ce, forced_ce, fo_push, forced_push "
+             "time; backend = auto's pick "
              "(flashoverlap.backend_of); sched = fo's schedule",
              f"{'M x N x K':>18} " + " ".join(f"{v:>10}" for v in VARIANTS) +
-             f" {'backend':>11} {'sched':>10} {'vs seq':>7} {'nccl x':>7} {'ce x':>7} {'fce x':>7} {'vs dec':>7} "
+             f" {'backend':>11} {'sched':>10} {'vs seq':>7} {'nccl x':>7} {'ce x':>7} {'fce x':>7} {'push x':>7} "
+             f"{'fpush x':>7} {'vs dec':>7} "
              f"{'vs atp':>7} {'conc x':>7} {'err':>8}"]
     for r in rows:
         lines.append(f"{r['m']:>6}x{r['n']}x{r['k']:<5} " + " ".join(f"{r[v + '_us']:10.1f}" for v in VARIANTS) +
                      f" {r['backend']:>11} {r['schedule']:>10} {r['fo_vs_seq']:6.3f}x {r['fo_nccl_vs_seq']:6.3f}x "
-                     f"{r['fo_ce_vs_seq']:6.3f}x {r['forced_ce_vs_seq']:6.3f}x {r['fo_vs_decomp']:6.3f}x "
+                     f"{r['fo_ce_vs_seq']:6.3f}x {r['forced_ce_vs_seq']:6.3f}x {r['fo_push_vs_seq']:6.3f}x "
+                     f"{r['forced_push_vs_seq']:6.3f}x {r['fo_vs_decomp']:6.3f}x "
                      f"{r['fo_vs_async_tp']:6.3f}x {r['concurrent_vs_seq']:6.3f}x {r['max_rel_error']:8.1e}")
     for key, what in (("fo_vs_seq", "fo (backend auto) over sequential cuBLAS + NCCL"),
                       ("fo_nccl_vs_seq", "fo_nccl (backend nccl) over sequential cuBLAS + NCCL"),
                       ("fo_ce_vs_seq", "fo_ce (backend copy_engine) over sequential cuBLAS + NCCL"),
+                      ("fo_push_vs_seq", "fo_push (backend push) over sequential cuBLAS + NCCL"),
+                      ("forced_push_vs_seq", "forced_push (backend push, mode overlap) over sequential"),
+                      ("fo_push_vs_async_tp", "fo_push over torch Async-TP"),
                       ("fo_vs_decomp", "fo over decomposition"), ("fo_vs_async_tp", "fo over torch Async-TP"),
                       ("concurrent_vs_seq", "independent-concurrency reference over sequential")):
         g, lo = geo(rows, key)
