@@ -214,3 +214,22 @@ def test_plain_collectives(tmp_path: Path, backend: str) -> None:
 def test_plain_collectives_single_rank(tmp_path: Path, backend: str) -> None:
     (result,) = run_workers(tmp_path, "plain_collectives", 1, seed=SEED + 500, backend=backend)
     assert result["replays"] == 20
+
+
+# backend="push" over real NVLink (2 ranks exactly: each GEMM stores into the other GPU's memory);
+# the shared-GPU tests (test_copy_engine_shared.py) check the protocol on one device.
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("order", ORDERS)
+def test_push_matches_reference(tmp_path: Path, order: str) -> None:
+    results = run_workers(tmp_path, "cases", 2, cases=main_cases(SEED + 61 + ORDERS[order]), backend="push",
+                          order=order)
+    records = results[0]["records"]
+    assert sum(r["schedule"] == "overlap" and r["groups"] > 1 for r in records) >= 10, records
+    assert results[1]["records"] == records
+
+
+@pytest.mark.gpus(2)
+def test_push_cuda_graph_replays(tmp_path: Path) -> None:
+    (result, _) = run_workers(tmp_path, "cuda_graph", 2, m=1000, n=4096, k=1024, replays=100, seed=SEED + 67,
+                              backend="push", order="banded", sequential_graph=False)
+    assert result["replays"] == 100

@@ -46,3 +46,10 @@ def test_matches_reference(tmp_path: Path, backend: str, monkeypatch: pytest.Mon
     records = results[0]["records"]
     assert sum(r["schedule"] == "overlap" and r["groups"] > 1 for r in records) >= 5, records
     assert any(r["schedule"] == "sequential" for r in records)
+
+
+@pytest.mark.gpus(2)
+def test_push_matches_reference(tmp_path: Path) -> None:
+    results = run_workers(tmp_path, "rmsnorm_cases", 2, cases=norm_cases(SEED + 81), replays=50, backend="push")
+    records = results[0]["records"]
+    assert sum(r["schedule"] == "overlap" and r["groups"] > 1 for r in records) >= 5, records

@@ -45,3 +45,12 @@ def test_matches_reference(tmp_path: Path, backend: str) -> None:
     assert any(r["schedule"] == "sequential" for r in records)
     for other in results[1:]:
         assert other["records"] == records
+
+
+@pytest.mark.gpus(2)
+def test_push_matches_reference(tmp_path: Path) -> None:
+    # backend="push" (2 ranks exactly): the tiles of the other rank's shard cross NVLink from the GEMM.
+    results = run_workers(tmp_path, "rs_cases", 2, cases=rs_cases(2, SEED + 71), replays=50, backend="push")
+    records = results[0]["records"]
+    assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in records), records
+    assert results[1]["records"] == records
