@@ -55,13 +55,17 @@ def check_all(rank: int, world: int) -> list[tuple[str, str, float, int]]:
     torch.backends.cuda.matmul.allow_tf32 = False
     results = []
     for dname, dtype in DTYPES.items():
-        errors = {"gemm_all_reduce": [], "gemm_all_reduce (copy engines)": [], "gemm_reduce_scatter": [],
-                  "gemm_all_reduce_rmsnorm": [], "gemm_all_to_all": []}
+        errors = {"gemm_all_reduce": [], "gemm_all_reduce (copy engines)": [], "gemm_all_reduce (push)": [],
+                  "gemm_reduce_scatter": [], "gemm_reduce_scatter (push)": [], "gemm_all_reduce_rmsnorm": [],
+                  "gemm_all_to_all": []}
+        # The push backend: 2 Hopper ranks only (the same on every rank).
+        push = world == 2 and torch.cuda.get_device_capability()[0] == 9
         for i, (m, n, k) in enumerate(SHAPES):
             seed = 1000 * i + len(dname)
             x, w = inputs(seed, rank, m, n, k, dtype)
             ref = fp32_sum(seed, world, m, n, k, dtype)
-            for label, backend in (("gemm_all_reduce", "nccl"), ("gemm_all_reduce (copy engines)", "copy_engine")):
+            for label, backend in (("gemm_all_reduce", "nccl"), ("gemm_all_reduce (copy engines)", "copy_engine"),
+                                   *((("gemm_all_reduce (push)", "push"),) if push else ())):
                 poison((m, n), dtype)
                 errors[label].append(rel(flashoverlap.gemm_all_reduce(x, w, mode="overlap", backend=backend), ref))
             m_rs = m - m % world
@@ -71,6 +75,10 @@ def check_all(rank: int, world: int) -> list[tuple[str, str, float, int]]:
                 out = flashoverlap.gemm_reduce_scatter(x[:m_rs].contiguous(), w, mode="overlap")
                 ref_rs = fp32_sum(seed, world, m, n, k, dtype)[:m_rs][rank * shard:(rank + 1) * shard]
                 errors["gemm_reduce_scatter"].append(rel(out, ref_rs))
+                if push:
+                    poison((m_rs, n), dtype)
+                    out = flashoverlap.gemm_reduce_scatter(x[:m_rs].contiguous(), w, mode="overlap", backend="push")
+                    errors["gemm_reduce_scatter (push)"].append(rel(out, ref_rs))
             gen = torch.Generator(device="cuda").manual_seed(seed + rank)
             residual = torch.randn(m, n, device="cuda", dtype=dtype, generator=gen)
             norm_weight = torch.rand(n, device="cuda", dtype=dtype, generator=gen) + 0.5
