@@ -276,29 +276,14 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
         dist.all_reduce(out)
         return out
 
-    def overlapped(i: int):
-        return flashoverlap.gemm_all_reduce(xs[i % sets], ws[i % sets])
+    def op(**kwargs) -> Callable[[int], torch.Tensor]:
+        """flashoverlap.gemm_all_reduce on the i-th input set with these options."""
+        def run(i: int) -> torch.Tensor:
+            return flashoverlap.gemm_all_reduce(xs[i % sets], ws[i % sets], **kwargs)
+        return run
 
-    def forced(i: int):
-        return flashoverlap.gemm_all_reduce(xs[i % sets], ws[i % sets], mode="overlap")
-
-    def overlapped_nccl(i: int):
-        return flashoverlap.gemm_all_reduce(xs[i % sets], ws[i % sets], backend="nccl")
-
-    def forced_nccl(i: int):
-        return flashoverlap.gemm_all_reduce(xs[i % sets], ws[i % sets], mode="overlap", backend="nccl")
-
-    def overlapped_ce(i: int):
-        return flashoverlap.gemm_all_reduce(xs[i % sets], ws[i % sets], backend="copy_engine")
-
-    def forced_ce(i: int):
-        return flashoverlap.gemm_all_reduce(xs[i % sets], ws[i % sets], mode="overlap", backend="copy_engine")
-
-    def overlapped_push(i: int):
-        return flashoverlap.gemm_all_reduce(xs[i % sets], ws[i % sets], backend="push")
-
-    def forced_push(i: int):
-        return flashoverlap.gemm_all_reduce(xs[i % sets], ws[i % sets], mode="overlap", backend="push")
+    overlapped, forced = op(), op(mode="overlap")
+    overlapped_nccl, forced_nccl = op(backend="nccl"), op(mode="overlap", backend="nccl")
 
     # Correctness of the exact calls being timed, against fp32.
     ref = xs[0].float() @ ws[0].float().t()
@@ -306,21 +291,20 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     def error(out: torch.Tensor) -> float:
         return float((out.float() - ref).norm() / ref.norm())
 
+    def optional(backend: str, what: str) -> tuple[list, tuple]:
+        """([error of the auto call], (auto call, forced call)) on a backend these ranks may be
+        unable to run (their columns are then NaN): ([], ()) where it refuses."""
+        auto = op(backend=backend)
+        try:
+            return [error(auto(0))], (auto, op(mode="overlap", backend=backend))
+        except (ValueError, RuntimeError) as e:
+            print(f"rank {rank}: no {what} columns ({e})", flush=True)
+            return [], ()
+
     rel = error(overlapped(0))
-    # The copy engines need every rank on one node with peer access: elsewhere their columns are NaN.
-    try:
-        ce_errors = [error(overlapped_ce(0))]
-        with_ce = (overlapped_ce, forced_ce)
-    except (ValueError, RuntimeError) as e:
-        print(f"rank {rank}: no copy-engine columns ({e})", flush=True)
-        ce_errors, with_ce = [], ()
-    # Push: 2 Hopper ranks of one node only.
-    try:
-        push_errors = [error(overlapped_push(0))]
-        with_push = (overlapped_push, forced_push)
-    except (ValueError, RuntimeError) as e:
-        print(f"rank {rank}: no push columns ({e})", flush=True)
-        push_errors, with_push = [], ()
+    # The copy engines need every rank on one node with peer access; push, 2 Hopper ranks of one node.
+    ce_errors, with_ce = optional("copy_engine", "copy-engine")
+    push_errors, with_push = optional("push", "push")
     rel_forced = max([error(f(0)) for f in (forced, overlapped_nccl, forced_nccl, *with_ce[1:], *with_push[1:])]
                      + ce_errors + push_errors)
     plan = flashoverlap.plan_of(xs[0], ws[0])
@@ -333,8 +317,8 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     times = interleaved_times_us({"cublas": cublas, "ours_gemm": ours_gemm, "nccl": nccl, "seq": sequential,
                                    "fo": overlapped, "forced": forced, "fo_nccl": overlapped_nccl,
                                    "forced_nccl": forced_nccl,
-                                   **({"fo_ce": overlapped_ce, "forced_ce": forced_ce} if with_ce else {}),
-                                   **({"fo_push": overlapped_push, "forced_push": forced_push} if with_push else {}),
+                                   **dict(zip(("fo_ce", "forced_ce"), with_ce)),
+                                   **dict(zip(("fo_push", "forced_push"), with_push)),
                                    "concurrent": concurrent(False),
                                    "concurrent_nccl_first": concurrent(True)}, iters, warmup)
     from . import ops

@@ -79,7 +79,7 @@ def _resolve_backend(comm: Communicator, backend: Optional[str]) -> str:
         backend = _env.backend()
     if backend == "peer":  # gemm_all_reduce_rmsnorm's own; its caller checked it
         return backend
-    if backend == "push":  # the GEMM + AllReduce ops' own; their callers checked it
+    if backend == "push":  # the GEMM + AllReduce ops' own; checked again for callers of torch.ops directly
         _check_push(comm)
         return backend
     _check_backend(backend)

@@ -117,7 +117,12 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for b in [Backend::Nccl, Backend::CopyEngine, Backend::Peer, Backend::Push] {
+        for b in [
+            Backend::Nccl,
+            Backend::CopyEngine,
+            Backend::Peer,
+            Backend::Push,
+        ] {
             assert_eq!(Backend::parse(b.name()), Some(b));
         }
         assert_eq!(Backend::parse("auto"), None);

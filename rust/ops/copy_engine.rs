@@ -536,7 +536,9 @@ pub fn enqueue_pushed(
     let slot = layout.slot(peer.bases[other], other, me);
     launch_gemm(slot, layout.ready_flag(peer.bases[other], 0, me))?;
     for (g, group) in call.groups.iter().enumerate() {
-        let Group::Sum(e) = group else { unreachable!("checked above") };
+        let Group::Sum(e) = group else {
+            unreachable!("checked above")
+        };
         let counter = signals.counter(g);
         stream::wait_geq(reduces, counter, e.tiles)?;
         stream::write(reduces, counter, 0)?;
@@ -549,6 +551,40 @@ pub fn enqueue_pushed(
     // Every pushed tile of this call is summed: the peer may push again.
     stream::write(reduces, layout.free_flag(peer.bases[other], me), 1)?;
     comm.reduce_join.order(reduces, caller)
+}
+
+/// Enqueues an overlapped op's GEMM (`launch_gemm(signals)`) and its groups
+/// on one node: moved by the copy engines ([`enqueue`]), or with
+/// `pushed = Some(push_rows)` by the GEMM itself ([`enqueue_pushed`], its
+/// launch given `call.signals` plus where to push: see [`Signals::push`]).
+pub fn enqueue_gemm(
+    comm: &Communicator,
+    call: &Call,
+    caller: RawStream,
+    pushed: Option<u32>,
+    launch_gemm: impl FnOnce(&Signals) -> Result<()>,
+    after: impl FnMut(usize, RawStream) -> Result<()>,
+) -> Result<()> {
+    let signals = call.signals.ok_or_else(|| {
+        Error::Invalid("internal: an overlapped op without the GEMM's counters".into())
+    })?;
+    match pushed {
+        None => enqueue(comm, call, caller, || launch_gemm(signals), after),
+        Some(push_rows) => enqueue_pushed(
+            comm,
+            call,
+            caller,
+            |push, push_flags| {
+                launch_gemm(&Signals {
+                    push,
+                    push_flags,
+                    push_rows,
+                    ..*signals
+                })
+            },
+            after,
+        ),
+    }
 }
 
 /// The tiles of group `e` the peer pushes to this rank: all of an

@@ -196,7 +196,8 @@ pub fn launch(
     ];
     match gemm.which {
         GemmKernel::Sm80 if signals.push != 0 => Err(Error::Invalid(
-            "backend: 'push' stores from the sm_90 GEMM's epilogue; this call runs the sm80 kernel".into(),
+            "backend: 'push' stores from the sm_90 GEMM's epilogue; this call runs the sm80 kernel"
+                .into(),
         )),
         GemmKernel::Sm80 => {
             let (mut a, mut b) = (args.x, args.weight);
@@ -226,7 +227,9 @@ pub fn launch(
             let mut peer = match (signals.push, signals.row_table) {
                 (0, _) => store_map(c)?,
                 (push, 0) => store_map(push)?,
-                (push, _) => tensor_map::row_major_2d(push, signals.push_rows, args.n, bm, 64, args.dtype)?,
+                (push, _) => {
+                    tensor_map::row_major_2d(push, signals.push_rows, args.n, bm, 64, args.dtype)?
+                }
             };
             let mut push_flags = signals.push_flags;
             let mut params: Vec<*mut c_void> = vec![

@@ -1016,27 +1016,13 @@ fn enqueue_copy_engine(
         run.unreorder(group, stream)?;
         run.norm(group, stream, comm.device.sms)
     };
-    if pushed {
-        return copy_engine::enqueue_pushed(
-            comm,
-            &call,
-            caller,
-            |push, push_flags| {
-                let signals = Signals {
-                    push,
-                    push_flags,
-                    ..run.signals
-                };
-                gemm::launch(kernel, args, &signals, run.plan.ctas, caller)
-            },
-            after,
-        );
-    }
-    copy_engine::enqueue(
+    // Pushed without a row table: push_rows unused.
+    copy_engine::enqueue_gemm(
         comm,
         &call,
         caller,
-        || gemm::launch(kernel, args, &run.signals, run.plan.ctas, caller),
+        pushed.then_some(0),
+        |signals| gemm::launch(kernel, args, signals, run.plan.ctas, caller),
         after,
     )
 }

@@ -163,7 +163,9 @@ fn prepare(
                 plan.send_rows()
             )));
         }
-        if matches!(opts.backend, Backend::CopyEngine | Backend::Push) && plan.schedule == Schedule::Overlap {
+        if matches!(opts.backend, Backend::CopyEngine | Backend::Push)
+            && plan.schedule == Schedule::Overlap
+        {
             // Offsets only (no buffers yet).
             copy_engine::check_groups(&copy_engine::sums(exchanges(&plan, args, 0, 0)))?;
             comm.ensure_group_events(plan.groups.len())?;
@@ -248,26 +250,15 @@ pub fn gemm_reduce_scatter(
                 groups: &groups,
                 reduce_ctas: plan.request.reserved_sms.min(copy_engine::MAX_REDUCE_CTAS),
             };
-            if opts.backend == Backend::Push {
-                let rows = plan.out_rows() as u32;
-                copy_engine::enqueue_pushed(
-                    comm,
-                    &call,
-                    caller,
-                    |push, push_flags| {
-                        let signals = Signals {
-                            push,
-                            push_flags,
-                            push_rows: rows,
-                            ..signals
-                        };
-                        gemm::launch(&kernel, args, &signals, plan.ctas, caller)
-                    },
-                    |_, _| Ok(()),
-                )?;
-            } else {
-                copy_engine::enqueue(comm, &call, caller, launch, |_, _| Ok(()))?;
-            }
+            // Pushed tiles land in the peer's slot, laid out like its output.
+            copy_engine::enqueue_gemm(
+                comm,
+                &call,
+                caller,
+                (opts.backend == Backend::Push).then(|| plan.out_rows() as u32),
+                |signals| gemm::launch(&kernel, args, signals, plan.ctas, caller),
+                |_, _| Ok(()),
+            )?;
         }
     }
     Ok(Schedule::Overlap)
@@ -445,7 +436,10 @@ mod tests {
                 let (shard, j) = (band / plan.bands, band % plan.bands);
                 let row = row as i32;
                 if shard == rank {
-                    assert_eq!(row as u32, plan.store_rows[p], "own tiles stay where planned");
+                    assert_eq!(
+                        row as u32, plan.store_rows[p],
+                        "own tiles stay where planned"
+                    );
                 } else {
                     // The peer's slot is laid out like its output: band j at rows j * bm.
                     assert!(row < 0);
@@ -458,7 +452,11 @@ mod tests {
             assert!(slot_tiles.values().all(|&c| c == plan.tiles_n));
             // Each group pushes half its tiles, as the peer's wait expects.
             for (g, group) in plan.groups.iter().enumerate() {
-                let pushed = group.positions.clone().filter(|&p| (rows[p as usize] as i32) < 0).count();
+                let pushed = group
+                    .positions
+                    .clone()
+                    .filter(|&p| (rows[p as usize] as i32) < 0)
+                    .count();
                 assert_eq!(pushed as u32, group.tiles / 2, "group {g}");
             }
         }
