@@ -1224,7 +1224,8 @@ fn a2a_options(o: &A2aOptions) -> PyResult<ga2a::Options> {
 }
 
 /// The tables (u32 words, little-endian bytes) and send-buffer rows of a
-/// GEMM + All-to-All call on `device`, for the caller to upload.
+/// GEMM + All-to-All call on `device` by `rank` (whose tiles the push
+/// backend stores into the peer), for the caller to upload.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn all_to_all_tables<'py>(
@@ -1234,6 +1235,7 @@ fn all_to_all_tables<'py>(
     k: u32,
     dtype: &str,
     device: i32,
+    rank: u32,
     send_splits: Vec<u64>,
     recv_splits: Vec<u64>,
     options: A2aOptions,
@@ -1242,9 +1244,10 @@ fn all_to_all_tables<'py>(
     let args = operands(0, 0, 0, m, n, k, dtype)?;
     let opts = a2a_options(&options)?;
     let dev = driver::bind(device).map_err(to_py)?;
-    let (_, plan) =
+    let (kernel, plan) =
         ga2a::plan_for(&args, &send_splits, &recv_splits, &opts, dev.major).map_err(to_py)?;
-    let words = ga2a::tables(&plan);
+    let pushed_by = (opts.backend == gar::Backend::Push).then_some((rank, &send_splits[..]));
+    let words = ga2a::tables(&plan, kernel, pushed_by);
     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
     Ok((PyBytes::new(py, &bytes), plan.send_buffer_rows))
 }

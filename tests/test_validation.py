@@ -471,14 +471,16 @@ def test_peer_backend_passes_the_fused_norms_checks(no_distributed, call) -> Non
 
 
 PUSH_REFUSERS = {
-    "gemm_all_to_all": lambda x, w: flashoverlap.gemm_all_to_all(x, w, [16], [16], backend="push"),
+    "all_reduce": lambda x, w: flashoverlap.all_reduce(x, backend="push"),
+    "reduce_scatter": lambda x, w: flashoverlap.reduce_scatter(x, backend="push"),
 }
 
 
 @pytest.mark.parametrize("op", PUSH_REFUSERS)
-def test_push_backend_is_the_all_reduce_ops_alone(no_distributed, op) -> None:
+def test_push_backend_is_the_gemm_ops_alone(no_distributed, op) -> None:
+    # Only a GEMM's epilogue pushes: the plain collectives refuse it by name.
     x, w = operands()
-    with raises_naming(ValueError, "backend", "gemm_all_reduce"):
+    with raises_naming(ValueError, "backend", "gemm_all_to_all"):
         PUSH_REFUSERS[op](x, w)
     valid_plan_still_works()
 
@@ -490,9 +492,10 @@ def test_push_backend_is_the_all_reduce_ops_alone(no_distributed, op) -> None:
     lambda x, w: flashoverlap.gemm_all_reduce_rmsnorm(x, w, *_norm_args(x, w), backend="push"),
     lambda x, w: flashoverlap.gemm_reduce_scatter(x, w, backend="push"),
     lambda x, w: flashoverlap.backend_of(x, w, op="gemm_reduce_scatter", backend="push"),
+    lambda x, w: flashoverlap.gemm_all_to_all(x, w, [16], [16], backend="push"),
 ], ids=["gemm_all_reduce", "plan_of", "backend_of", "gemm_all_reduce_rmsnorm", "gemm_reduce_scatter",
-        "backend_of_reduce_scatter"])
-def test_push_backend_passes_the_all_reduce_ops_checks(no_distributed, call) -> None:
+        "backend_of_reduce_scatter", "gemm_all_to_all"])
+def test_push_backend_passes_the_gemm_ops_checks(no_distributed, call) -> None:
     x, w = operands()
     with pytest.raises((ValueError, RuntimeError)) as info:
         call(x, w)
@@ -500,7 +503,7 @@ def test_push_backend_passes_the_all_reduce_ops_checks(no_distributed, call) -> 
 
 
 def test_push_backend_is_not_an_environment_default(no_distributed, monkeypatch: pytest.MonkeyPatch) -> None:
-    # FLASHOVERLAP_BACKEND applies to every op, and only the GEMM + AllReduce ones push.
+    # FLASHOVERLAP_BACKEND applies to every op, and only the GEMM ops push.
     from flashoverlap import _env
 
     monkeypatch.setenv("FLASHOVERLAP_BACKEND", "push")

@@ -79,7 +79,7 @@ def _resolve_backend(comm: Communicator, backend: Optional[str]) -> str:
         backend = _env.backend()
     if backend == "peer":  # gemm_all_reduce_rmsnorm's own; its caller checked it
         return backend
-    if backend == "push":  # the GEMM + AllReduce ops' own; checked again for callers of torch.ops directly
+    if backend == "push":  # the GEMM ops' own; checked again for callers of torch.ops directly
         _check_push(comm)
         return backend
     _check_backend(backend)
@@ -414,7 +414,7 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
     if backend != "nccl" and flat is None:
         # Every rank must size the staging slots alike: only the whole matrix says how.
         if explicit:
-            raise ValueError("backend: the copy-engine All-to-All needs split_matrix (every rank sizes its "
+            raise ValueError(f"backend: the {backend!r} All-to-All needs split_matrix (every rank sizes its "
                              "staging slots from the whole routing)")
         backend = "nccl"
     check_device("x", x, comm.device)
@@ -442,21 +442,23 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
         if schedule == "sequential":
             groups = 1  # without an NCCL ProcessGroup: our GEMM, then one exchange
     options = (groups, reserved, kernel, backend)
-    if backend == "copy_engine":
+    if backend in ("copy_engine", "push"):
         # Each slot holds every row one rank sends another (the same size on every rank: the
-        # same matrix).
+        # same matrix); pushed, each group's rows in whole bands of the sm_90 GEMM's 128-row tiles.
         most = max((v for i, v in enumerate(flat) if i // world != i % world), default=0)
-        comm.ensure_peer_buffers(max(most, 1) * n * x.element_size())
+        rows = most + 128 * groups if backend == "push" else max(most, 1)
+        comm.ensure_peer_buffers(rows * n * x.element_size())
 
     def upload():
-        table_bytes, rows = _core.all_to_all_tables(m, n, k, dtype, x.device.index, sends, recvs, options)
+        table_bytes, rows = _core.all_to_all_tables(m, n, k, dtype, x.device.index, comm.rank, sends, recvs,
+                                                    options)
         # Up from pinned memory without blocking the host.
         if not table_bytes:
             return torch.empty(0, dtype=torch.int32, device=x.device), rows
         host = torch.frombuffer(bytearray(table_bytes), dtype=torch.int32).pin_memory()
         return host.to(x.device, non_blocking=True), rows
 
-    key = (x.device.index, m, n, k, dtype, tuple(sends), tuple(recvs), options)
+    key = (x.device.index, comm.rank, m, n, k, dtype, tuple(sends), tuple(recvs), options)
     tables, send_rows = _A2A_TABLES.get(key, upload, torch.cuda.is_current_stream_capturing())
     # Cached tables may be reused from another stream: the allocator must not recycle them until
     # this stream is done with them.
@@ -492,12 +494,13 @@ def _check_kernel(kernel: Optional[str]) -> None:
 
 
 def _check_backend(backend: Optional[str], norm: bool = False, push: bool = False) -> None:
-    """norm: gemm_all_reduce_rmsnorm's, which also runs on "peer"; push: a GEMM + AllReduce op's,
-    which also runs on "push"."""
+    """norm: gemm_all_reduce_rmsnorm's, which also runs on "peer"; push: a GEMM op's, which also
+    runs on "push"."""
     allowed = (*(_env.AR_BACKENDS if push or norm else _env.BACKENDS), *(("peer",) if norm else ()))
     if backend is not None and backend not in allowed:
         hint = {"peer": " ('peer' runs gemm_all_reduce_rmsnorm only)",
-                "push": " ('push' runs gemm_all_reduce, gemm_reduce_scatter and gemm_all_reduce_rmsnorm only)"
+                "push": " ('push' runs the GEMM ops only: gemm_all_reduce, gemm_reduce_scatter, "
+                        "gemm_all_reduce_rmsnorm, gemm_all_to_all)"
                 }.get(backend, "")
         raise ValueError(f"backend: expected one of {allowed} or None, got {backend!r}{hint}")
 
@@ -558,7 +561,7 @@ def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel,
     """The argument checks of the collective ops, in the documented order (shapes and dtypes,
     options, an initialised process group, devices), then the communicator (created
     collectively on first use). Returns (M, N, K, communicator). norm: the fused-norm op's
-    (backends "peer" and "push" allowed); push: gemm_all_reduce's ("push" allowed)."""
+    (backends "peer" and "push" allowed); push: a GEMM op's ("push" allowed)."""
     m, n, k = check_gemm_operands(x, weight, devices=False)
     _check_mode(mode, bands_per_group)
     _check_kernel(kernel)
@@ -776,15 +779,20 @@ def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, ou
       With neither, DEFAULT_A2A_GROUPS (4) groups. One group is the GEMM, then the exchange.
     backend: "copy_engine" (each group's rows copied into their receivers' staging slots, and from
       there into the output, all on the copy engines: the GEMM keeps every SM; needs split_matrix,
-      from which every rank sizes the slots alike), "nccl" (send/receive per peer), or "auto"
-      (default, FLASHOVERLAP_BACKEND: with split_matrix and every rank on one node, whichever the
-      predictor times faster for the routing; else NCCL). Without NCCL (a communicator made with nccl=False) and
+      from which every rank sizes the slots alike), "nccl" (send/receive per peer), "push" (2 ranks
+      of one node, Hopper, needs split_matrix: the GEMM's epilogue stores the tiles of the other
+      rank's rows straight into its staging slot, over NVLink while it computes, and each rank
+      copies what landed into its output; by argument only, not yet timed on 2 GPUs), or "auto"
+      (default, FLASHOVERLAP_BACKEND: with split_matrix and every rank on one node, whichever of
+      NCCL and the copy engines the predictor times faster for the routing; else NCCL). Without NCCL (a communicator made with nccl=False) and
       without split_matrix: torch.matmul then all_to_all_single.
     Splits are checked (one entry per rank, ints >= 0, input summing to T). Capturable in CUDA
     graphs once the op has run with the same split sizes outside capture (its tables are made then
     and kept for the graph)."""
-    _checked_call(x, weight, group, communicator, "auto", None, kernel, backend)
+    _checked_call(x, weight, group, communicator, "auto", None, kernel, backend, push=True)
     comm = get_communicator(group, communicator=communicator)
+    if backend == "push":
+        _check_push(comm)
     if x.dim() != 2:
         raise ValueError(f"x: expected [T, K] (rows grouped by destination rank), got shape {tuple(x.shape)}")
     sends = check_splits("input_split_sizes", input_split_sizes, comm.world_size, x.shape[0])

@@ -19,13 +19,16 @@ pub enum Backend {
     /// loads), adds the residual, normalizes and stores the rows into every
     /// rank (csrc/allreduce_rmsnorm.cu, pull mode); one node only.
     Peer,
-    /// gemm_all_reduce, gemm_reduce_scatter and gemm_all_reduce_rmsnorm on 2
-    /// ranks of one node with the sm_90 GEMM: its epilogue stores tiles into
-    /// the peer's staging slot (TMA over NVLink, while the GEMM goes on):
-    /// every tile for an AllReduce (and locally too), those of the peer's
-    /// shard for a ReduceScatter (instead); each counts in the peer's ready
-    /// flag of its group, and each group is summed by the copy-engine
-    /// backend's reduction on the reserved SMs. No copy engine, no copy.
+    /// The GEMM ops (gemm_all_reduce, gemm_reduce_scatter,
+    /// gemm_all_reduce_rmsnorm, gemm_all_to_all) on 2 ranks of one node with
+    /// the sm_90 GEMM: its epilogue stores tiles into the peer's staging
+    /// slot (TMA over NVLink, while the GEMM goes on): every tile for an
+    /// AllReduce (and locally too), those of the peer's shard for a
+    /// ReduceScatter and of the peer's rows for an All-to-All (instead);
+    /// each counts in the peer's ready flag of its group. Each group is then
+    /// summed by the copy-engine backend's reduction on the reserved SMs
+    /// (All-to-All: the landed rows are copied into the output). No copy to
+    /// the peer, no copy stream.
     Push,
 }
 
@@ -46,18 +49,6 @@ impl Backend {
             Backend::CopyEngine => "copy_engine",
             Backend::Peer => "peer",
             Backend::Push => "push",
-        }
-    }
-
-    /// The error of an op that has no path on this backend.
-    pub fn unsupported(self, op: &str) -> Error {
-        match self {
-            Backend::Push => Error::Invalid(format!(
-                "backend: 'push' runs gemm_all_reduce, gemm_reduce_scatter and gemm_all_reduce_rmsnorm \
-                 only, not {op}; \
-                 use 'nccl', 'copy_engine' or 'auto'"
-            )),
-            _ => Self::peer_unsupported(op),
         }
     }
 

@@ -83,6 +83,9 @@ pub struct Moves {
     pub lands: Vec<Piece>,
     /// (from, to, bytes).
     pub own: (u64, u64, u64),
+    /// The push backend: tiles the peer's GEMM stores into this rank's slot
+    /// in this group (its ready flag counts them); 0 on the copy engines.
+    pub pushed: u32,
 }
 
 /// One wave group's exchange on the copy engines.
@@ -101,6 +104,19 @@ impl Group {
         match self {
             Group::Sum(e) | Group::Gather(e) => e.tiles,
             Group::Move(m) => m.tiles,
+        }
+    }
+
+    /// The tiles of this group the peer's GEMM pushes to this rank (2
+    /// ranks): all of an AllReduce's (stride 0: every rank gets the whole
+    /// group), a ReduceScatter's of this rank's shard (1 / world of them,
+    /// every shard having as many tiles in the group), an All-to-All's of
+    /// the rows it sends this rank.
+    pub fn pushed_tiles(&self, world: usize) -> u32 {
+        match self {
+            Group::Sum(e) | Group::Gather(e) if e.src_stride == 0 => e.tiles,
+            Group::Sum(e) | Group::Gather(e) => e.tiles / world as u32,
+            Group::Move(m) => m.pushed,
         }
     }
 
@@ -271,6 +287,16 @@ fn reduce(
         (&mut vectors as *mut i64).cast(),
     ];
     reducer.launch(grid, PEER_REDUCE_THREADS, stream, &mut params)
+}
+
+/// Copies the rows each peer staged for group `m` from this rank's slots
+/// into the output (an All-to-All's landing: no sum, the copy engines).
+fn land_rows(peer: &PeerBuffers, m: &Moves, stream: RawStream) -> Result<()> {
+    for l in m.lands.iter().filter(|l| l.bytes > 0) {
+        let from = peer.layout.slot(peer.bases[peer.rank], peer.rank, l.rank) + l.slot_offset;
+        stream::copy(stream, l.addr, from, l.bytes as usize)?;
+    }
+    Ok(())
 }
 
 /// The most CTAs an overlapped op's sums run on: beside a GEMM, 8 CTAs sum
@@ -454,12 +480,7 @@ pub fn enqueue(
                 stream::copy(reduces, e.out, e.part(me), e.bytes as usize)?
             }
             (Group::Sum(_), None) => {}
-            (Group::Move(m), _) => {
-                for l in m.lands.iter().filter(|l| l.bytes > 0) {
-                    let from = layout.slot(peer.bases[me], me, l.rank) + l.slot_offset;
-                    stream::copy(reduces, l.addr, from, l.bytes as usize)?;
-                }
-            }
+            (Group::Move(m), _) => land_rows(peer, m, reduces)?,
         }
         after(g, reduces)?;
     }
@@ -482,16 +503,17 @@ pub fn enqueue(
     Ok(())
 }
 
-/// The push backend's version of [`enqueue`] (2 ranks, every group a
-/// [`Group::Sum`]: an AllReduce's whole group, or a ReduceScatter's chunks):
-/// no copy, no copy stream. The GEMM
-/// (`launch_gemm(push, push_flags)`, given where to store its second copy
-/// of each tile and the peer's ready flags to count them in) writes every
-/// tile into the peer's slot itself, so the caller's stream first waits for
-/// that slot to be free (the peer summed this rank's previous call); per
-/// group the reduce stream waits for this rank's own tiles (the GEMM's
-/// counter) and the peer's (its pushes, counted in this rank's ready flag),
-/// sums, and runs `after`:
+/// The push backend's version of [`enqueue`] (2 ranks; every group a
+/// [`Group::Sum`], an AllReduce's whole group or a ReduceScatter's chunks,
+/// or a [`Group::Move`], an All-to-All's rows): no copy to the peer, no
+/// copy stream. The GEMM (`launch_gemm(push, push_flags)`, given where to
+/// store the tiles it pushes and the peer's ready flags to count them in)
+/// writes them into the peer's slot itself, so the caller's stream first
+/// waits for that slot to be free (the peer consumed this rank's previous
+/// call); per group the reduce stream waits for this rank's own tiles (the
+/// GEMM's counter) and the peer's (its pushes, counted in this rank's ready
+/// flag), sums (or, for an All-to-All, copies the rows that landed in the
+/// slot and this rank's own into the output: local copies), and runs `after`:
 ///
 /// Caller S:       wait(free) [fork] GEMM (stores, pushes, counts)        [join]
 /// Reduce stream R:          wait(c0) wait(ready g0) reduce(g0) ... set(free at peer)
@@ -505,9 +527,10 @@ pub fn enqueue_pushed(
     let peer = call.peer;
     let layout = peer.layout;
     let me = peer.rank;
-    let (Some(signals), Some(reducer)) = (call.signals, call.reducer) else {
+    let sums = call.groups.iter().any(|g| matches!(g, Group::Sum(_)));
+    let (Some(signals), true) = (call.signals, call.reducer.is_some() || !sums) else {
         return Err(Error::Invalid(
-            "internal: the push backend needs the GEMM's counters and a reduction".into(),
+            "internal: the push backend needs the GEMM's counters (and a reduction to sum)".into(),
         ));
     };
     let other = match peer.peers().collect::<Vec<_>>()[..] {
@@ -519,9 +542,9 @@ pub fn enqueue_pushed(
             )))
         }
     };
-    if call.groups.iter().any(|g| !matches!(g, Group::Sum(_))) {
+    if call.groups.iter().any(|g| matches!(g, Group::Gather(_))) {
         return Err(Error::Invalid(
-            "internal: the push backend only sums (AllReduce, ReduceScatter)".into(),
+            "internal: the push backend sums an AllReduce's whole group on both ranks".into(),
         ));
     }
     let reduces = comm.reduce_stream.0;
@@ -536,16 +559,23 @@ pub fn enqueue_pushed(
     let slot = layout.slot(peer.bases[other], other, me);
     launch_gemm(slot, layout.ready_flag(peer.bases[other], 0, me))?;
     for (g, group) in call.groups.iter().enumerate() {
-        let Group::Sum(e) = group else {
-            unreachable!("checked above")
-        };
         let counter = signals.counter(g);
-        stream::wait_geq(reduces, counter, e.tiles)?;
+        stream::wait_geq(reduces, counter, group.tiles())?;
         stream::write(reduces, counter, 0)?;
         let ready = layout.ready_flag(peer.bases[me], g, other);
-        stream::wait_geq(reduces, ready, pushed_tiles(e, layout.world))?;
+        stream::wait_geq(reduces, ready, group.pushed_tiles(layout.world))?;
         stream::write(reduces, ready, 0)?;
-        reduce(reducer, peer, e, call.reduce_ctas, reduces)?;
+        match (group, call.reducer) {
+            (Group::Sum(e), Some(reducer)) => reduce(reducer, peer, e, call.reduce_ctas, reduces)?,
+            (Group::Move(m), _) => {
+                land_rows(peer, m, reduces)?;
+                let (from, to, bytes) = m.own;
+                if bytes > 0 {
+                    stream::copy(reduces, to, from, bytes as usize)?;
+                }
+            }
+            _ => unreachable!("checked above"),
+        }
         after(g, reduces)?;
     }
     // Every pushed tile of this call is summed: the peer may push again.
@@ -584,18 +614,6 @@ pub fn enqueue_gemm(
             },
             after,
         ),
-    }
-}
-
-/// The tiles of group `e` the peer pushes to this rank: all of an
-/// AllReduce's (stride 0: every rank gets the whole group), a
-/// ReduceScatter's of this rank's shard (1 / world of them, every shard
-/// having as many tiles in the group).
-pub fn pushed_tiles(e: &Exchange, world: usize) -> u32 {
-    if e.src_stride == 0 {
-        e.tiles
-    } else {
-        e.tiles / world as u32
     }
 }
 

@@ -293,12 +293,14 @@ const PUSH_FIXED_US: f64 = 10.0;
 /// at the copy-engine sums' fitted rates (see [`copy_engine_gbps`]: an
 /// AllReduce sums the whole group, a ReduceScatter its own chunk), capped by
 /// what the links gave NCCL (~360 GB/s), since the last pushes trail the
-/// GEMM's last tiles.
+/// GEMM's last tiles. An All-to-All sums nothing (its landing copies are
+/// local, on the copy engines): the links' rate.
 fn push_gbps(kind: CollectiveKind, reserved: u32) -> f64 {
     let ctas = f64::from(reserved.clamp(1, copy_engine::MAX_REDUCE_CTAS));
     let sums = match kind {
         CollectiveKind::ReduceScatter => ctas * 70.0 / 3.0,
-        _ => ctas * 80.0 / 3.0 * 2.0,
+        CollectiveKind::AllToAll => return 360.0,
+        CollectiveKind::AllReduce => ctas * 80.0 / 3.0 * 2.0,
     };
     sums.min(360.0)
 }

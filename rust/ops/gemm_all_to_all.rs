@@ -8,7 +8,11 @@
 //! staging slot for this rank (at their offset among all the rows this rank
 //! sends p, which p computes alike from its receive split), and p's reduce
 //! stream copies them into its output: no SM moves a byte, so the GEMM
-//! keeps every SM (ops/copy_engine.rs).
+//! keeps every SM (ops/copy_engine.rs). With the push backend (2 ranks,
+//! sm_90) the GEMM stores the tiles of the peer's rows straight into the
+//! peer's slot (over NVLink, as it computes them; each group's segment in
+//! whole bands: plan::all_to_all::pushed_segments), and each rank's reduce
+//! stream copies what landed, and its own rows, into its output.
 //!
 //! The plan (plan/all_to_all.rs) gives each group the same fraction of every
 //! destination's rows; every rank must call with the same group count.
@@ -19,14 +23,14 @@
 
 use super::copy_engine::{self, Group, Moves, Piece};
 use super::gemm::{self, GemmArgs, Signals};
-use super::gemm_all_reduce::{Backend, Machine, NCCL_RESERVED_SMS};
+use super::gemm_all_reduce::{check_push, Backend, Machine, NCCL_RESERVED_SMS};
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
 use crate::cuda::kernels::GemmKernel;
 use crate::cuda::stream::{self, RawStream};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
-use crate::plan::all_to_all::part;
+use crate::plan::all_to_all::{part, pushed_segments, pushed_store_rows, pushed_tiles};
 use crate::plan::{
     best_all_to_all_groups, call_us, plan_gemm_all_to_all, AllToAllPlan, AllToAllShape,
     CollectiveKind, Timeline,
@@ -59,8 +63,10 @@ pub fn plan_for(
     opts: &Options,
     major: i32,
 ) -> Result<(GemmKernel, AllToAllPlan)> {
-    if matches!(opts.backend, Backend::Peer | Backend::Push) {
-        return Err(opts.backend.unsupported("gemm_all_to_all"));
+    match opts.backend {
+        Backend::Peer => return Err(Backend::peer_unsupported("gemm_all_to_all")),
+        Backend::Push => check_push(send_splits.len() as u32, major, opts.kernel)?,
+        Backend::Nccl | Backend::CopyEngine => {}
     }
     let sent: u64 = send_splits.iter().sum();
     if sent != u64::from(args.m) {
@@ -179,12 +185,23 @@ pub fn choose_groups(
 
 /// The tables the kernel reads, as one block of u32 words for the caller
 /// to upload: tile order, group per position, then (row of x read, row of
-/// the send buffer written) per position.
-pub fn tables(plan: &AllToAllPlan) -> Vec<u32> {
+/// the send buffer written) per position. `pushed_by`: the push backend's
+/// (rank, send_splits): the tiles of the peer's rows store into its slot.
+pub fn tables(
+    plan: &AllToAllPlan,
+    kernel: GemmKernel,
+    pushed_by: Option<(u32, &[u64])>,
+) -> Vec<u32> {
     let mut words = Vec::with_capacity(plan.tile_order.len() * 4);
     words.extend(&plan.tile_order);
     words.extend(&plan.tile_group);
-    words.extend(gemm::row_table(&plan.load_rows, &plan.store_rows));
+    let store_rows = match pushed_by {
+        Some((me, sends)) => {
+            pushed_store_rows(plan, me, sends, u64::from(gemm::tile_shape(kernel).bm))
+        }
+        None => plan.store_rows.clone(),
+    };
+    words.extend(gemm::row_table(&plan.load_rows, &store_rows));
     words
 }
 
@@ -233,6 +250,7 @@ pub fn gemm_all_to_all(
         )));
     }
     let loaded = gemm::load(&comm.device, args.dtype, kernel)?;
+    let me = comm.rank as usize;
     let signals = Signals {
         tile_order: buffers.tables,
         tile_group: buffers.tables + positions * 4,
@@ -244,23 +262,66 @@ pub fn gemm_all_to_all(
         ..Signals::default()
     };
     let ctas = comm.device.sms.saturating_sub(opts.reserved()).max(1);
-    let launch = || {
+    let launch = |signals: &Signals| {
         if positions > 0 {
-            gemm::launch(&loaded, args, &signals, ctas, caller)?;
+            gemm::launch(&loaded, args, signals, ctas, caller)?;
         }
         Ok(())
     };
     match opts.backend {
-        Backend::Peer | Backend::Push => Err(opts.backend.unsupported("gemm_all_to_all")),
-        Backend::Nccl => enqueue_nccl(comm, &plan, args, buffers, caller, launch),
+        Backend::Peer => Err(Backend::peer_unsupported("gemm_all_to_all")),
+        Backend::Nccl => enqueue_nccl(comm, &plan, args, buffers, caller, || launch(&signals)),
+        Backend::Push => {
+            let bm = u64::from(gemm::tile_shape(kernel).bm);
+            let groups = moves(
+                &plan,
+                args,
+                buffers.send,
+                me,
+                send_splits,
+                recv_splits,
+                Some(bm),
+            );
+            copy_engine::check_groups(&groups)?;
+            let peer = copy_engine::peer_buffers(comm, &groups)?;
+            // Whole bands of every segment, both ways; the slot's map needs a row.
+            let other = 1 - me;
+            let count = plan.groups.len() as u32;
+            let push_rows = pushed_segments(send_splits[other], count, bm).1.max(bm);
+            let rows = push_rows.max(pushed_segments(recv_splits[other], count, bm).1);
+            let needs = rows * u64::from(args.n) * args.dtype.bytes() as u64;
+            if peer.layout.slot_bytes < needs {
+                return Err(Error::Invalid(format!(
+                    "backend: the push All-to-All needs {needs} bytes per slot, communicator {:?} has {}; \
+                     the flashoverlap ops grow them (collectively) before the call",
+                    comm.name, peer.layout.slot_bytes
+                )));
+            }
+            let call = copy_engine::Call {
+                peer: &peer,
+                reducer: None,
+                signals: Some(&signals),
+                groups: &groups,
+                reduce_ctas: 0,
+            };
+            copy_engine::enqueue_gemm(
+                comm,
+                &call,
+                caller,
+                Some(push_rows as u32),
+                launch,
+                |_, _| Ok(()),
+            )
+        }
         Backend::CopyEngine => {
             let groups = moves(
                 &plan,
                 args,
                 buffers.send,
-                comm.rank as usize,
+                me,
                 send_splits,
                 recv_splits,
+                None,
             );
             comm.ensure_group_events(groups.len())?;
             let peer = copy_engine::peer_buffers(comm, &groups)?;
@@ -271,7 +332,7 @@ pub fn gemm_all_to_all(
                 groups: &groups,
                 reduce_ctas: 0,
             };
-            copy_engine::enqueue(comm, &call, caller, launch, |_, _| Ok(()))
+            copy_engine::enqueue(comm, &call, caller, || launch(&signals), |_, _| Ok(()))
         }
     }
 }
@@ -280,7 +341,10 @@ pub fn gemm_all_to_all(
 /// p's slot for this rank at their offset among all rows this rank sends p
 /// (the same offset p computes among all rows it receives from this rank:
 /// both split the same count into the same parts); this rank's own rows go
-/// straight from the send buffer to the output.
+/// straight from the send buffer to the output. `push_bm`: the push
+/// backend's tile rows: no sends (the GEMM pushes), the rows land from the
+/// segments of [`pushed_segments`], and each group waits for the tiles the
+/// peer pushes.
 fn moves(
     plan: &AllToAllPlan,
     args: &GemmArgs,
@@ -288,9 +352,17 @@ fn moves(
     me: usize,
     send_splits: &[u64],
     recv_splits: &[u64],
+    push_bm: Option<u64>,
 ) -> Vec<Group> {
     let row = u64::from(args.n) * args.dtype.bytes() as u64;
     let count = plan.groups.len() as u32;
+    let pushed_starts: Vec<Vec<u64>> = match push_bm {
+        Some(bm) => recv_splits
+            .iter()
+            .map(|&r| pushed_segments(r, count, bm).0)
+            .collect(),
+        None => Vec::new(),
+    };
     plan.groups
         .iter()
         .enumerate()
@@ -301,6 +373,7 @@ fn moves(
                 sends: Vec::new(),
                 lands: Vec::new(),
                 own: (0, 0, 0),
+                pushed: 0,
             };
             for e in &group.exchanges {
                 let p = e.peer as usize;
@@ -312,17 +385,26 @@ fn moves(
                     );
                     continue;
                 }
-                m.sends.push(Piece {
-                    rank: p,
-                    addr: send + e.send_row * row,
-                    bytes: e.send_rows * row,
-                    slot_offset: part(send_splits[p], g, count) * row,
-                });
+                let landed_at = match push_bm {
+                    Some(bm) => {
+                        m.pushed += pushed_tiles(recv_splits[p], g, count, bm, plan.tiles_n);
+                        pushed_starts[p][g as usize]
+                    }
+                    None => {
+                        m.sends.push(Piece {
+                            rank: p,
+                            addr: send + e.send_row * row,
+                            bytes: e.send_rows * row,
+                            slot_offset: part(send_splits[p], g, count) * row,
+                        });
+                        part(recv_splits[p], g, count)
+                    }
+                };
                 m.lands.push(Piece {
                     rank: p,
                     addr: args.out + e.recv_row * row,
                     bytes: e.recv_rows * row,
-                    slot_offset: part(recv_splits[p], g, count) * row,
+                    slot_offset: landed_at * row,
                 });
             }
             Group::Move(m)
@@ -398,4 +480,102 @@ pub fn all_to_all(
     comm.on_comm_stream(caller, |nccl, nccl_comm, stream| {
         nccl.exchange(&sends, &recvs, dtype, nccl_comm, stream.cast())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(m: u32) -> GemmArgs {
+        GemmArgs {
+            x: 0,
+            weight: 0,
+            out: 1 << 40,
+            m,
+            n: 1024,
+            k: 512,
+            dtype: Dtype::Bf16,
+        }
+    }
+
+    fn opts(backend: Backend, kernel: Option<GemmKernel>) -> Options {
+        Options {
+            kernel,
+            groups: 3,
+            reserved_sms: None,
+            backend,
+        }
+    }
+
+    /// On 2 ranks the push backend's landings read back exactly the slot
+    /// rows the peer's tables push into, and each group waits for as many
+    /// tiles as the peer's GEMM pushes in it.
+    #[test]
+    fn pushed_rows_are_what_the_peer_lands() {
+        // Skewed, with an empty pair: rank 1 sends rank 0 nothing.
+        let matrix = [[300u64, 1700], [0, 900]];
+        let recv = |r: usize| vec![matrix[0][r], matrix[1][r]];
+        let push = opts(Backend::Push, None);
+        let row = 1024 * 2;
+        let planned: Vec<_> = (0..2)
+            .map(|r| {
+                let a = args(matrix[r].iter().sum::<u64>() as u32);
+                let (kernel, plan) = plan_for(&a, &matrix[r], &recv(r), &push, 9).unwrap();
+                let table = tables(&plan, kernel, Some((r as u32, &matrix[r][..])));
+                (a, plan, table)
+            })
+            .collect();
+        for me in 0..2usize {
+            let peer = 1 - me;
+            let (a, plan, _) = &planned[me];
+            let groups = moves(plan, a, 1 << 30, me, &matrix[me], &recv(me), Some(128));
+            // The peer's pushed tiles per group and the slot rows they fill.
+            let (_, peer_plan, peer_table) = &planned[peer];
+            let positions = peer_plan.tile_order.len();
+            let stores = &peer_table[positions * 2..];
+            for (g, group) in groups.iter().enumerate() {
+                let Group::Move(m) = group else {
+                    panic!("an All-to-All group moves")
+                };
+                assert!(m.sends.is_empty(), "the GEMM pushes, nothing is copied out");
+                let pushed: Vec<u64> = peer_plan.groups[g]
+                    .positions
+                    .clone()
+                    .filter_map(|p| {
+                        let row = stores[2 * p as usize + 1] as i32;
+                        (row < 0).then_some(u64::from((-row - 1) as u32))
+                    })
+                    .collect();
+                assert_eq!(m.pushed as usize, pushed.len(), "group {g}");
+                match m.lands.iter().find(|l| l.rank == peer) {
+                    Some(l) if l.bytes > 0 => {
+                        // The landing starts at the first pushed band and
+                        // lies within the bands pushed.
+                        let first = *pushed.iter().min().unwrap();
+                        let last = *pushed.iter().max().unwrap() + 128;
+                        assert_eq!(l.slot_offset, first * row);
+                        assert!(l.slot_offset + l.bytes <= last * row);
+                    }
+                    _ => assert!(pushed.is_empty(), "group {g} pushes rows nobody lands"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn push_needs_two_hopper_ranks_and_the_sm90_kernel() {
+        let a = args(100);
+        let push = opts(Backend::Push, None);
+        assert!(plan_for(&a, &[50, 50], &[10, 10], &push, 9).is_ok());
+        for (sends, recvs, major, kernel) in [
+            (&[50u64, 25, 25][..], &[1u64, 1, 1][..], 9, None),
+            (&[50, 50], &[10, 10], 8, None),
+            (&[50, 50], &[10, 10], 9, Some(GemmKernel::Sm80)),
+        ] {
+            let e = plan_for(&a, sends, recvs, &opts(Backend::Push, kernel), major).unwrap_err();
+            assert!(e.to_string().contains("backend: 'push'"), "{e}");
+        }
+        let e = plan_for(&a, &[50, 50], &[10, 10], &opts(Backend::Peer, None), 9).unwrap_err();
+        assert!(e.to_string().contains("'peer'"), "{e}");
+    }
 }

@@ -163,6 +163,60 @@ pub fn plan_gemm_all_to_all(
     Ok(plan)
 }
 
+/// The push layout of what one rank sends another (`rows` in all, split in
+/// `groups` like every exchange): where each group's segment starts in the
+/// receiver's staging slot, and the slot rows the whole call fills. The
+/// sender's GEMM stores whole tiles of `bm` rows into the slot, so each
+/// segment is padded to whole bands (the rows past its end are never read);
+/// the receiver computes the same layout from what it receives.
+pub fn pushed_segments(rows: u64, groups: u32, bm: u64) -> (Vec<u64>, u64) {
+    let mut starts = Vec::with_capacity(groups as usize);
+    let mut end = 0;
+    for g in 0..groups {
+        starts.push(end);
+        end += (part(rows, g + 1, groups) - part(rows, g, groups)).div_ceil(bm) * bm;
+    }
+    (starts, end)
+}
+
+/// The store rows of `plan` on rank `me` when its GEMM pushes: the tiles of
+/// its own rows keep their send-buffer rows; those of another rank's go to
+/// row -r - 1 (the kernel's "push" marking) for r their row in that rank's
+/// staging slot ([`pushed_segments`] of `send_splits[peer]`).
+pub fn pushed_store_rows(plan: &AllToAllPlan, me: u32, send_splits: &[u64], bm: u64) -> Vec<u32> {
+    let groups = plan.groups.len() as u32;
+    let starts: Vec<Vec<u64>> = send_splits
+        .iter()
+        .map(|&rows| pushed_segments(rows, groups, bm).0)
+        .collect();
+    let mut rows = plan.store_rows.clone();
+    for (g, group) in plan.groups.iter().enumerate() {
+        // Positions follow the planner's loops: peers in order, a segment's
+        // bands in order, every tile column of a band.
+        let mut pos = group.positions.start as usize;
+        for e in &group.exchanges {
+            let tiles = (e.send_rows.div_ceil(bm) * u64::from(plan.tiles_n)) as usize;
+            if e.peer != me {
+                let start = starts[e.peer as usize][g];
+                for (i, row) in rows[pos..pos + tiles].iter_mut().enumerate() {
+                    let band = (i / plan.tiles_n as usize) as u64;
+                    // Two's complement: the kernel reads the table as i32.
+                    *row = (-((start + band * bm) as i64) - 1) as i32 as u32;
+                }
+            }
+            pos += tiles;
+        }
+    }
+    rows
+}
+
+/// The tiles the GEMM of a rank sending `rows` to this rank pushes into its
+/// slot in group g (whole bands of `tiles_n` tiles).
+pub fn pushed_tiles(rows: u64, g: u32, groups: u32, bm: u64, tiles_n: u32) -> u32 {
+    let segment = part(rows, g + 1, groups) - part(rows, g, groups);
+    (segment.div_ceil(bm) * u64::from(tiles_n)) as u32
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -229,6 +283,77 @@ mod tests {
         check_world(&matrix, 4).unwrap();
     }
 
+    /// Pushed on 2 ranks: every row a rank pushes lands in its receiver's
+    /// slot where the receiver's layout says, the segments never overlap,
+    /// and each group pushes what the receiver waits for.
+    fn check_pushed(matrix: &[Vec<u64>], groups: u32) -> Result<(), TestCaseError> {
+        let bm = u64::from(TILE.bm);
+        let recv = |r: usize| -> Vec<u64> { (0..2).map(|p| matrix[p][r]).collect() };
+        let plans: Vec<AllToAllPlan> = (0..2)
+            .map(|r| plan_gemm_all_to_all(&matrix[r], &recv(r), 200, TILE, groups).unwrap())
+            .collect();
+        for (me, plan) in plans.iter().enumerate() {
+            let peer = 1 - me;
+            let rows = pushed_store_rows(plan, me as u32, &matrix[me], bm);
+            prop_assert_eq!(rows.len(), plan.store_rows.len());
+            let (starts, end) = pushed_segments(matrix[me][peer], groups, bm);
+            // Slot row -> (x row of the sender, times written).
+            let mut slot = vec![(0u64, 0u32); end as usize];
+            let mut pushed = vec![0u32; groups as usize];
+            for p in 0..rows.len() {
+                let row = rows[p] as i32;
+                let g = plan.tile_group[p] as usize;
+                let e = plan.groups[g].exchanges[peer];
+                if row >= 0 {
+                    prop_assert_eq!(rows[p], plan.store_rows[p]);
+                    continue;
+                }
+                pushed[g] += 1;
+                let at = u64::from((-row - 1) as u32);
+                prop_assert!(
+                    at >= starts[g] && at + bm <= starts[g] + e.send_rows.div_ceil(bm) * bm
+                );
+                if plan.tile_order[p] % plan.tiles_n != 0 {
+                    continue;
+                }
+                for i in 0..bm {
+                    if at + i < starts[g] + e.send_rows {
+                        slot[(at + i) as usize].0 = u64::from(plan.load_rows[p]) + i;
+                        slot[(at + i) as usize].1 += 1;
+                    }
+                }
+            }
+            // The receiver's view: group g's rows from `me` at its segment
+            // start, in the order all_to_all_single delivers them.
+            let theirs = &plans[peer];
+            for g in 0..groups as usize {
+                let e = theirs.groups[g].exchanges[me];
+                let (rstarts, rend) = pushed_segments(recv(peer)[me], groups, bm);
+                prop_assert_eq!(rend, end);
+                prop_assert_eq!(
+                    pushed[g],
+                    pushed_tiles(recv(peer)[me], g as u32, groups, bm, theirs.tiles_n)
+                );
+                let first = e.recv_row - matrix[0..me].iter().map(|r| r[peer]).sum::<u64>();
+                for i in 0..e.recv_rows {
+                    let (x_row, writes) = slot[(rstarts[g] + i) as usize];
+                    prop_assert_eq!(writes, 1);
+                    // Row t of what `me` sends `peer` is x row offset(peer) + t.
+                    let offset: u64 = matrix[me][..peer].iter().sum();
+                    prop_assert_eq!(x_row, offset + first + i);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn pushed_rows_land_where_the_receiver_reads() {
+        check_pushed(&[vec![300, 700], vec![0, 1000]], 4).unwrap();
+        check_pushed(&[vec![5, 0], vec![129, 1]], 3).unwrap();
+        check_pushed(&[vec![0, 0], vec![0, 0]], 2).unwrap();
+    }
+
     #[test]
     fn bad_splits_are_rejected() {
         assert!(plan_gemm_all_to_all(&[1, 2], &[3], 64, TILE, 2).is_err());
@@ -237,6 +362,15 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn pushes_agree_on_two_ranks(
+            cells in prop::collection::vec(0u64..700, 4),
+            groups in 1u32..9,
+        ) {
+            let matrix = vec![cells[0..2].to_vec(), cells[2..4].to_vec()];
+            check_pushed(&matrix, groups)?;
+        }
+
         #[test]
         fn every_rank_agrees_on_every_exchange(
             world in 1usize..5,

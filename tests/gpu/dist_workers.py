@@ -705,7 +705,8 @@ def rmsnorm_cases(rank: int, world: int, cases: list, replays: int = 0, backend=
 def a2a_cases(rank: int, world: int, cases: list, backend=None) -> dict:
     """gemm_all_to_all for each case's split matrix (matrix[p][r]: rows p sends r) against the fp32
     all_to_all_single of every rank's x_p @ w_p^T; bad splits are refused first. The copy-engine
-    backend gets the whole matrix on every call (it needs it), with the case's group count."""
+    and push backends get the whole matrix on every call (they need it), with the case's group
+    count."""
     import torch
 
     import flashoverlap
@@ -724,13 +725,14 @@ def a2a_cases(rank: int, world: int, cases: list, backend=None) -> dict:
     expect_error(ValueError, "split_matrix", lambda: flashoverlap.gemm_all_to_all(
         x, w, [8] + [0] * (world - 1), [8 if rank == 0 else 0] + [0] * (world - 1), split_matrix=wrong))
 
-    if backend == "copy_engine":
+    staged = backend in ("copy_engine", "push")
+    if staged:
         expect_error(ValueError, "backend", lambda: flashoverlap.gemm_all_to_all(
             x, w, [8] + [0] * (world - 1), [8 if rank == 0 else 0] + [0] * (world - 1), backend=backend),
             "split_matrix")
 
     def how(groups, matrix):
-        if backend == "copy_engine":
+        if staged:
             return dict(split_matrix=matrix, backend=backend, groups=None if groups == "auto" else groups)
         return dict(split_matrix=matrix) if groups == "auto" else dict(groups=groups)
 
@@ -939,8 +941,8 @@ def tune_copy_engine(rank: int, world: int, seed: int) -> dict:
 
 
 def push_refused(rank: int, world: int, seed: int) -> dict:
-    """backend="push" where it cannot run (3 ranks; the All-to-All): a clear ValueError before
-    anything runs, and the ops still right afterwards."""
+    """backend="push" where it cannot run (3 ranks; the All-to-All without the split matrix that
+    sizes its slots): a clear ValueError before anything runs, and the ops still right afterwards."""
     import torch
 
     import flashoverlap

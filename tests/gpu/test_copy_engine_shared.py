@@ -106,6 +106,8 @@ def test_gemm_all_reduce_rmsnorm_push(tmp_path: Path) -> None:
 def test_push_refused(tmp_path: Path, world: int) -> None:
     results = run_workers(tmp_path, "push_refused", world, seed=SEED + 33, shared=True)
     assert all("push" in r["seen"]["all_to_all"] for r in results)
+    if world == 2:
+        assert all("split_matrix" in r["seen"]["all_to_all"] for r in results)
     if world == 3:
         assert all("exactly 2 ranks" in r["seen"]["world"] and "exactly 2 ranks" in r["seen"]["world_rs"]
                    for r in results)
@@ -119,6 +121,14 @@ def test_gemm_reduce_scatter_push(tmp_path: Path) -> None:
     records = results[0]["records"]
     assert any(r["schedule"] == "overlap" and r["groups"] > 1 for r in records), records
     assert results[1]["records"] == records
+
+
+# All-to-All on "push": each GEMM stores the tiles of the other rank's rows into that rank's slot,
+# each group's segment in whole bands; skewed routings, an empty pair, a rank with no rows, graph
+# replays.
+def test_gemm_all_to_all_push(tmp_path: Path) -> None:
+    results = run_workers(tmp_path, "a2a_cases", 2, cases=a2a_cases(2, SEED + 35), backend="push", shared=True)
+    assert all(r["cases"] == 6 for r in results)
 
 
 def test_without_nccl(tmp_path: Path) -> None:

@@ -51,3 +51,15 @@ def test_matches_reference(tmp_path: Path, backend: str) -> None:
     results = run_workers(tmp_path, "a2a_cases", world, cases=a2a_cases(world, SEED + 1 + BACKENDS[backend]),
                           backend=backend)
     assert all(r["cases"] == 6 for r in results)
+
+
+# backend="push" (2 ranks exactly, Hopper): the tiles of the other rank's rows cross NVLink from
+# the GEMM.
+@pytest.mark.gpus(2)
+def test_push_matches_reference(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.get_device_capability(0)[0] != 9:
+        pytest.skip("backend='push' stores from the sm_90 GEMM")
+    results = run_workers(tmp_path, "a2a_cases", 2, cases=a2a_cases(2, SEED + 40), backend="push")
+    assert all(r["cases"] == 6 for r in results)
