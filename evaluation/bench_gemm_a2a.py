@@ -14,6 +14,10 @@ destinations (the same matrix on every run); --routing uniform: T / world rows t
               and (backend auto) the backend it times faster for the routing
   fo_nccl     the same with backend="nccl"
   fo_ce       the same with backend="copy_engine" (split_matrix is what lets the copy engines run)
+  fo_push     the same with backend="push" (2 Hopper ranks: each GEMM stores the tiles of the other
+              rank's rows straight into its staging slot over NVLink; NaN elsewhere)
+  forced_push backend="push" with PUSH_GROUPS groups forced (the mechanism, whatever the predictor
+              says of it: its push constants are estimates)
   fo_g<G>     gemm_all_to_all with groups=G forced, for G in FORCED_GROUPS, on NCCL (backend="nccl";
               the mechanism at each group count)
   decomp      the GEMM split into 4 chunks, chunk c taking the c-th quarter of every destination's
@@ -58,7 +62,9 @@ SHAPES = [(t, n, k) for t in (2048, 4096, 8192, 16384) for (n, k) in ((8192, 409
                                                                     (8192, 3584))]
 CHUNKS = 4
 FORCED_GROUPS = (2, 4, 8, 16)
-VARIANTS = ("cublas", "nccl", "seq", "fo", "fo_nccl", "fo_ce", *(f"fo_g{g}" for g in FORCED_GROUPS), "decomp")
+PUSH_GROUPS = 4
+VARIANTS = ("cublas", "nccl", "seq", "fo", "fo_nccl", "fo_ce", "fo_push", "forced_push",
+            *(f"fo_g{g}" for g in FORCED_GROUPS), "decomp")
 BACKENDS = (("nccl", "nccl"), ("ce", "copy_engine"))  # (column suffix, backend)
 ROUTINGS = ("skewed", "uniform")
 HOT_SHARE = 0.6
@@ -186,10 +192,11 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
                                                 backend=backend)
         return run
 
-    def forced(groups):
+    def forced(groups, backend="nccl"):
         def run(i):
             return flashoverlap.gemm_all_to_all(xs[i % sets], ws[i % sets], sends, recvs, groups=groups,
-                                                backend="nccl")
+                                                backend=backend,
+                                                split_matrix=matrix if backend != "nccl" else None)
         return run
 
     chunks = [(c, torch.tensor(c.send_rows, device="cuda", dtype=torch.long),
@@ -216,7 +223,11 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
 
     fns = {"cublas": cublas, "nccl": nccl, "seq": seq, "fo": predicted(None), "fo_nccl": predicted("nccl"),
            "fo_ce": predicted("copy_engine"), **{f"fo_g{g}": forced(g) for g in FORCED_GROUPS}, "decomp": decomp}
-    errors = relative_errors({name: fns[name] for name in VARIANTS if name not in ("cublas", "nccl")},
+    # The same on every rank (the error keys must agree: the max over ranks is collective).
+    push = world == 2 and torch.cuda.get_device_capability()[0] == 9
+    if push:
+        fns["fo_push"], fns["forced_push"] = predicted("push"), forced(PUSH_GROUPS, "push")
+    errors = relative_errors({name: f for name, f in fns.items() if name not in ("cublas", "nccl")},
                              xs[0], ws[0], matrix, received)
     poison = False
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -231,6 +242,11 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
         facts[f"predicted_{suffix}_us"] = pred.sequential_us if sequential else pred.predicted_us[pred.groups]
         if backend == "nccl":
             facts["predicted_seq_us"] = pred.sequential_us  # seq's exchange is NCCL's
+    facts["groups_push"] = 0
+    if push:
+        pred = flashoverlap.plan_gemm_all_to_all(matrix, n, k, dtype=dtype, sms=props.multi_processor_count,
+                                                 backend="push")
+        facts["groups_push"] = 0 if pred.schedule == "sequential" else pred.groups
     dist.barrier()
     times = bench.interleaved_times_us(fns, iters, warmup)
     return times, facts
@@ -274,8 +290,9 @@ def make_row(shape: tuple, world: int, kind: str, times: dict, facts: dict) -> d
     row = {"m": m, "n": n, "k": k, "world_size": world, "routing": kind,
            **{f"{v}_us": times.get(v, math.nan) for v in VARIANTS},
            **{key: facts[key] for suffix, _ in BACKENDS for key in (f"groups_{suffix}", f"predicted_{suffix}_us")},
-           "predicted_seq_us": facts["predicted_seq_us"], "best_forced_groups": best_g}
-    for v in ("fo", "fo_nccl", "fo_ce"):
+           "predicted_seq_us": facts["predicted_seq_us"], "groups_push": facts["groups_push"],
+           "best_forced_groups": best_g}
+    for v in ("fo", "fo_nccl", "fo_ce", "fo_push", "forced_push"):
         row[f"{v}_vs_seq"] = row["seq_us"] / row[f"{v}_us"]
     row["fo_vs_decomp"] = row["decomp_us"] / row["fo_us"]
     row["best_forced_vs_seq"] = row["seq_us"] / row[f"fo_g{best_g}_us"]
@@ -317,19 +334,24 @@ def table(rows: list, meta: dict, dtype: str) -> list[str]:
              "# times in us (median, max over ranks); vs X = X time / fo time (fo: groups and backend from the "
              "predictor); nccl x, ce x = seq time / fo_nccl, fo_ce time; G n, G ce = the predicted group count on "
              "each backend (0: sequential), pred n, pred ce = its predicted time (what auto picks the backend by), "
-             "pred seq = sequential's; best g = the fastest forced count",
+             "pred seq = sequential's; push x, fpush x = seq time / fo_push, forced_push time, G p = push's "
+             f"predicted group count (forced_push: {PUSH_GROUPS}); best g = the fastest forced count (NCCL)",
              f"{'T x N x K':>18} " + " ".join(f"{v:>9}" for v in VARIANTS) +
              f" {'G n':>4} {'pred n':>8} {'G ce':>4} {'pred ce':>8} {'pred seq':>8} {'vs seq':>7} {'nccl x':>7} "
-             f"{'ce x':>7} {'vs dec':>7} {'best g':>6} {'g vs seq':>8} {'err':>8}"]
+             f"{'ce x':>7} {'G p':>4} {'push x':>7} {'fpush x':>7} {'vs dec':>7} {'best g':>6} {'g vs seq':>8} "
+             f"{'err':>8}"]
     for r in rows:
         lines.append(f"{r['m']:>6}x{r['n']}x{r['k']:<5} " + " ".join(f"{r[v + '_us']:9.1f}" for v in VARIANTS) +
                      f" {r['groups_nccl']:>4} {r['predicted_nccl_us']:8.1f} {r['groups_ce']:>4} "
                      f"{r['predicted_ce_us']:8.1f} {r['predicted_seq_us']:8.1f} {r['fo_vs_seq']:6.3f}x "
-                     f"{r['fo_nccl_vs_seq']:6.3f}x {r['fo_ce_vs_seq']:6.3f}x {r['fo_vs_decomp']:6.3f}x "
+                     f"{r['fo_nccl_vs_seq']:6.3f}x {r['fo_ce_vs_seq']:6.3f}x {r['groups_push']:>4} "
+                     f"{r['fo_push_vs_seq']:6.3f}x {r['forced_push_vs_seq']:6.3f}x {r['fo_vs_decomp']:6.3f}x "
                      f"{r['best_forced_groups']:>6} {r['best_forced_vs_seq']:7.3f}x {r['max_rel_error']:8.1e}")
     for key, what in (("fo_vs_seq", "fo (backend auto) over sequential cuBLAS + NCCL all_to_all_single"),
                       ("fo_nccl_vs_seq", "fo_nccl (backend nccl) over sequential cuBLAS + NCCL all_to_all_single"),
                       ("fo_ce_vs_seq", "fo_ce (backend copy_engine) over sequential cuBLAS + NCCL all_to_all_single"),
+                      ("fo_push_vs_seq", "fo_push (backend push) over sequential cuBLAS + NCCL all_to_all_single"),
+                      ("forced_push_vs_seq", f"forced_push (backend push, {PUSH_GROUPS} groups) over sequential"),
                       ("fo_vs_decomp", "fo over decomposition"),
                       ("best_forced_vs_seq", "fastest forced group count (NCCL) over sequential")):
         g, lo = geo(rows, key)

@@ -57,7 +57,7 @@ def check_all(rank: int, world: int) -> list[tuple[str, str, float, int]]:
     for dname, dtype in DTYPES.items():
         errors = {"gemm_all_reduce": [], "gemm_all_reduce (copy engines)": [], "gemm_all_reduce (push)": [],
                   "gemm_reduce_scatter": [], "gemm_reduce_scatter (push)": [], "gemm_all_reduce_rmsnorm": [],
-                  "gemm_all_to_all": []}
+                  "gemm_all_to_all": [], "gemm_all_to_all (push)": []}
         # The push backend: 2 Hopper ranks only (the same on every rank).
         push = world == 2 and torch.cuda.get_device_capability()[0] == 9
         for i, (m, n, k) in enumerate(SHAPES):
@@ -96,14 +96,18 @@ def check_all(rank: int, world: int) -> list[tuple[str, str, float, int]]:
             sends = matrix[rank]
             recvs = [matrix[p][rank] for p in range(world)]
             xa, wa = inputs(seed + 1, rank, sum(sends), n, k, dtype)
-            poison((max(sum(recvs), 1), n), dtype)
-            out = flashoverlap.gemm_all_to_all(xa, wa, sends, recvs)
             parts = []
             for p in range(world):
                 xp, wp = inputs(seed + 1, p, sum(matrix[p]), n, k, dtype)
                 start = sum(matrix[p][:rank])
                 parts.append(xp[start:start + matrix[p][rank]].float() @ wp.float().T)
-            errors["gemm_all_to_all"].append(rel(out, torch.cat(parts)) if sum(recvs) else 0.0)
+            ref_a2a = torch.cat(parts)
+            for label, how in (("gemm_all_to_all", {}),
+                               *((("gemm_all_to_all (push)", dict(split_matrix=matrix, groups=4, backend="push")),)
+                                 if push else ())):
+                poison((max(sum(recvs), 1), n), dtype)
+                out = flashoverlap.gemm_all_to_all(xa, wa, sends, recvs, **how)
+                errors[label].append(rel(out, ref_a2a) if sum(recvs) else 0.0)
         results += [(op, dname, max(v), len(v)) for op, v in errors.items() if v]
     return results
 

@@ -133,3 +133,17 @@ def test_the_op_schema_takes_a_flat_matrix_on_meta_tensors() -> None:
     out = torch.ops.flashoverlap.gemm_all_to_all(x, w, [70, 7], [3, 100], "any-name", None, None, [70, 7, 3, 100])
     assert tuple(out.shape) == (103, 48)
     assert flashoverlap.ops.DEFAULT_A2A_GROUPS == 4
+
+
+def test_push_is_planned_on_two_ranks_only() -> None:
+    # Pushed, the rows cross NVLink inside the GEMM: a big skewed routing overlaps, and no group
+    # pays the NCCL exchange's per-group cost.
+    matrix = [[3 * 8192 // 5, 2 * 8192 // 5], [3 * 8192 // 5, 2 * 8192 // 5]]
+    push = plan_gemm_all_to_all(matrix, 8192, 4096, backend="push")
+    nccl = plan_gemm_all_to_all(matrix, 8192, 4096, backend="nccl")
+    assert push.schedule == "overlap" and push.groups > 1
+    assert push.predicted_us[push.groups] < nccl.predicted_us[nccl.groups]
+    with pytest.raises(ValueError, match="backend: 'push' runs on exactly 2 ranks"):
+        plan_gemm_all_to_all(skewed(4, 4), 8192, 4096, backend="push")
+    with pytest.raises(ValueError, match="backend: expected"):
+        plan_gemm_all_to_all(matrix, 8192, 4096, backend="peer")

@@ -131,16 +131,17 @@ def test_chunks_take_quarters_of_each_destinations_block() -> None:
     assert a2a.offsets([3, 0, 5]) == [0, 3, 3]
 
 
-def _times(seq=1000.0, fo=800.0, decomp=900.0, fo_nccl=850.0, fo_ce=640.0):
+def _times(seq=1000.0, fo=800.0, decomp=900.0, fo_nccl=850.0, fo_ce=640.0, fo_push=500.0, forced_push=400.0):
     times = {v: 100.0 for v in a2a.VARIANTS}
     times.update(seq=seq, fo=fo, fo_nccl=fo_nccl, fo_ce=fo_ce, decomp=decomp, fo_g2=950.0, fo_g4=850.0, fo_g8=870.0,
-                 fo_g16=990.0)
-    return times
+                 fo_g16=990.0, fo_push=fo_push, forced_push=forced_push)
+    # A variant that could not run (push off 2 Hopper ranks) has no time.
+    return {k: v for k, v in times.items() if v is not None}
 
 
 def _facts(errors=None):
     return {"matrix": [[819, 1229], [819, 1229]], "groups_nccl": 4, "predicted_nccl_us": 700.0, "groups_ce": 0,
-            "predicted_ce_us": 650.0, "predicted_seq_us": 900.0,
+            "predicted_ce_us": 650.0, "predicted_seq_us": 900.0, "groups_push": 3,
             "errors": errors or {"seq": 2e-3, "fo": 3e-3, "fo_nccl": 3e-3, "fo_ce": 2e-3, "decomp": 2e-3}}
 
 
@@ -151,6 +152,8 @@ def test_row_ratios_and_the_fastest_forced_count() -> None:
     assert row["fo_nccl_vs_seq"] == pytest.approx(1000.0 / 850.0)
     assert row["fo_ce_vs_seq"] == pytest.approx(1000.0 / 640.0)
     assert row["fo_vs_decomp"] == pytest.approx(1.125)
+    assert row["fo_push_vs_seq"] == pytest.approx(2.0) and row["forced_push_vs_seq"] == pytest.approx(2.5)
+    assert row["groups_push"] == 3
     # Both backends' predictions, sequential's beside them.
     assert (row["groups_nccl"], row["predicted_nccl_us"], row["groups_ce"], row["predicted_ce_us"],
             row["predicted_seq_us"]) == (4, 700.0, 0, 650.0, 900.0)
@@ -188,6 +191,16 @@ def test_table_prints_every_case_and_the_geometric_means() -> None:
         over_seq = next(line for line in lines if line.startswith(f"{name} over sequential"))
         assert f"geometric mean {math.sqrt(means[0] * means[1]):.3f}x, min {min(means):.3f}x" in over_seq
     assert not any("WRONG RESULT" in line for line in lines)
+
+
+def test_push_columns_are_nan_where_push_cannot_run() -> None:
+    row = a2a.make_row((2048, 8192, 4096), 4, "skewed", _times(fo_push=None, forced_push=None),
+                       {**_facts(), "groups_push": 0})
+    assert math.isnan(row["fo_push_us"]) and math.isnan(row["fo_push_vs_seq"])
+    meta = {"world_size": 4, "gpu": "NVIDIA H200", "routing": "skewed", "date": "today", "command": "python x"}
+    lines = a2a.table([row], meta, "bfloat16")
+    push = next(line for line in lines if line.startswith("fo_push (backend push) over sequential"))
+    assert "geometric mean nan" in push
 
 
 def test_default_output_is_the_name_e1_reads_and_uniform_stays_apart() -> None:

@@ -117,13 +117,16 @@ def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = t
     """The group count gemm_all_to_all picks for ``split_matrix`` (matrix[p][q]: rows rank p sends
     rank q; the same on every rank, so that every rank picks the same count) with weights [n, k],
     on a device with ``sms`` multiprocessors (default: an H200). The model takes the slowest
-    rank's GEMM and the busiest rank's links for each group. backend: "nccl" or "copy_engine"
-    (which leaves the GEMM every SM unless reserved_sms says otherwise). Needs no GPU."""
+    rank's GEMM and the busiest rank's links for each group. backend: "nccl", "copy_engine"
+    (which leaves the GEMM every SM unless reserved_sms says otherwise) or "push" (2 ranks; its
+    constants are estimates, not yet fitted on 2 GPUs). Needs no GPU."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
-    if backend not in ("nccl", "copy_engine"):
-        raise ValueError(f"backend: expected 'nccl' or 'copy_engine', got {backend!r}")
+    if backend not in ("nccl", "copy_engine", "push"):
+        raise ValueError(f"backend: expected 'nccl', 'copy_engine' or 'push', got {backend!r}")
     matrix = check_split_matrix(split_matrix)
+    if backend == "push" and len(matrix) != 2:
+        raise ValueError(f"backend: 'push' runs on exactly 2 ranks, split_matrix has {len(matrix)}")
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
     for name, value, least in (("n", n, 1), ("k", k, 1), ("sms", sms, 1), ("reserved_sms", reserved_sms, 0)):
         if value is None and name == "reserved_sms":
