@@ -5,6 +5,9 @@
 //! Layout of rank R's buffer (`PeerLayout`):
 //!   word q (q < MAX_PEER_WORLD)        free[q]: rank q's slot for R's data is
 //!                                      free (q reduced R's previous call)
+//!   word 8 + q                         taken[q]: rank q took back (reset) the
+//!                                      free[R] word in its buffer for its call:
+//!                                      R may hand it back (push backend)
 //!   word 64 + g * 8 + q                ready[g][q]: rank q copied group g into
 //!                                      R's slot for q
 //!   word 64 + 8192 + g * 8 + q         gathered[g][q]: rank q copied its sum of
@@ -14,7 +17,7 @@
 //!                                      rank, laid out like the output
 //! Flags are set by the peer's stream (a stream memory write after its copy,
 //! no kernel) and reset by the waiter right after its wait, so every call
-//! leaves them as it found them (free = 1, ready = gathered = 0) and CUDA-graph replays
+//! leaves them as it found them (free = 1, ready = gathered = taken = 0) and CUDA-graph replays
 //! see the same state each time.
 
 use crate::cuda::driver::check;
@@ -29,6 +32,10 @@ pub const MAX_PEER_GROUPS: usize = 1024;
 pub const IPC_HANDLE_BYTES: usize = 64;
 const FREE_WORDS: usize = 64;
 const FLAG_BYTES: u64 = 128 * 1024;
+const _: () = assert!(
+    2 * MAX_PEER_WORLD <= FREE_WORDS,
+    "free and taken flags share the first words"
+);
 const _: () = assert!(
     ((FREE_WORDS + 2 * MAX_PEER_GROUPS * MAX_PEER_WORLD) * 4) as u64 <= FLAG_BYTES,
     "the flags must fit before the slots"
@@ -62,6 +69,16 @@ impl PeerLayout {
     pub fn free_flag(&self, base: u64, from: usize) -> u64 {
         debug_assert!(from < self.world);
         base + 4 * from as u64
+    }
+
+    /// The word rank `from` sets in `base`'s buffer once it reset its own
+    /// free flag for `base`'s rank in a call: a free flag is handed back only
+    /// after it was taken, so that two grants never merge into one (a rank
+    /// that receives nothing in a call has no other sign that its peer's
+    /// call began).
+    pub fn taken_flag(&self, base: u64, from: usize) -> u64 {
+        debug_assert!(from < self.world);
+        base + 4 * (MAX_PEER_WORLD + from) as u64
     }
 
     /// The word rank `from` sets in `base`'s buffer once it copied group `group` there.

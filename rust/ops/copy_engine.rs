@@ -515,8 +515,8 @@ pub fn enqueue(
 /// flag), sums (or, for an All-to-All, copies the rows that landed in the
 /// slot and this rank's own into the output: local copies), and runs `after`:
 ///
-/// Caller S:       wait(free) [fork] GEMM (stores, pushes, counts)        [join]
-/// Reduce stream R:          wait(c0) wait(ready g0) reduce(g0) ... set(free at peer)
+/// Caller S:       wait(free) set(taken at peer) [fork] GEMM (stores, pushes, counts)       [join]
+/// Reduce stream R:     wait(c0) wait(ready g0) reduce(g0) ... wait(taken) set(free at peer)
 pub fn enqueue_pushed(
     comm: &Communicator,
     call: &Call,
@@ -549,10 +549,15 @@ pub fn enqueue_pushed(
     }
     let reduces = comm.reduce_stream.0;
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
-    // The GEMM writes into the peer's slot for this rank from its first tile.
+    // The GEMM writes into the peer's slot for this rank from its first
+    // tile. Taking the grant is acknowledged: the peer hands the next one
+    // only after that, or a peer that waits for no push from this rank could
+    // grant again before this reset and the two grants would merge into one
+    // (a hang one call later).
     let free = layout.free_flag(peer.bases[me], other);
     stream::wait_geq(caller, free, 1)?;
     stream::write(caller, free, 0)?;
+    stream::write(caller, layout.taken_flag(peer.bases[other], me), 1)?;
     comm.fork.order(caller, reduces)?;
     // Offsets into the slot are those into the GEMM's store buffer
     // ([`Exchange::slot_offset`]), so the slot is laid out like it.
@@ -578,7 +583,11 @@ pub fn enqueue_pushed(
         }
         after(g, reduces)?;
     }
-    // Every pushed tile of this call is summed: the peer may push again.
+    // Every pushed tile of this call is consumed and the peer took the
+    // previous grant: it may push again.
+    let taken = layout.taken_flag(peer.bases[me], other);
+    stream::wait_geq(reduces, taken, 1)?;
+    stream::write(reduces, taken, 0)?;
     stream::write(reduces, layout.free_flag(peer.bases[other], me), 1)?;
     comm.reduce_join.order(reduces, caller)
 }

@@ -967,6 +967,42 @@ def push_refused(rank: int, world: int, seed: int) -> dict:
     return {"seen": seen}
 
 
+def a2a_push_one_way(rank: int, world: int, seed: int, calls: int = 12) -> dict:
+    """Back-to-back push All-to-Alls cycling through: neither rank sends the other anything; rank 1
+    sends rank 0 rows, rank 0 sends rank 1 none; both send. Rank 0 lags on the host before each
+    call, so rank 1, waiting for no push in the first two, runs ahead and hands rank 0 its next
+    slot grant before rank 0 took the last one. Grants must still be taken one at a time: two
+    merged into one leave rank 0 waiting for a grant that rank 1 gives only after rank 0's pushes
+    of the third call (a hang). Every output must be right."""
+    import time
+
+    import torch
+
+    import flashoverlap
+
+    device = device_of(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    n, k = 1024, 256
+    outs, refs = [], []
+    for i in range(calls):
+        matrix = ([[300, 0], [0, 100]], [[300, 0], [200 + i, 100]], [[300, 50 + i], [200, 100]])[i % 3]
+        sends, recvs = matrix[rank], [matrix[p][rank] for p in range(world)]
+        x, w = make_inputs(seed + i, rank, (sum(sends),), n, k, torch.bfloat16, device)
+        if rank == 0:
+            time.sleep(0.05)
+        outs.append(flashoverlap.gemm_all_to_all(x, w, sends, recvs, split_matrix=matrix, groups=2, backend="push"))
+        parts = []
+        for p in range(world):
+            xp, wp = make_inputs(seed + i, p, (sum(matrix[p]),), n, k, torch.bfloat16, device)
+            start = sum(matrix[p][:rank])
+            parts.append(xp[start:start + matrix[p][rank]].float() @ wp.float().T)
+        refs.append(torch.cat(parts))
+    failures = [e for e in (mismatch(o, r, f"rank {rank} call {i}") for i, (o, r) in enumerate(zip(outs, refs))) if e]
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return {"calls": calls}
+
+
 def load_calls(rank: int, world: int) -> dict:
     """bench.load_calls on every rank, each asking a different duration: all get the largest count."""
     from flashoverlap import bench
@@ -997,6 +1033,7 @@ TARGETS = {
     "plain_collectives": plain_collectives,
     "without_nccl": without_nccl,
     "a2a_cases": a2a_cases,
+    "a2a_push_one_way": a2a_push_one_way,
     "rmsnorm_cases": rmsnorm_cases,
     "rs_cases": rs_cases,
     "cases": cases,

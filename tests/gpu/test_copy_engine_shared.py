@@ -131,6 +131,14 @@ def test_gemm_all_to_all_push(tmp_path: Path) -> None:
     assert all(r["cases"] == 6 for r in results)
 
 
+# A rank that receives no push has no sign that its peer's call began: it must still not hand the
+# slot back twice before the peer took the first grant (merged grants hang a later call; before
+# the taken flags this test timed out).
+def test_push_grants_are_taken_one_at_a_time(tmp_path: Path) -> None:
+    results = run_workers(tmp_path, "a2a_push_one_way", 2, timeout_s=90, seed=SEED + 36, shared=True)
+    assert all(r["calls"] == 12 for r in results)
+
+
 def test_without_nccl(tmp_path: Path) -> None:
     (result, _) = run_workers(tmp_path, "without_nccl", 2, seed=SEED + 4, shared=True)
     assert "without NCCL" in result["refused"]
