@@ -25,6 +25,7 @@ use super::copy_engine::{self, Group, Moves, Piece};
 use super::gemm::{self, GemmArgs, Signals};
 use super::gemm_all_reduce::{check_push, Backend, Machine, NCCL_RESERVED_SMS};
 use crate::comm::communicator::Communicator;
+use crate::comm::peer::PeerBuffers;
 use crate::cuda::driver;
 use crate::cuda::kernels::GemmKernel;
 use crate::cuda::stream::{self, RawStream};
@@ -271,8 +272,9 @@ pub fn gemm_all_to_all(
     match opts.backend {
         Backend::Peer => Err(Backend::peer_unsupported("gemm_all_to_all")),
         Backend::Nccl => enqueue_nccl(comm, &plan, args, buffers, caller, || launch(&signals)),
-        Backend::Push => {
+        Backend::Push | Backend::CopyEngine => {
             let bm = u64::from(gemm::tile_shape(kernel).bm);
+            let pushed = opts.backend == Backend::Push;
             let groups = moves(
                 &plan,
                 args,
@@ -280,51 +282,26 @@ pub fn gemm_all_to_all(
                 me,
                 send_splits,
                 recv_splits,
-                Some(bm),
+                pushed.then_some(bm),
             );
             copy_engine::check_groups(&groups)?;
-            let peer = copy_engine::peer_buffers(comm, &groups)?;
-            // Whole bands of every segment, both ways; the slot's map needs a row.
-            let other = 1 - me;
-            let count = plan.groups.len() as u32;
-            let push_rows = pushed_segments(send_splits[other], count, bm).1.max(bm);
-            let rows = push_rows.max(pushed_segments(recv_splits[other], count, bm).1);
-            let needs = rows * u64::from(args.n) * args.dtype.bytes() as u64;
-            if peer.layout.slot_bytes < needs {
-                return Err(Error::Invalid(format!(
-                    "backend: the push All-to-All needs {needs} bytes per slot, communicator {:?} has {}; \
-                     the flashoverlap ops grow them (collectively) before the call",
-                    comm.name, peer.layout.slot_bytes
-                )));
+            if !pushed {
+                comm.ensure_group_events(groups.len())?;
             }
-            let call = copy_engine::Call {
-                peer: &peer,
-                reducer: None,
-                signals: Some(&signals),
-                groups: &groups,
-                reduce_ctas: 0,
-            };
-            copy_engine::enqueue_gemm(
-                comm,
-                &call,
-                caller,
-                Some(push_rows as u32),
-                launch,
-                |_, _| Ok(()),
-            )
-        }
-        Backend::CopyEngine => {
-            let groups = moves(
-                &plan,
-                args,
-                buffers.send,
-                me,
-                send_splits,
-                recv_splits,
-                None,
-            );
-            comm.ensure_group_events(groups.len())?;
             let peer = copy_engine::peer_buffers(comm, &groups)?;
+            let push_rows = if pushed {
+                Some(pushed_slot_rows(
+                    comm,
+                    &peer,
+                    args,
+                    send_splits,
+                    recv_splits,
+                    plan.groups.len() as u32,
+                    bm,
+                )?)
+            } else {
+                None
+            };
             let call = copy_engine::Call {
                 peer: &peer,
                 reducer: None,
@@ -332,9 +309,36 @@ pub fn gemm_all_to_all(
                 groups: &groups,
                 reduce_ctas: 0,
             };
-            copy_engine::enqueue(comm, &call, caller, || launch(&signals), |_, _| Ok(()))
+            copy_engine::enqueue_gemm(comm, &call, caller, push_rows, launch, |_, _| Ok(()))
         }
     }
+}
+
+/// The rows of the peer's slot a pushed call's GEMM stores into (whole
+/// bands of every segment; at least one band, which the slot's tensor map
+/// needs), checked against the slots both ways.
+fn pushed_slot_rows(
+    comm: &Communicator,
+    peer: &PeerBuffers,
+    args: &GemmArgs,
+    send_splits: &[u64],
+    recv_splits: &[u64],
+    groups: u32,
+    bm: u64,
+) -> Result<u32> {
+    let other = 1 - comm.rank as usize;
+    let push_rows = pushed_segments(send_splits[other], groups, bm).1.max(bm);
+    let rows = push_rows.max(pushed_segments(recv_splits[other], groups, bm).1);
+    let needs = rows * u64::from(args.n) * args.dtype.bytes() as u64;
+    if peer.layout.slot_bytes < needs {
+        return Err(Error::Invalid(format!(
+            "backend: the push All-to-All needs {needs} bytes per slot, communicator {:?} has {}; \
+             the flashoverlap ops grow them (collectively) before the call",
+            comm.name, peer.layout.slot_bytes
+        )));
+    }
+    u32::try_from(push_rows)
+        .map_err(|_| Error::Invalid(format!("backend: {push_rows} pushed rows, more than 2**32")))
 }
 
 /// Each group's exchange on the copy engines: the rows for peer p go to
