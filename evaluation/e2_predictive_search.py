@@ -2,7 +2,8 @@
 measurement, on all local GPUs, for GEMM + AllReduce, GEMM + ReduceScatter, GEMM + All-to-All and
 GEMM + AllReduce + residual + RMSNorm.
 
-Every op runs on one communication backend, --backend (default nccl, or copy_engine): its
+Every op runs on one communication backend, --backend (default nccl, copy_engine, or push: 2
+Hopper GPUs only, where its estimated constants get their first check): its
 candidates, its predictions and its auto reference alike, so that a case compares partitions and
 never backends (the backend "auto" would otherwise pick per shape). For each case (op, M x N x K)
 the candidates are partitions of the GEMM into wave groups:
@@ -20,7 +21,7 @@ the candidates are partitions of the GEMM into wave groups:
                   plans are plan_of(..., fused_norm=True)); its sequential schedule is the op's
                   own (mode="sequential": cuBLAS, the collective, one fused add-RMSNorm kernel),
                   which is what the predictor's sequential time models
-  all_to_all      flashoverlap.gemm_all_to_all(groups=G, backend=B; with copy_engine also
+  all_to_all      flashoverlap.gemm_all_to_all(groups=G, backend=B; with copy_engine and push also
                   split_matrix=, from which every rank sizes its staging slots alike), G in 1, 2,
                   3, 4, 6, 8, 12, 16 and the predictor's G, at most 8 (the op keeps the tables of 8
                   routings: more interleaved group counts would rebuild them on every call and
@@ -60,11 +61,11 @@ evaluated); --quick is a smoke run (4 small cases, few iterations, not exhaustiv
 Writes <out>.csv (one row per case and candidate), <out>.json (environment with the backend, and
 summary), <out>.txt (the printed table) and a CDF of the prediction error,
 e2_prediction_error_cdf_<gpu>x<world>.png, beside them (needs matplotlib; skipped with a note
-without it). With --backend copy_engine the default names end in _copy_engine (before any _quick),
-so that the two backends' results sit side by side.
+without it). With --backend copy_engine (push) the default names end in _copy_engine (_push),
+before any _quick, so that the backends' results sit side by side.
 
     python evaluation/e2_predictive_search.py [--world-size 2] [--cases default|all|quick|OP:MxNxK ...]
-        [--backend nccl|copy_engine] [--no-exhaustive | --quick] [--iters 30] [--warmup 5]
+        [--backend nccl|copy_engine|push] [--no-exhaustive | --quick] [--iters 30] [--warmup 5]
         [--dtype bfloat16] [--out PATH]
 """
 
@@ -102,7 +103,7 @@ A2A_TABLES_KEPT = 8
 MAX_CANDIDATES = 12
 # --backend: one backend per run, never "auto" (it picks per shape, and could mix backends among
 # the candidates of one case).
-BACKENDS = ("nccl", "copy_engine")
+BACKENDS = ("nccl", "copy_engine", "push")
 
 ERROR_BAR = 0.05
 MEAN_RATIO_BAR = 0.99
@@ -203,10 +204,11 @@ def skewed_split_matrix(world: int, rows: int) -> list[list[int]]:
 
 def a2a_backend_options(backend: str, matrix: Sequence[Sequence[int]]) -> dict:
     """The keyword arguments pinning a gemm_all_to_all candidate (groups=G) to `backend`: the
-    copy engines also need the whole routing, from which every rank sizes its staging slots alike."""
+    copy engines and push also need the whole routing, from which every rank sizes its staging
+    slots alike."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    return {"backend": backend, "split_matrix": matrix} if backend == "copy_engine" else {"backend": backend}
+    return {"backend": backend, "split_matrix": matrix} if backend != "nccl" else {"backend": backend}
 
 
 def output_paths(gpu_name: str, world: int, dtype: str, backend: str, quick: bool,
@@ -706,7 +708,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls per candidate and round (default 5; "
                                                             "--quick: 2)")
     p.add_argument("--out", default=None, help="path without extension (default: evaluation/results/"
-                                               "e2_predictive_search_<gpu>x<world>_<dtype>[_copy_engine][_quick])")
+                                               "e2_predictive_search_<gpu>x<world>_<dtype>[_copy_engine|_push][_quick])")
     return p
 
 
@@ -726,6 +728,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         raise SystemExit("E2 needs CUDA GPUs; none is visible")
     world = args.world_size or torch.cuda.device_count()
+    if args.backend == "push" and (world != 2 or torch.cuda.get_device_capability(0)[0] != 9):
+        raise SystemExit(f"--backend push: runs on exactly 2 Hopper GPUs; this run has {world} x "
+                         f"{torch.cuda.get_device_name(0)}")
     out, png = output_paths(torch.cuda.get_device_name(0), world, args.dtype, args.backend, args.quick, args.out)
     os.environ.update(bench.SAFE_ENV)
     started = time.monotonic()

@@ -18,6 +18,7 @@
 #   e1     e1_correctness.py (issues 4, 8)                        [14]
 #   e2     e2_predictive_search.py, NCCL (issue 5)                [67]
 #   e2ce   e2_predictive_search.py --backend copy_engine          [67]
+#   e2push e2_predictive_search.py --backend push (its estimated constants' first check; then refit them with e2_replay) [~70]
 #   tune   flashoverlap tune, 2-GPU collective curves (issue 5) [72]
 #   first  first_call_latency.py --world-size 2 (issue 5)         [13]
 #   argather  bench_gemm_ar.py with FLASHOVERLAP_CE_ALLREDUCE=gather (the copy engines' AllReduce as ReduceScatter + AllGather on 2 ranks) [40]
@@ -28,7 +29,8 @@
 # The 2x H200 curves ship in the package (NCCL 2.28.9): `tune` is needed
 # only under another NCCL version. With ~30 minutes of 2-GPU time (a machine
 # start takes a few): ar rs a2a arn norm coll first in one call, then e2 e2ce
-# e1 argather collgather normcfg arns4, then tests.
+# e1 argather collgather normcfg arns4, then tests. The push backend (unmeasured
+# on 2 GPUs so far) is timed inside ar, rs, a2a, arn and e1; e2push checks its model.
 # After `e2` (and `tune`), the predictor can be refitted on any machine:
 #   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
 # (the profile `tune` wrote in $FLASHOVERLAP_CACHE_DIR/profiles-v1/ to replay with it).
@@ -60,6 +62,7 @@ part_command() {
     e1) echo "timeout 300 python $here/e1_correctness.py --world-size 2 --out $out/e1_correctness_h200x2.txt" ;;
     e2) echo "timeout 570 python $here/e2_predictive_search.py --world-size 2 --out $out/e2_predictive_search_h200x2" ;;
     e2ce) echo "timeout 570 python $here/e2_predictive_search.py --world-size 2 --backend copy_engine --out $out/e2_predictive_search_ce_h200x2" ;;
+    e2push) echo "timeout 570 python $here/e2_predictive_search.py --world-size 2 --backend push --out $out/e2_predictive_search_push_h200x2" ;;
     # Into the cache dir, where every later part's planner finds it (the GEMM times of the 16
     # shapes ship in the bundled one-GPU profile), then a copy under OUTDIR.
     tune) echo "timeout 570 flashoverlap tune --world-size 2 --ops all_reduce,reduce_scatter,all_to_all && cp \"\$(python -c 'from flashoverlap import profiles; print(profiles.cache_dir())')\"/*-w2-*.json $out/" ;;
