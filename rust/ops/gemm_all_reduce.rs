@@ -291,19 +291,24 @@ const PUSH_FIXED_US: f64 = 10.0;
 /// AllReduce's group bytes, half a ReduceScatter's): its bytes cross NVLink
 /// inside the GEMM, so what follows a group is the sum on the reserved SMs,
 /// at the copy-engine sums' fitted rates (see [`copy_engine_gbps`]: an
-/// AllReduce sums the whole group, a ReduceScatter its own chunk), capped by
-/// what the links gave NCCL (~360 GB/s), since the last pushes trail the
-/// GEMM's last tiles. An All-to-All sums nothing (its landing copies are
-/// local, on the copy engines): the links' rate.
+/// AllReduce sums the whole group, one output byte per bus byte, at ~80 / 3
+/// per CTA; a ReduceScatter its own chunk, also one per bus byte, at
+/// ~70 / 3), capped by what the links gave NCCL (~360 GB/s), since the last
+/// pushes trail the GEMM's last tiles. An All-to-All sums nothing (its
+/// landing copies are local, ~1.9 TB/s of copy traffic beside a GEMM:
+/// evaluation/bench_land_copy.py): the links' rate.
 fn push_gbps(kind: CollectiveKind, reserved: u32) -> f64 {
     let ctas = f64::from(reserved.clamp(1, copy_engine::MAX_REDUCE_CTAS));
     let sums = match kind {
         CollectiveKind::ReduceScatter => ctas * 70.0 / 3.0,
-        CollectiveKind::AllToAll => return 360.0,
-        CollectiveKind::AllReduce => ctas * 80.0 / 3.0 * 2.0,
+        CollectiveKind::AllToAll => return PUSH_LINK_GBPS,
+        CollectiveKind::AllReduce => ctas * 80.0 / 3.0,
     };
-    sums.min(360.0)
+    sums.min(PUSH_LINK_GBPS)
 }
+
+/// What NVLink gave NCCL on 2x H200, the most any push group's bytes move at.
+const PUSH_LINK_GBPS: f64 = 360.0;
 
 /// Where a call is planned: the device, the backend and SMs left to it.
 #[derive(Debug, Clone, Copy)]
@@ -1046,6 +1051,30 @@ mod tests {
             k,
             dtype: Dtype::Bf16,
         }
+    }
+
+    /// Push sums the same bytes with the same kernel as the copy-engine
+    /// AllReduce on 2 ranks, so its rate cannot beat the copy engines' sums,
+    /// nor the ~29 K output bytes per us one CTA sums beside a GEMM
+    /// (evaluation/results/peer_reduce_h200.txt) by much; it only skips the copies.
+    #[test]
+    fn push_sums_no_faster_than_the_reduction_kernel() {
+        let (ar, rs) = (CollectiveKind::AllReduce, CollectiveKind::ReduceScatter);
+        for reserved in 1..=copy_engine::MAX_REDUCE_CTAS {
+            let ctas = f64::from(reserved);
+            for kind in [ar, rs] {
+                let push = push_gbps(kind, reserved);
+                assert!(
+                    push <= 30.0 * ctas + 1e-9,
+                    "{kind:?} on {reserved} CTAs: {push}"
+                );
+                assert!(
+                    push >= copy_engine_gbps(kind, reserved, 2) - 1e-9,
+                    "{kind:?} on {reserved}"
+                );
+            }
+        }
+        assert_eq!(push_gbps(CollectiveKind::AllToAll, 4), PUSH_LINK_GBPS);
     }
 
     #[test]
