@@ -295,8 +295,8 @@ const PUSH_FIXED_US: f64 = 10.0;
 /// per CTA; a ReduceScatter its own chunk, also one per bus byte, at
 /// ~70 / 3), capped by what the links gave NCCL (~360 GB/s), since the last
 /// pushes trail the GEMM's last tiles. An All-to-All sums nothing (its
-/// landing copies are local, ~1.9 TB/s of copy traffic beside a GEMM:
-/// evaluation/bench_land_copy.py): the links' rate.
+/// landing copies are local, 1.3-1.8 TB/s of copy traffic beside a GEMM:
+/// evaluation/results/bench_land_copy_h200.txt): the links' rate.
 fn push_gbps(kind: CollectiveKind, reserved: u32) -> f64 {
     let ctas = f64::from(reserved.clamp(1, copy_engine::MAX_REDUCE_CTAS));
     let sums = match kind {
