@@ -30,7 +30,7 @@
 //! the reduce stream copies what each peer staged into the output rows
 //! where it belongs (copy engines again: no sum, no SM).
 
-use super::gemm::Signals;
+use super::gemm::{Prepared, Signals};
 use crate::comm::communicator::Communicator;
 use crate::comm::peer::{PeerBuffers, MAX_PEER_GROUPS};
 use crate::cuda::kernels::{self, Kernel, PEER_REDUCE_THREADS};
@@ -506,9 +506,11 @@ pub fn enqueue(
 /// The push backend's version of [`enqueue`] (2 ranks; every group a
 /// [`Group::Sum`], an AllReduce's whole group or a ReduceScatter's chunks,
 /// or a [`Group::Move`], an All-to-All's rows): no copy to the peer, no
-/// copy stream. The GEMM (`launch_gemm(push, push_flags)`, given where to
-/// store the tiles it pushes and the peer's ready flags to count them in)
-/// writes them into the peer's slot itself, so the caller's stream first
+/// copy stream. The GEMM (`prepare_gemm(push, push_flags)`, given where to
+/// store the tiles it pushes and the peer's ready flags to count them in;
+/// prepared before anything is enqueued, since a failure inside the
+/// handshake would leave the peer waiting; None: no GEMM, no tile on this
+/// rank) writes them into the peer's slot itself, so the caller's stream first
 /// waits for that slot to be free (the peer consumed this rank's previous
 /// call); per group the reduce stream waits for this rank's own tiles (the
 /// GEMM's counter) and the peer's (its pushes, counted in this rank's ready
@@ -517,11 +519,11 @@ pub fn enqueue(
 ///
 /// Caller S:       wait(free) set(taken at peer) [fork] GEMM (stores, pushes, counts)       [join]
 /// Reduce stream R:     wait(c0) wait(ready g0) reduce(g0) ... wait(taken) set(free at peer)
-pub fn enqueue_pushed(
+pub fn enqueue_pushed<'g>(
     comm: &Communicator,
     call: &Call,
     caller: RawStream,
-    launch_gemm: impl FnOnce(u64, u64) -> Result<()>,
+    prepare_gemm: impl FnOnce(u64, u64) -> Result<Option<Prepared<'g>>>,
     mut after: impl FnMut(usize, RawStream) -> Result<()>,
 ) -> Result<()> {
     let peer = call.peer;
@@ -554,15 +556,18 @@ pub fn enqueue_pushed(
     // only after that, or a peer that waits for no push from this rank could
     // grant again before this reset and the two grants would merge into one
     // (a hang one call later).
+    // Offsets into the slot are those into the GEMM's store buffer
+    // ([`Exchange::slot_offset`]), so the slot is laid out like it.
+    let slot = layout.slot(peer.bases[other], other, me);
+    let gemm = prepare_gemm(slot, layout.ready_flag(peer.bases[other], 0, me))?;
     let free = layout.free_flag(peer.bases[me], other);
     stream::wait_geq(caller, free, 1)?;
     stream::write(caller, free, 0)?;
     stream::write(caller, layout.taken_flag(peer.bases[other], me), 1)?;
     comm.fork.order(caller, reduces)?;
-    // Offsets into the slot are those into the GEMM's store buffer
-    // ([`Exchange::slot_offset`]), so the slot is laid out like it.
-    let slot = layout.slot(peer.bases[other], other, me);
-    launch_gemm(slot, layout.ready_flag(peer.bases[other], 0, me))?;
+    if let Some(gemm) = gemm {
+        gemm.enqueue(caller)?;
+    }
     for (g, group) in call.groups.iter().enumerate() {
         let counter = signals.counter(g);
         stream::wait_geq(reduces, counter, group.tiles())?;
@@ -592,29 +597,35 @@ pub fn enqueue_pushed(
     comm.reduce_join.order(reduces, caller)
 }
 
-/// Enqueues an overlapped op's GEMM (`launch_gemm(signals)`) and its groups
-/// on one node: moved by the copy engines ([`enqueue`]), or with
-/// `pushed = Some(push_rows)` by the GEMM itself ([`enqueue_pushed`], its
-/// launch given `call.signals` plus where to push: see [`Signals::push`]).
-pub fn enqueue_gemm(
+/// Enqueues an overlapped op's GEMM (`prepare_gemm(signals)`, None where
+/// this rank computes no tile) and its groups on one node: moved by the copy
+/// engines ([`enqueue`]), or with `pushed = Some(push_rows)` by the GEMM
+/// itself ([`enqueue_pushed`], its launch given `call.signals` plus where to
+/// push: see [`Signals::push`]). The launch is prepared (and checked) before
+/// anything is enqueued.
+pub fn enqueue_gemm<'g>(
     comm: &Communicator,
     call: &Call,
     caller: RawStream,
     pushed: Option<u32>,
-    launch_gemm: impl FnOnce(&Signals) -> Result<()>,
+    prepare_gemm: impl FnOnce(&Signals) -> Result<Option<Prepared<'g>>>,
     after: impl FnMut(usize, RawStream) -> Result<()>,
 ) -> Result<()> {
     let signals = call.signals.ok_or_else(|| {
         Error::Invalid("internal: an overlapped op without the GEMM's counters".into())
     })?;
     match pushed {
-        None => enqueue(comm, call, caller, || launch_gemm(signals), after),
+        None => {
+            let gemm = prepare_gemm(signals)?;
+            let launch = || gemm.map_or(Ok(()), |g| g.enqueue(caller));
+            enqueue(comm, call, caller, launch, after)
+        }
         Some(push_rows) => enqueue_pushed(
             comm,
             call,
             caller,
             |push, push_flags| {
-                launch_gemm(&Signals {
+                prepare_gemm(&Signals {
                     push,
                     push_flags,
                     push_rows,

@@ -9,6 +9,7 @@ use crate::cuda::tensor_map;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::{self, GroupPartition, OutputTiles, TileOrder, TileShape};
+use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -156,14 +157,108 @@ pub fn launch(
     ctas: u32,
     stream: RawStream,
 ) -> Result<()> {
-    let (mut c, mut m, mut n, mut k) = (args.out, args.m as i32, args.n as i32, args.k as i32);
-    let (mut order, mut group, mut counters) =
-        (signals.tile_order, signals.tile_group, signals.counters);
-    let mut staged = i32::from(signals.staging != 0);
-    let mut row_table = signals.row_table;
+    prepare(gemm, args, signals, ctas)?.enqueue(stream)
+}
+
+/// The scalar and pointer parameters both kernels take after their operands.
+struct Tail {
+    c: u64,
+    m: i32,
+    n: i32,
+    k: i32,
+    order: u64,
+    group: u64,
+    counters: u64,
+    count: i32,
+    staged: i32,
+    row_table: u64,
+}
+
+// One per launch and short-lived: the maps stay inline rather than boxed.
+#[allow(clippy::large_enum_variant)]
+enum Operands {
+    Sm80 {
+        a: u64,
+        b: u64,
+    },
+    Sm90 {
+        a: sys::CUtensorMap,
+        b: sys::CUtensorMap,
+        out: sys::CUtensorMap,
+        peer: sys::CUtensorMap,
+        push_flags: u64,
+    },
+}
+
+/// A GEMM launch with every parameter made and checked (tensor maps
+/// encoded), so that what can fail has failed before anything is enqueued:
+/// the push backend prepares it before its cross-GPU handshake.
+pub struct Prepared<'a> {
+    gemm: &'a LoadedGemm,
+    grid: u32,
+    tail: Tail,
+    operands: Operands,
+}
+
+impl Prepared<'_> {
+    /// Enqueues the launch on `stream`.
+    pub fn enqueue(mut self, stream: RawStream) -> Result<()> {
+        let t = &mut self.tail;
+        let tail: [*mut c_void; 10] = [
+            (&mut t.c as *mut u64).cast(),
+            (&mut t.m as *mut i32).cast(),
+            (&mut t.n as *mut i32).cast(),
+            (&mut t.k as *mut i32).cast(),
+            (&mut t.order as *mut u64).cast(),
+            (&mut t.group as *mut u64).cast(),
+            (&mut t.counters as *mut u64).cast(),
+            (&mut t.count as *mut i32).cast(),
+            (&mut t.staged as *mut i32).cast(),
+            (&mut t.row_table as *mut u64).cast(),
+        ];
+        let mut params: Vec<*mut c_void> = match &mut self.operands {
+            Operands::Sm80 { a, b } => {
+                let mut p = vec![(a as *mut u64).cast(), (b as *mut u64).cast()];
+                p.extend(tail);
+                p
+            }
+            Operands::Sm90 {
+                a,
+                b,
+                out,
+                peer,
+                push_flags,
+            } => {
+                // The sm_90 kernel takes the store map in place of C's pointer.
+                let mut p: Vec<*mut c_void> = vec![
+                    (a as *mut sys::CUtensorMap).cast(),
+                    (b as *mut sys::CUtensorMap).cast(),
+                    (out as *mut sys::CUtensorMap).cast(),
+                ];
+                p.extend(&tail[1..]);
+                p.push((peer as *mut sys::CUtensorMap).cast());
+                p.push((push_flags as *mut u64).cast());
+                p
+            }
+        };
+        let gemm = self.gemm;
+        gemm.kernel
+            .launch(self.grid, gemm.which.threads(), stream, &mut params)
+    }
+}
+
+/// Makes and checks every parameter of a launch with `ctas` CTAs (at most
+/// one per position), enqueueing nothing.
+pub fn prepare<'a>(
+    gemm: &'a LoadedGemm,
+    args: &GemmArgs,
+    signals: &Signals,
+    ctas: u32,
+) -> Result<Prepared<'a>> {
+    let mut c = args.out;
     // Positions the kernel walks: the row table's grid where there is one,
     // else the output's tiles.
-    let tiles = if row_table != 0 {
+    let tiles = if signals.row_table != 0 {
         c = signals.store;
         signals.tile_count
     } else {
@@ -172,8 +267,6 @@ pub fn launch(
         }
         args.tiles(gemm.which)
     };
-    let mut count = tiles as i32;
-    let grid = ctas.min(tiles).max(1);
     if (signals.push != 0) != (signals.push_flags != 0)
         || (signals.push != 0 && signals.counters == 0)
         || (signals.push != 0 && signals.row_table != 0 && signals.push_rows == 0)
@@ -182,35 +275,29 @@ pub fn launch(
             "internal: a pushed launch needs its slot, its flags and the group counters".into(),
         ));
     }
-    let tail: [*mut c_void; 10] = [
-        (&mut c as *mut u64).cast(),
-        (&mut m as *mut i32).cast(),
-        (&mut n as *mut i32).cast(),
-        (&mut k as *mut i32).cast(),
-        (&mut order as *mut u64).cast(),
-        (&mut group as *mut u64).cast(),
-        (&mut counters as *mut u64).cast(),
-        (&mut count as *mut i32).cast(),
-        (&mut staged as *mut i32).cast(),
-        (&mut row_table as *mut u64).cast(),
-    ];
-    match gemm.which {
-        GemmKernel::Sm80 if signals.push != 0 => Err(Error::Invalid(
+    let tail = Tail {
+        c,
+        m: args.m as i32,
+        n: args.n as i32,
+        k: args.k as i32,
+        order: signals.tile_order,
+        group: signals.tile_group,
+        counters: signals.counters,
+        count: tiles as i32,
+        staged: i32::from(signals.staging != 0),
+        row_table: signals.row_table,
+    };
+    let operands = match gemm.which {
+        GemmKernel::Sm80 if signals.push != 0 => return Err(Error::Invalid(
             "backend: 'push' stores from the sm_90 GEMM's epilogue; this call runs the sm80 kernel"
                 .into(),
         )),
-        GemmKernel::Sm80 => {
-            let (mut a, mut b) = (args.x, args.weight);
-            let mut params: Vec<*mut c_void> =
-                vec![(&mut a as *mut u64).cast(), (&mut b as *mut u64).cast()];
-            params.extend(tail);
-            gemm.kernel
-                .launch(grid, gemm.which.threads(), stream, &mut params)
-        }
+        GemmKernel::Sm80 => Operands::Sm80 {
+            a: args.x,
+            b: args.weight,
+        },
         GemmKernel::Sm90 { bn } => {
             let (bm, _, bk) = gemm.which.tile();
-            let mut a = tensor_map::row_major_2d(args.x, args.m, args.k, bm, bk, args.dtype)?;
-            let mut b = tensor_map::row_major_2d(args.weight, args.n, args.k, bn, bk, args.dtype)?;
             // The epilogue stores 128 x 64 boxes (one 128-byte swizzle row
             // each), into `base` laid out as the call's store buffer.
             let store_map = |base: u64| {
@@ -222,28 +309,33 @@ pub fn launch(
                     tensor_map::row_major_2d(base, args.m, args.n, bm, 64, args.dtype)
                 }
             };
-            let mut out = store_map(c)?;
-            // Without a push the kernel never reads the peer map: any valid one does.
-            let mut peer = match (signals.push, signals.row_table) {
-                (0, _) => store_map(c)?,
-                (push, 0) => store_map(push)?,
-                (push, _) => {
-                    tensor_map::row_major_2d(push, signals.push_rows, args.n, bm, 64, args.dtype)?
-                }
-            };
-            let mut push_flags = signals.push_flags;
-            let mut params: Vec<*mut c_void> = vec![
-                (&mut a as *mut _ as *mut c_void),
-                (&mut b as *mut _ as *mut c_void),
-                (&mut out as *mut _ as *mut c_void),
-            ];
-            params.extend(&tail[1..]);
-            params.push(&mut peer as *mut _ as *mut c_void);
-            params.push((&mut push_flags as *mut u64).cast());
-            gemm.kernel
-                .launch(grid, gemm.which.threads(), stream, &mut params)
+            Operands::Sm90 {
+                a: tensor_map::row_major_2d(args.x, args.m, args.k, bm, bk, args.dtype)?,
+                b: tensor_map::row_major_2d(args.weight, args.n, args.k, bn, bk, args.dtype)?,
+                out: store_map(c)?,
+                // Without a push the kernel never reads the peer map: any valid one does.
+                peer: match (signals.push, signals.row_table) {
+                    (0, _) => store_map(c)?,
+                    (push, 0) => store_map(push)?,
+                    (push, _) => tensor_map::row_major_2d(
+                        push,
+                        signals.push_rows,
+                        args.n,
+                        bm,
+                        64,
+                        args.dtype,
+                    )?,
+                },
+                push_flags: signals.push_flags,
+            }
         }
-    }
+    };
+    Ok(Prepared {
+        gemm,
+        grid: ctas.min(tiles).max(1),
+        tail,
+        operands,
+    })
 }
 
 /// The kernel's row table: (row of x read, row written) per position, as

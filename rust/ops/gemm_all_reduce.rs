@@ -1029,7 +1029,7 @@ fn enqueue_copy_engine(
         &call,
         caller,
         pushed.then_some(0),
-        |signals| gemm::launch(kernel, args, signals, run.plan.ctas, caller),
+        |signals| gemm::prepare(kernel, args, signals, run.plan.ctas).map(Some),
         after,
     )
 }

@@ -263,15 +263,19 @@ pub fn gemm_all_to_all(
         ..Signals::default()
     };
     let ctas = comm.device.sms.saturating_sub(opts.reserved()).max(1);
-    let launch = |signals: &Signals| {
-        if positions > 0 {
-            gemm::launch(&loaded, args, signals, ctas, caller)?;
-        }
-        Ok(())
+    // No position: this rank computes no row (it may still receive some).
+    let prepare = |signals: &Signals| {
+        (positions > 0)
+            .then(|| gemm::prepare(&loaded, args, signals, ctas))
+            .transpose()
     };
     match opts.backend {
         Backend::Peer => Err(Backend::peer_unsupported("gemm_all_to_all")),
-        Backend::Nccl => enqueue_nccl(comm, &plan, args, buffers, caller, || launch(&signals)),
+        Backend::Nccl => {
+            let gemm = prepare(&signals)?;
+            let launch = || gemm.map_or(Ok(()), |g| g.enqueue(caller));
+            enqueue_nccl(comm, &plan, args, buffers, caller, launch)
+        }
         Backend::Push | Backend::CopyEngine => {
             let bm = u64::from(gemm::tile_shape(kernel).bm);
             let pushed = opts.backend == Backend::Push;
@@ -309,7 +313,7 @@ pub fn gemm_all_to_all(
                 groups: &groups,
                 reduce_ctas: 0,
             };
-            copy_engine::enqueue_gemm(comm, &call, caller, push_rows, launch, |_, _| Ok(()))
+            copy_engine::enqueue_gemm(comm, &call, caller, push_rows, prepare, |_, _| Ok(()))
         }
     }
 }

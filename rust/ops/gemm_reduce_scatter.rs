@@ -256,7 +256,7 @@ pub fn gemm_reduce_scatter(
                 &call,
                 caller,
                 (opts.backend == Backend::Push).then(|| plan.out_rows() as u32),
-                |signals| gemm::launch(&kernel, args, signals, plan.ctas, caller),
+                |signals| gemm::prepare(&kernel, args, signals, plan.ctas).map(Some),
                 |_, _| Ok(()),
             )?;
         }
