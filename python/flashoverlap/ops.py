@@ -601,7 +601,7 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
       engines, and a sum on the few SMs the GEMM leaves free; every rank on one node), "nccl"
       (ncclAllReduce), "push" (2 ranks of one node, Hopper: the GEMM's epilogue stores every tile
       into the other rank's memory too, over NVLink while it computes, and each group is summed
-      on the few SMs the GEMM leaves free as both ranks' tiles land: no copy engine, no NCCL;
+      on the 4-16 SMs the GEMM leaves free as both ranks' tiles land: no copy engine, no NCCL;
       by argument only, "auto" does not pick it yet: its 2-GPU timings are not in the model), or
       "auto" (per shape, whichever the predictor times faster; NCCL alone off
       one node; :func:`backend_of` says which); default:

@@ -304,6 +304,21 @@ fn land_rows(peer: &PeerBuffers, m: &Moves, stream: RawStream) -> Result<()> {
 /// as fast as the copies deliver a ReduceScatter's and twice an AllReduce's.
 pub const MAX_REDUCE_CTAS: u32 = 8;
 
+/// The most CTAs the push backend's sums run on: no copy feeds them, the
+/// GEMM pushed the bytes already, so more CTAs keep paying (16 sum ~456 GB/s
+/// of output beside a GEMM, linear from 4 to 24: peer_reduce_h200.txt).
+pub const MAX_PUSH_REDUCE_CTAS: u32 = 16;
+
+/// The most CTAs a backend's sums run on (the rest of the reserved SMs, if
+/// any, run what follows a group: the fused norm).
+pub fn reduce_cta_cap(pushed: bool) -> u32 {
+    if pushed {
+        MAX_PUSH_REDUCE_CTAS
+    } else {
+        MAX_REDUCE_CTAS
+    }
+}
+
 /// What one call enqueues on the copy-engine backend.
 pub struct Call<'a> {
     pub peer: &'a PeerBuffers,

@@ -298,7 +298,7 @@ const PUSH_FIXED_US: f64 = 10.0;
 /// landing copies are local, 1.3-1.8 TB/s of copy traffic beside a GEMM:
 /// evaluation/results/bench_land_copy_h200.txt): the links' rate.
 fn push_gbps(kind: CollectiveKind, reserved: u32) -> f64 {
-    let ctas = f64::from(reserved.clamp(1, copy_engine::MAX_REDUCE_CTAS));
+    let ctas = f64::from(reserved.clamp(1, copy_engine::MAX_PUSH_REDUCE_CTAS));
     let sums = match kind {
         CollectiveKind::ReduceScatter => ctas * 70.0 / 3.0,
         CollectiveKind::AllToAll => return PUSH_LINK_GBPS,
@@ -382,6 +382,10 @@ pub const COPY_ENGINE_RESERVED_SMS: [u32; 2] = [4, 8];
 /// With a fused norm after each group, 16 is a candidate too: the norm runs
 /// on every reserved SM (the sum still on at most 8).
 const COPY_ENGINE_NORM_RESERVED_SMS: [u32; 3] = [4, 8, 16];
+/// The push backend's sums have no copies to wait for, so 16 SMs (sums twice
+/// as fast as on 8) are a candidate where the sums, not the GEMM, bound the
+/// call (estimated, not yet timed on 2 GPUs).
+pub const PUSH_RESERVED_SMS: [u32; 3] = [4, 8, 16];
 /// The peer backend moves, sums and normalizes on the reserved SMs alone.
 pub const PEER_RESERVED_SMS: [u32; 3] = [8, 16, 32];
 
@@ -402,7 +406,8 @@ pub(crate) fn fastest_reservation<P>(
         (None, Backend::CopyEngine | Backend::Push) if fused_norm => {
             COPY_ENGINE_NORM_RESERVED_SMS.to_vec()
         }
-        (None, Backend::CopyEngine | Backend::Push) => COPY_ENGINE_RESERVED_SMS.to_vec(),
+        (None, Backend::CopyEngine) => COPY_ENGINE_RESERVED_SMS.to_vec(),
+        (None, Backend::Push) => PUSH_RESERVED_SMS.to_vec(),
         (None, Backend::Peer) => PEER_RESERVED_SMS.to_vec(),
     };
     let single = candidates.len() == 1;
@@ -1016,7 +1021,7 @@ fn enqueue_copy_engine(
             .plan
             .request
             .reserved_sms
-            .min(copy_engine::MAX_REDUCE_CTAS),
+            .min(copy_engine::reduce_cta_cap(pushed)),
     };
     let after = |g: usize, stream: RawStream| {
         let group = &run.collectives[g];
@@ -1060,7 +1065,7 @@ mod tests {
     #[test]
     fn push_sums_no_faster_than_the_reduction_kernel() {
         let (ar, rs) = (CollectiveKind::AllReduce, CollectiveKind::ReduceScatter);
-        for reserved in 1..=copy_engine::MAX_REDUCE_CTAS {
+        for reserved in 1..=copy_engine::MAX_PUSH_REDUCE_CTAS {
             let ctas = f64::from(reserved);
             for kind in [ar, rs] {
                 let push = push_gbps(kind, reserved);
@@ -1172,6 +1177,26 @@ mod tests {
         assert!(peer_gbps(8) < peer_gbps(16) && peer_gbps(132) == 360.0);
     }
 
+    /// Pushed, the sums may take 16 SMs where they bound the call (a short
+    /// K: little GEMM to hide them behind), and fewer where the GEMM does.
+    #[test]
+    fn push_reserves_more_sms_where_its_sums_bound_the_call() {
+        let opts = Options {
+            order: OrderRequest::Banded,
+            ..defaults(Backend::Push)
+        };
+        let reserved = |k: u32| {
+            let (_, plan) = plan_for(&args(16384, 8192, k), 2, &opts, 132, 9).unwrap();
+            assert!(PUSH_RESERVED_SMS.contains(&plan.request.reserved_sms));
+            plan.request.reserved_sms
+        };
+        assert_eq!(reserved(1024), 16);
+        assert!(reserved(14336) < 16);
+        // The sums' rate: 16 CTAs twice 8, until the links cap it.
+        let ar = CollectiveKind::AllReduce;
+        assert!(push_gbps(ar, 16) > push_gbps(ar, 8) && push_gbps(ar, 16) <= PUSH_LINK_GBPS);
+    }
+
     #[test]
     fn the_gemm_stores_its_partial_in_the_x_area_of_its_own_buffer() {
         let layout = arn::Layout::pull(2, 100, 64, Dtype::Bf16).unwrap();
@@ -1196,8 +1221,9 @@ mod tests {
 
     /// The whole per-shape decision a first call makes on an H200 (every SM
     /// reservation the backend tries, both orders, the Auto decision), over
-    /// the 16 benchmark shapes and both backends: well under 1 ms (measured
-    /// 0.05 ms mean with NCCL, 0.17 ms with the copy engines, 0.6 ms worst).
+    /// the 16 benchmark shapes and every backend of 2 ranks: well under 1 ms
+    /// (measured 0.05 ms mean with NCCL, 0.17 ms with the copy engines, 0.6
+    /// ms worst).
     #[test]
     fn planning_a_new_shape_takes_under_a_millisecond() {
         let shapes: Vec<(u32, u32, u32)> = [2048, 4096, 8192, 16384]
@@ -1206,7 +1232,7 @@ mod tests {
                 [(8192, 4096), (8192, 14336), (8192, 1024), (8192, 3584)].map(|(n, k)| (m, n, k))
             })
             .collect();
-        for backend in [Backend::Nccl, Backend::CopyEngine] {
+        for backend in [Backend::Nccl, Backend::CopyEngine, Backend::Push] {
             let opts = defaults(backend);
             let started = Instant::now();
             let mut worst = 0.0f64;

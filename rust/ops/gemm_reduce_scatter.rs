@@ -248,7 +248,10 @@ pub fn gemm_reduce_scatter(
                 reducer: reducer.as_ref(),
                 signals: Some(&signals),
                 groups: &groups,
-                reduce_ctas: plan.request.reserved_sms.min(copy_engine::MAX_REDUCE_CTAS),
+                reduce_ctas: plan
+                    .request
+                    .reserved_sms
+                    .min(copy_engine::reduce_cta_cap(opts.backend == Backend::Push)),
             };
             // Pushed tiles land in the peer's slot, laid out like its output.
             copy_engine::enqueue_gemm(
