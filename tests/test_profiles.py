@@ -195,6 +195,15 @@ def test_show_prints_the_plan_and_its_profile(capsys):
     assert "built-in constants" in capsys.readouterr().out
 
 
+def test_plan_shows_the_push_backend_on_two_ranks_only(capsys):
+    # Its sums take up to 16 SMs on a short K (the estimate the CLI shows until 2 GPUs time it).
+    assert cli.main(["plan", "8192x8192x1024", "--backend", "push"]) == 0
+    assert "16 SMs left to the collective" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "8192x8192x1024", "--backend", "push", "--world-size", "4"])
+    assert "exactly 2 ranks" in capsys.readouterr().err
+
+
 def test_show_draws_the_timeline(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "t.png"
