@@ -566,15 +566,15 @@ pub fn enqueue_pushed<'g>(
     }
     let reduces = comm.reduce_stream.0;
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+    // Offsets into the slot are those into the GEMM's store buffer
+    // ([`Exchange::slot_offset`]), so the slot is laid out like it.
+    let slot = layout.slot(peer.bases[other], other, me);
+    let gemm = prepare_gemm(slot, layout.ready_flag(peer.bases[other], 0, me))?;
     // The GEMM writes into the peer's slot for this rank from its first
     // tile. Taking the grant is acknowledged: the peer hands the next one
     // only after that, or a peer that waits for no push from this rank could
     // grant again before this reset and the two grants would merge into one
     // (a hang one call later).
-    // Offsets into the slot are those into the GEMM's store buffer
-    // ([`Exchange::slot_offset`]), so the slot is laid out like it.
-    let slot = layout.slot(peer.bases[other], other, me);
-    let gemm = prepare_gemm(slot, layout.ready_flag(peer.bases[other], 0, me))?;
     let free = layout.free_flag(peer.bases[me], other);
     stream::wait_geq(caller, free, 1)?;
     stream::write(caller, free, 0)?;
