@@ -31,8 +31,8 @@ use crate::cuda::stream::{self, RawStream};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::{
-    plan_gemm_reduce_scatter, CollectiveKind, ModeRequest, ReduceScatterPlan, ReduceScatterRequest,
-    Schedule,
+    plan_gemm_reduce_scatter, pushed_row, CollectiveKind, ModeRequest, ReduceScatterPlan,
+    ReduceScatterRequest, Schedule,
 };
 use std::sync::Arc;
 
@@ -282,8 +282,7 @@ pub fn pushed_store_rows(plan: &ReduceScatterPlan, rank: u32) -> Vec<u32> {
             if shard == rank {
                 row
             } else {
-                // Two's complement: the kernel reads the table as i32.
-                (-((j * bm) as i64) - 1) as i32 as u32
+                pushed_row(u64::from(j * bm))
             }
         })
         .collect()

@@ -16,7 +16,7 @@
 //! and each send is one contiguous block.
 
 use super::error::PlanError;
-use super::tiles::TileShape;
+use super::tiles::{pushed_row, TileShape};
 
 /// One (group, peer) exchange: the rows sent from the send buffer and the
 /// rows received into the output.
@@ -200,8 +200,7 @@ pub fn pushed_store_rows(plan: &AllToAllPlan, me: u32, send_splits: &[u64], bm: 
                 let start = starts[e.peer as usize][g];
                 for (i, row) in rows[pos..pos + tiles].iter_mut().enumerate() {
                     let band = (i / plan.tiles_n as usize) as u64;
-                    // Two's complement: the kernel reads the table as i32.
-                    *row = (-((start + band * bm) as i64) - 1) as i32 as u32;
+                    *row = pushed_row(start + band * bm);
                 }
             }
             pos += tiles;

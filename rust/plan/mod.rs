@@ -34,5 +34,5 @@ pub use reduce_scatter::{
     plan_gemm_reduce_scatter, ReduceScatterPlan, ReduceScatterRequest, ScatterGroup,
 };
 pub use staged::{staging_elems, StagedGroup, StagedPartition};
-pub use tiles::{OutputTiles, TileShape, HOPPER_TILE_N};
+pub use tiles::{pushed_row, OutputTiles, TileShape, HOPPER_TILE_N};
 pub use waves::Waves;

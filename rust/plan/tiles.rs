@@ -82,6 +82,13 @@ impl OutputTiles {
 /// loss on its sibling.
 pub const HOPPER_TILE_N: u32 = 256;
 
+/// A row table's store row for a tile the push backend sends to row
+/// `slot_row` of the peer's staging slot instead of storing it here: -r - 1,
+/// as the kernel reads the table (i32, two's complement).
+pub fn pushed_row(slot_row: u64) -> u32 {
+    (-(slot_row as i64) - 1) as i32 as u32
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
