@@ -25,9 +25,9 @@ def force_sequential() -> bool:
 
 
 BACKENDS = ("auto", "nccl", "copy_engine")
-# What the GEMM + AllReduce / ReduceScatter ops take beyond BACKENDS (by argument only: the
-# All-to-All has no such path, so FLASHOVERLAP_BACKEND cannot name it).
-AR_BACKENDS = (*BACKENDS, "push")
+# What the GEMM ops take beyond BACKENDS: "push", by argument only (the plain collectives have
+# no GEMM to push from, so FLASHOVERLAP_BACKEND, which applies to every op, cannot name it).
+GEMM_BACKENDS = (*BACKENDS, "push")
 
 
 def reserved_sms() -> int | None:

@@ -496,7 +496,7 @@ def _check_kernel(kernel: Optional[str]) -> None:
 def _check_backend(backend: Optional[str], norm: bool = False, push: bool = False) -> None:
     """norm: gemm_all_reduce_rmsnorm's, which also runs on "peer"; push: a GEMM op's, which also
     runs on "push"."""
-    allowed = (*(_env.AR_BACKENDS if push or norm else _env.BACKENDS), *(("peer",) if norm else ()))
+    allowed = (*(_env.GEMM_BACKENDS if push or norm else _env.BACKENDS), *(("peer",) if norm else ()))
     if backend is not None and backend not in allowed:
         hint = {"peer": " ('peer' runs gemm_all_reduce_rmsnorm only)",
                 "push": " ('push' runs the GEMM ops only: gemm_all_reduce, gemm_reduce_scatter, "
@@ -789,8 +789,7 @@ def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, ou
     Splits are checked (one entry per rank, ints >= 0, input summing to T). Capturable in CUDA
     graphs once the op has run with the same split sizes outside capture (its tables are made then
     and kept for the graph)."""
-    _checked_call(x, weight, group, communicator, "auto", None, kernel, backend, push=True)
-    comm = get_communicator(group, communicator=communicator)
+    _, _, _, comm = _checked_call(x, weight, group, communicator, "auto", None, kernel, backend, push=True)
     if backend == "push":
         _check_push(comm)
     if x.dim() != 2:

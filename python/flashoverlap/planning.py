@@ -31,7 +31,7 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
     if not isinstance(fused_norm, bool):
         raise TypeError(f"fused_norm: expected a bool, got {type(fused_norm).__name__}")
-    backends = (*_env.AR_BACKENDS, "peer") if fused_norm else _env.AR_BACKENDS
+    backends = (*_env.GEMM_BACKENDS, "peer") if fused_norm else _env.GEMM_BACKENDS
     if backend not in backends:
         raise ValueError(f"backend: expected one of {backends}, got {backend!r}")
     if order not in _env.ORDERS:
@@ -79,8 +79,8 @@ def plan_gemm_reduce_scatter(m: int, n: int, k: int, world_size: int, *, dtype: 
     node). Needs no GPU."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
-    if backend not in _env.AR_BACKENDS:
-        raise ValueError(f"backend: expected one of {_env.AR_BACKENDS}, got {backend!r}")
+    if backend not in _env.GEMM_BACKENDS:
+        raise ValueError(f"backend: expected one of {_env.GEMM_BACKENDS}, got {backend!r}")
     reserved_sms = _env.reserved_sms() if reserved_sms is None else reserved_sms
     _env.ce_all_reduce()  # the core reads it for the copy engines' AllReduce model
     max_groups = _env.max_groups() if max_groups is None else max_groups
