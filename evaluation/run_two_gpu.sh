@@ -9,7 +9,7 @@
 #   tests  the whole GPU test suite                              [300 on 2026-11-23; more tests since]
 #   ar     bench_gemm_ar.py --iters 40 (issues 3, 5, 8)           [37]
 #   rs     bench_gemm_rs.py, both backends (issues 4, 8)          [31]
-#   a2a    bench_gemm_a2a.py, both backends (issue 4)             [36]
+#   a2a    bench_gemm_a2a.py, both backends, 19 cases (the 16 and issue 4's bar cases) [36 for 16]
 #   arn    bench_gemm_ar_rmsnorm.py (issue 4)                     [28]
 #   norm   bench_all_reduce_rmsnorm.py (issue 6)                  [29]
 #   normcfg  the same, each kernel config: the stages pipelined, one-shot (issue 6) [19 at 1K and 8K tokens]

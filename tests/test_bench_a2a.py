@@ -215,10 +215,30 @@ def test_default_output_is_the_name_e1_reads_and_uniform_stays_apart() -> None:
 
 
 def test_cases_are_the_issue_shapes() -> None:
-    assert len(a2a.SHAPES) == 16
-    assert {(n, k) for _, n, k in a2a.SHAPES} == {(8192, 4096), (8192, 14336), (8192, 1024), (8192, 3584)}
-    assert {t for t, _, _ in a2a.SHAPES} == {2048, 4096, 8192, 16384}
+    # The 16 shapes of the other ops, then the three of issue 4's six cases not among them.
+    assert len(a2a.SHAPES) == 19 and len(set(a2a.SHAPES)) == 19
+    assert {(n, k) for _, n, k in a2a.SHAPES[:16]} == {(8192, 4096), (8192, 14336), (8192, 1024), (8192, 3584)}
+    assert {t for t, _, _ in a2a.SHAPES[:16]} == {2048, 4096, 8192, 16384}
+    assert a2a.SHAPES[16:] == [(2048, 4096, 14336), (4096, 4096, 14336), (8192, 4096, 14336)]
     assert a2a.VARIANTS[:6] == ("cublas", "nccl", "seq", "fo", "fo_nccl", "fo_ce") and a2a.VARIANTS[-1] == "decomp"
     # The docstring lists every variant (the forced counts as fo_g<G>).
     assert all(f"\n  {v} " in a2a.__doc__ for v in a2a.VARIANTS if not v.startswith("fo_g"))
     assert "\n  fo_g<G> " in a2a.__doc__
+
+
+def test_bar_verdict_is_over_the_issues_six_cases_only() -> None:
+    assert len(a2a.BAR_SHAPES) == 6 and set(a2a.BAR_SHAPES) <= set(a2a.SHAPES)
+    assert (8192, 4096, 14336) in a2a.BAR_SHAPES and (16384, 8192, 4096) not in a2a.BAR_SHAPES
+    # The bar's cases at 1.21x over seq (fo_ce 1.1x, one at 0.97x), plus a slow case off the bar.
+    rows = [a2a.make_row(s, 2, "skewed", _times(seq=1210.0, fo=1000.0, fo_ce=1100.0 if i else 1247.0,
+                                                fo_push=None), _facts())
+            for i, s in enumerate(a2a.BAR_SHAPES)]
+    rows.append(a2a.make_row((16384, 8192, 1024), 2, "skewed", _times(seq=500.0, fo=1000.0), _facts()))
+    lines = a2a.bar_lines(rows)
+    assert "over its 6 cases" in lines[0]
+    verdict = {line.split()[0]: line for line in lines[1:]}
+    assert verdict["fo"].endswith("1.210x, min 1.210x: PASS")
+    assert "min 0.970x: FAIL" in verdict["fo_ce"]
+    assert verdict["fo_push"].endswith("not measured")
+    # A run without all six says so instead of a verdict on part of them.
+    assert a2a.bar_lines(rows[1:])[0].endswith("not measured (1 of its cases not in this run)")
