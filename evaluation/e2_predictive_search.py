@@ -82,7 +82,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
-from flashoverlap import bench
+from flashoverlap import _core, bench
 
 OPS = ("all_reduce", "reduce_scatter", "all_to_all", "all_reduce_rmsnorm")
 OP_ALIASES = {"ar": "all_reduce", "rs": "reduce_scatter", "a2a": "all_to_all", "arn": "all_reduce_rmsnorm"}
@@ -683,7 +683,9 @@ def _worker(rank, world, init_method, cases, dtype_name, iters, warmup, exhausti
                              "max_rel_error": bench._max_over_ranks(errors[case].get(name, math.nan))})
         if rank == 0:
             with open(result_path, "w") as f:
-                json.dump({"meta": {**bench.environment(world), "backend": backend}, "rows": rows}, f)
+                # The All-to-All's segment bands: e2_replay models a run with the split it ran.
+                meta = {**bench.environment(world), "backend": backend, "a2a_segment_rows": _core.A2A_SEGMENT_ROWS}
+                json.dump({"meta": meta, "rows": rows}, f)
     finally:
         flashoverlap.destroy_communicators()
         dist.destroy_process_group()

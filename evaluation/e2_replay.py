@@ -93,8 +93,10 @@ def replay_all_to_all(path: str, sms: int = 132) -> dict:
             m, n, k = int(r["m"]), int(r["n"]), int(r["k"])
             if (m, n, k) not in cases:
                 matrix = skewed_split_matrix(int(r["world_size"]), m)
+                # Runs before the op split rows in whole bands recorded no split: near-equal rows.
                 pred = planning.plan_gemm_all_to_all(matrix, n, k, dtype=dtype[r["dtype"]], sms=sms,
-                                                     backend=meta["backend"])
+                                                     backend=meta["backend"],
+                                                     _segment_rows=meta.get("a2a_segment_rows", 1))
                 cases[(m, n, k)] = {"pred": pred, "rows": [], "sequential": None,
                                     "pick": 0 if pred.schedule == "sequential" else pred.groups}
             case = cases[(m, n, k)]

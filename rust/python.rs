@@ -13,6 +13,7 @@ use crate::ops::{
     all_reduce as ar_op, all_reduce_rmsnorm as arn, backend as backend_choice, copy_engine,
     gemm as gemm_op, gemm_all_reduce as gar, gemm_all_to_all as ga2a, gemm_reduce_scatter as grs,
 };
+use crate::plan::all_to_all::SEGMENT_ROWS;
 use crate::plan::{
     CollectiveKind, GemmAllReducePlan, ModeRequest, OrderRequest, Partition, Schedule,
 };
@@ -788,7 +789,7 @@ fn choose_backend(
             let dtype = args.dtype;
             backend_choice::cheapest(&allowed, |backend| {
                 let opts = ga2a::Options { backend, ..base };
-                Ok(ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major)?.predicted_us())
+                Ok(ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major, SEGMENT_ROWS)?.predicted_us())
             })
         }
         other => {
@@ -1257,9 +1258,11 @@ fn all_to_all_tables<'py>(
 /// `sms` SMs of compute capability `major`, each candidate's predicted time
 /// in microseconds, the predicted sequential time (library GEMM, then one
 /// All-to-All), and what an overlapped call pays once beyond its candidate's
-/// time (the choice weighs it for more than one group). Needs no GPU.
+/// time (the choice weighs it for more than one group). `segment_rows`:
+/// the op's split of each destination's rows (whole bands); 1 replays runs
+/// measured before it (near-equal rows). Needs no GPU.
 #[pyfunction]
-#[pyo3(signature = (n, k, matrix, dtype="bfloat16", sms=132, major=9, reserved_sms=None, kernel=None, backend="nccl"))]
+#[pyo3(signature = (n, k, matrix, dtype="bfloat16", sms=132, major=9, reserved_sms=None, kernel=None, backend="nccl", segment_rows=SEGMENT_ROWS))]
 #[allow(clippy::too_many_arguments)]
 fn plan_all_to_all_groups(
     n: u32,
@@ -1271,10 +1274,15 @@ fn plan_all_to_all_groups(
     reserved_sms: Option<u32>,
     kernel: Option<String>,
     backend: &str,
+    segment_rows: u64,
 ) -> PyResult<A2aPrediction> {
+    if segment_rows == 0 {
+        return Err(PyValueError::new_err("segment_rows: expected >= 1, got 0"));
+    }
     let dtype = self::dtype(dtype)?;
     let opts = a2a_options(&(1, reserved_sms, kernel, backend.to_string()))?;
-    let choice = ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major).map_err(to_py)?;
+    let choice = ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major, segment_rows)
+        .map_err(to_py)?;
     let timelines = &choice.timelines;
     let sequential = timelines.first().map_or(0.0, |(_, t)| t.sequential_us);
     let predicted = timelines.iter().map(|(g, t)| (*g, t.overlap_us)).collect();
@@ -1532,6 +1540,7 @@ fn profile_counts() -> (usize, usize) {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlan>()?;
     m.add("NCCL_RESERVED_SMS", gar::NCCL_RESERVED_SMS)?;
+    m.add("A2A_SEGMENT_ROWS", SEGMENT_ROWS)?;
     m.add(
         "COPY_ENGINE_RESERVED_SMS",
         gar::COPY_ENGINE_RESERVED_SMS.to_vec(),

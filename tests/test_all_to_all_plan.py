@@ -147,3 +147,22 @@ def test_push_is_planned_on_two_ranks_only() -> None:
         plan_gemm_all_to_all(skewed(4, 4), 8192, 4096, backend="push")
     with pytest.raises(ValueError, match="backend: expected"):
         plan_gemm_all_to_all(matrix, 8192, 4096, backend="peer")
+
+
+def test_groups_split_rows_in_whole_bands_so_more_groups_add_no_gemm_tiles() -> None:
+    from flashoverlap import _core, planning
+
+    assert _core.A2A_SEGMENT_ROWS == 128
+    # A 60% skew of 2048 rows: 819 + 1229 = 7 + 10 bands. Split near-equally (the op before,
+    # replayed with _segment_rows=1) 16 groups pad every segment to a band: 32 bands, twice the
+    # tiles, and on a GEMM-bound shape the model's time at 16 groups grows by over half the
+    # one-group time; in whole bands the tiles stay 17 bands' whatever the count.
+    matrix = [[819, 1229], [819, 1229]]
+    bands = planning.plan_gemm_all_to_all(matrix, 8192, 14336, _segment_rows=128)
+    rows = planning.plan_gemm_all_to_all(matrix, 8192, 14336, _segment_rows=1)
+    assert bands.sequential_us == rows.sequential_us
+    assert bands.predicted_us[1] == rows.predicted_us[1]
+    assert rows.predicted_us[16] - bands.predicted_us[16] > 0.5 * bands.predicted_us[1]
+    assert all(bands.predicted_us[g] < rows.predicted_us[g] for g in (8, 16, 32))
+    with pytest.raises(ValueError, match="segment_rows"):
+        _core.plan_all_to_all_groups(8192, 4096, matrix, segment_rows=0)

@@ -45,6 +45,8 @@ class Plan:
     def describe(self) -> str: ...
 
 NCCL_RESERVED_SMS: int
+# gemm_all_to_all splits each destination's rows into groups in whole bands of this many rows.
+A2A_SEGMENT_ROWS: int
 COPY_ENGINE_RESERVED_SMS: list[int]
 """SMs the NCCL backend leaves free of GEMM CTAs when FLASHOVERLAP_RESERVED_SMS is unset."""
 ADD_RMSNORM_MAX_N: int
@@ -199,7 +201,8 @@ def gemm_all_to_all(group_name: str, x: int, weight: int, out: int, m: int, n: i
                     options: tuple[int, Optional[int], Optional[str], str]) -> None: ...
 def plan_all_to_all_groups(n: int, k: int, matrix: list[list[int]], dtype: str = "bfloat16", sms: int = 132,
                            major: int = 9, reserved_sms: Optional[int] = None, kernel: Optional[str] = None,
-                           backend: str = "nccl") -> tuple[str, int, list[tuple[int, float]], float, float]:
+                           backend: str = "nccl", segment_rows: int = ...
+                           ) -> tuple[str, int, list[tuple[int, float]], float, float]:
     """(schedule, fastest group count, [(groups, predicted us)], predicted sequential us, an overlapped
-    call's fixed us) for a routing."""
+    call's fixed us) for a routing; segment_rows: the split it models (default A2A_SEGMENT_ROWS)."""
 def all_to_all(group_name: str, send: int, recv: int, count: int, dtype: str, stream: int) -> None: ...

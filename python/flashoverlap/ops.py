@@ -444,9 +444,11 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
     options = (groups, reserved, kernel, backend)
     if backend in ("copy_engine", "push"):
         # Each slot holds every row one rank sends another (the same size on every rank: the
-        # same matrix); pushed, each group's rows in whole bands of the sm_90 GEMM's 128-row tiles.
+        # same matrix); pushed, in whole bands of the core's segments (at most one partial band
+        # per destination, whatever the group count; the core checks the slot is enough).
         most = max((v for i, v in enumerate(flat) if i // world != i % world), default=0)
-        rows = most + 128 * groups if backend == "push" else max(most, 1)
+        band = _core.A2A_SEGMENT_ROWS
+        rows = max(-(-most // band), 1) * band if backend == "push" else max(most, 1)
         comm.ensure_peer_buffers(rows * n * x.element_size())
 
     def upload():

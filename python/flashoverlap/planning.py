@@ -113,13 +113,16 @@ class AllToAllPrediction(NamedTuple):
 
 def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = torch.bfloat16, sms: int = 132,
                          compute_capability: tuple[int, int] = (9, 0), reserved_sms: Optional[int] = None,
-                         kernel: Optional[str] = None, backend: str = "nccl") -> AllToAllPrediction:
+                         kernel: Optional[str] = None, backend: str = "nccl",
+                         _segment_rows: Optional[int] = None) -> AllToAllPrediction:
     """The group count gemm_all_to_all picks for ``split_matrix`` (matrix[p][q]: rows rank p sends
     rank q; the same on every rank, so that every rank picks the same count) with weights [n, k],
     on a device with ``sms`` multiprocessors (default: an H200). The model takes the slowest
     rank's GEMM and the busiest rank's links for each group. backend: "nccl", "copy_engine"
     (which leaves the GEMM every SM unless reserved_sms says otherwise) or "push" (2 ranks; its
-    constants are estimates, not yet fitted on 2 GPUs). Needs no GPU."""
+    constants are estimates, not yet fitted on 2 GPUs). Needs no GPU. (_segment_rows: the split
+    of each destination's rows the model assumes, the op's by default; e2_replay passes 1 for runs
+    measured when the op split rows near-equally.)"""
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
     if backend not in ("nccl", "copy_engine", "push"):
@@ -137,5 +140,6 @@ def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = t
             raise ValueError(f"{name}: expected an integer in [{least}, 2**31), got {value}")
     schedule, best, predicted, sequential, fixed = _core.plan_all_to_all_groups(n, k, matrix, dtype_name(dtype), sms,
                                                                                 compute_capability[0], reserved_sms,
-                                                                                kernel, backend)
+                                                                                kernel, backend,
+                                                                                _segment_rows or _core.A2A_SEGMENT_ROWS)
     return AllToAllPrediction(schedule, best, dict(predicted), sequential, fixed)

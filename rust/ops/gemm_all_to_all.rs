@@ -121,7 +121,8 @@ impl GroupChoice {
 /// (`matrix[p][q]`: rows rank p sends rank q), and whether the sequential
 /// schedule is predicted faster than it. Each rank passes the same matrix and gets the same
 /// answer: nothing rank-specific enters the model (the kernel and the
-/// profile lookup use the largest rank's rows).
+/// profile lookup use the largest rank's rows). `segment_rows`: the op's
+/// (plan::all_to_all::SEGMENT_ROWS) but for replays of older runs.
 pub fn choose_groups(
     n: u32,
     k: u32,
@@ -130,6 +131,7 @@ pub fn choose_groups(
     opts: &Options,
     sms: u32,
     major: i32,
+    segment_rows: u64,
 ) -> Result<GroupChoice> {
     let rows = matrix
         .iter()
@@ -171,6 +173,7 @@ pub fn choose_groups(
         elem_bytes: dtype.bytes(),
         tile: gemm::tile_shape(kernel),
         ctas,
+        segment_rows,
     };
     let (groups, timelines) =
         best_all_to_all_groups(&shape, &hw, crate::plan::MAX_ALL_TO_ALL_GROUPS)?;

@@ -3,17 +3,21 @@
 //! from peer p its rows into out rows starting at sum(recv_splits[..p]), as
 //! torch.distributed.all_to_all_single does.
 //!
-//! Wave group g takes the same fraction of every destination's rows: rows
-//! [S_d*g/G, S_d*(g+1)/G) of destination d's region, so every link carries
-//! a share of every group and the receiver, computing the same split of
-//! what it gets from each peer, knows where each group's rows land. Every
-//! rank must therefore use the same group count G; it is part of the call,
-//! not chosen per rank (ranks carry different amounts).
+//! Wave group g takes the same fraction of every destination's rows: of the
+//! B_d = ceil(S_d / 128) bands of destination d's region, bands
+//! [B_d*g/G, B_d*(g+1)/G) (the last band may be partial), so every link
+//! carries a share of every group and the receiver, computing the same
+//! split of what it gets from each peer, knows where each group's rows
+//! land. Every rank must therefore use the same group count G; it is part
+//! of the call, not chosen per rank (ranks carry different amounts).
 //!
 //! Each (group, destination) segment is tiled on its own, in whole bands of
 //! a send buffer (a band's rows past the segment's end are computed and
 //! never sent), so the GEMM's stores of one segment never touch another's
-//! and each send is one contiguous block.
+//! and each send is one contiguous block. Segments are whole bands except a
+//! destination's last, so the GEMM computes at most one partial band per
+//! destination whatever G is (near-equal row splits padded every segment:
+//! up to G extra bands per destination, 2x the tiles at T = 2048, G = 16).
 
 use super::error::PlanError;
 use super::tiles::{pushed_row, TileShape};
@@ -50,9 +54,23 @@ pub struct AllToAllPlan {
     pub tiles_n: u32,
 }
 
-/// The start of part g of `rows` split in `groups` near-equal parts.
+/// The rows a segment is made of (the last of a destination may be
+/// partial): a multiple of every kernel's tile height, and fixed, so that a
+/// receiver computes the sender's split without knowing its kernel.
+pub const SEGMENT_ROWS: u64 = 128;
+
+/// The start of part g of `rows` split in `groups` parts of near-equal
+/// counts of whole SEGMENT_ROWS bands (a part may be empty).
 pub(crate) fn part(rows: u64, g: u32, groups: u32) -> u64 {
-    rows * u64::from(g) / u64::from(groups)
+    part_in(rows, g, groups, SEGMENT_ROWS)
+}
+
+/// [`part`] in bands of `unit` rows; 1 gives the near-equal row split the
+/// op used before its segments were whole bands (what the predictor needs
+/// to replay runs measured then).
+pub(crate) fn part_in(rows: u64, g: u32, groups: u32, unit: u64) -> u64 {
+    let bands = rows.div_ceil(unit);
+    (bands * u64::from(g) / u64::from(groups) * unit).min(rows)
 }
 
 fn check_splits(name: &str, splits: &[u64], world: u32) -> Result<(), PlanError> {
@@ -86,6 +104,12 @@ pub fn plan_gemm_all_to_all(
         return Err(PlanError::InvalidPartition(
             "groups must be >= 1, got 0".into(),
         ));
+    }
+    if tile.bm == 0 || SEGMENT_ROWS % u64::from(tile.bm) != 0 {
+        return Err(PlanError::InvalidShape(format!(
+            "tile height {} must divide the All-to-All's segment bands of {SEGMENT_ROWS} rows",
+            tile.bm
+        )));
     }
     let tiles_n = n.div_ceil(tile.bn);
     let bm = u64::from(tile.bm);
@@ -273,6 +297,34 @@ mod tests {
             prop_assert!(received.iter().all(|&c| c == 1));
         }
         Ok(())
+    }
+
+    #[test]
+    fn segments_are_whole_bands_so_groups_add_no_tiles() {
+        // 819 + 1229 rows (a 60% skew of 2048): 7 + 10 bands at every group
+        // count, each destination's partial band computed once.
+        let one = plan_gemm_all_to_all(&[819, 1229], &[819, 1229], 256, TILE, 1).unwrap();
+        for groups in [2, 4, 7, 16, 40] {
+            let plan = plan_gemm_all_to_all(&[819, 1229], &[819, 1229], 256, TILE, groups).unwrap();
+            assert_eq!(
+                plan.tile_order.len(),
+                one.tile_order.len(),
+                "{groups} groups"
+            );
+            assert_eq!(plan.send_buffer_rows, (7 + 10) * 128);
+            for rows in [819, 1229] {
+                // Every part starts on a band; only the last may end inside one.
+                for g in 0..groups {
+                    let (a, b) = (part(rows, g, groups), part(rows, g + 1, groups));
+                    assert!(a % 128 == 0 && a <= b && (b % 128 == 0 || b == rows));
+                }
+            }
+        }
+        assert_eq!(part(819, 1, 2), 384);
+        assert_eq!(part(819, 2, 2), 819);
+        assert_eq!(part(100, 1, 4), 0);
+        assert_eq!(part(100, 3, 4), 0);
+        assert_eq!(part(100, 4, 4), 100);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! matrix with the same model, so all of them choose the same group count,
 //! which the exchange needs (plan/all_to_all.rs).
 
-use crate::plan::all_to_all::part;
+use crate::plan::all_to_all::part_in;
 use crate::plan::error::{require_positive, PlanError};
 use crate::plan::tiles::TileShape;
 
@@ -26,6 +26,10 @@ pub struct AllToAllShape<'a> {
     pub elem_bytes: u32,
     pub tile: TileShape,
     pub ctas: u32,
+    /// The bands the op splits each destination's rows in
+    /// (plan::all_to_all::SEGMENT_ROWS; 1: the near-equal rows of runs
+    /// measured before that).
+    pub segment_rows: u64,
 }
 
 impl AllToAllShape<'_> {
@@ -38,6 +42,7 @@ impl AllToAllShape<'_> {
             ("tile.bm", self.tile.bm),
             ("tile.bn", self.tile.bn),
             ("ctas", self.ctas),
+            ("segment_rows", u32::from(self.segment_rows > 0)),
         ] {
             require_positive(field, value, PlanError::InvalidShape)?;
         }
@@ -65,7 +70,8 @@ impl AllToAllShape<'_> {
     /// Rows p sends q in group g of `groups` (the plan's split of each segment).
     fn segment(&self, p: usize, q: usize, g: u32, groups: u32) -> u64 {
         let rows = self.matrix[p][q];
-        part(rows, g + 1, groups) - part(rows, g, groups)
+        part_in(rows, g + 1, groups, self.segment_rows)
+            - part_in(rows, g, groups, self.segment_rows)
     }
 
     /// Tiles rank p computes for group g: each destination's segment in
@@ -217,6 +223,7 @@ mod tests {
             elem_bytes: 2,
             tile: TILE,
             ctas: 120,
+            segment_rows: crate::plan::all_to_all::SEGMENT_ROWS,
         }
     }
 
