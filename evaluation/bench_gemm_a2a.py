@@ -200,8 +200,7 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     def forced(groups, backend="nccl"):
         def run(i):
             return flashoverlap.gemm_all_to_all(xs[i % sets], ws[i % sets], sends, recvs, groups=groups,
-                                                backend=backend,
-                                                split_matrix=matrix if backend != "nccl" else None)
+                                                backend=backend, split_matrix=matrix)
         return run
 
     chunks = [(c, torch.tensor(c.send_rows, device="cuda", dtype=torch.long),

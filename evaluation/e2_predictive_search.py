@@ -82,7 +82,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
-from flashoverlap import _core, bench
+from flashoverlap import bench
 
 OPS = ("all_reduce", "reduce_scatter", "all_to_all", "all_reduce_rmsnorm")
 OP_ALIASES = {"ar": "all_reduce", "rs": "reduce_scatter", "a2a": "all_to_all", "arn": "all_reduce_rmsnorm"}
@@ -203,12 +203,12 @@ def skewed_split_matrix(world: int, rows: int) -> list[list[int]]:
 
 
 def a2a_backend_options(backend: str, matrix: Sequence[Sequence[int]]) -> dict:
-    """The keyword arguments pinning a gemm_all_to_all candidate (groups=G) to `backend`: the
-    copy engines and push also need the whole routing, from which every rank sizes its staging
-    slots alike."""
+    """The keyword arguments pinning a gemm_all_to_all candidate (groups=G) to `backend`, with the
+    whole routing on every backend: the op then tiles each rank's rows on one band grid (the
+    layout the predictor plans), and the copy engines and push size their staging slots from it."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    return {"backend": backend, "split_matrix": matrix} if backend != "nccl" else {"backend": backend}
+    return {"backend": backend, "split_matrix": matrix}
 
 
 def output_paths(gpu_name: str, world: int, dtype: str, backend: str, quick: bool,
@@ -683,8 +683,9 @@ def _worker(rank, world, init_method, cases, dtype_name, iters, warmup, exhausti
                              "max_rel_error": bench._max_over_ranks(errors[case].get(name, math.nan))})
         if rank == 0:
             with open(result_path, "w") as f:
-                # The All-to-All's segment bands: e2_replay models a run with the split it ran.
-                meta = {**bench.environment(world), "backend": backend, "a2a_segment_rows": _core.A2A_SEGMENT_ROWS}
+                # The All-to-All's layout (the matrix passed: natural; push: padded), for e2_replay.
+                layout = "padded" if backend == "push" else "natural"
+                meta = {**bench.environment(world), "backend": backend, "a2a_layout": layout}
                 json.dump({"meta": meta, "rows": rows}, f)
     finally:
         flashoverlap.destroy_communicators()

@@ -93,10 +93,11 @@ def replay_all_to_all(path: str, sms: int = 132) -> dict:
             m, n, k = int(r["m"]), int(r["n"]), int(r["k"])
             if (m, n, k) not in cases:
                 matrix = skewed_split_matrix(int(r["world_size"]), m)
-                # Runs before the op split rows in whole bands recorded no split: near-equal rows.
+                # A run that recorded its layout ran the op's (what the model plans by default);
+                # older runs split each destination's rows near-equally, padded to whole bands.
                 pred = planning.plan_gemm_all_to_all(matrix, n, k, dtype=dtype[r["dtype"]], sms=sms,
                                                      backend=meta["backend"],
-                                                     _segment_rows=meta.get("a2a_segment_rows", 1))
+                                                     _segment_rows=None if "a2a_layout" in meta else 1)
                 cases[(m, n, k)] = {"pred": pred, "rows": [], "sequential": None,
                                     "pick": 0 if pred.schedule == "sequential" else pred.groups}
             case = cases[(m, n, k)]

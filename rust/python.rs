@@ -789,7 +789,7 @@ fn choose_backend(
             let dtype = args.dtype;
             backend_choice::cheapest(&allowed, |backend| {
                 let opts = ga2a::Options { backend, ..base };
-                Ok(ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major, SEGMENT_ROWS)?.predicted_us())
+                Ok(ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major, None)?.predicted_us())
             })
         }
         other => {
@@ -1226,8 +1226,10 @@ fn a2a_options(o: &A2aOptions) -> PyResult<ga2a::Options> {
 
 /// The tables (u32 words, little-endian bytes) and send-buffer rows of a
 /// GEMM + All-to-All call on `device` by `rank` (whose tiles the push
-/// backend stores into the peer), for the caller to upload.
+/// backend stores into the peer), for the caller to upload. `recv_phases`:
+/// the natural layout's (see ga2a::plan_for); None: padded.
 #[pyfunction]
+#[pyo3(signature = (m, n, k, dtype, device, rank, send_splits, recv_splits, options, recv_phases=None))]
 #[allow(clippy::too_many_arguments)]
 fn all_to_all_tables<'py>(
     py: Python<'py>,
@@ -1240,13 +1242,16 @@ fn all_to_all_tables<'py>(
     send_splits: Vec<u64>,
     recv_splits: Vec<u64>,
     options: A2aOptions,
+    recv_phases: Option<Vec<u64>>,
 ) -> PyResult<(Bound<'py, PyBytes>, u64)> {
     let _keep = driver::KeepCurrent::new();
     let args = operands(0, 0, 0, m, n, k, dtype)?;
     let opts = a2a_options(&options)?;
     let dev = driver::bind(device).map_err(to_py)?;
+    let phases = recv_phases.as_deref();
     let (kernel, plan) =
-        ga2a::plan_for(&args, &send_splits, &recv_splits, &opts, dev.major).map_err(to_py)?;
+        ga2a::plan_for(&args, &send_splits, &recv_splits, phases, &opts, dev.major)
+            .map_err(to_py)?;
     let pushed_by = (opts.backend == gar::Backend::Push).then_some((rank, &send_splits[..]));
     let words = ga2a::tables(&plan, kernel, pushed_by);
     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
@@ -1262,7 +1267,7 @@ fn all_to_all_tables<'py>(
 /// the op's split of each destination's rows (whole bands); 1 replays runs
 /// measured before it (near-equal rows). Needs no GPU.
 #[pyfunction]
-#[pyo3(signature = (n, k, matrix, dtype="bfloat16", sms=132, major=9, reserved_sms=None, kernel=None, backend="nccl", segment_rows=SEGMENT_ROWS))]
+#[pyo3(signature = (n, k, matrix, dtype="bfloat16", sms=132, major=9, reserved_sms=None, kernel=None, backend="nccl", segment_rows=None))]
 #[allow(clippy::too_many_arguments)]
 fn plan_all_to_all_groups(
     n: u32,
@@ -1274,15 +1279,16 @@ fn plan_all_to_all_groups(
     reserved_sms: Option<u32>,
     kernel: Option<String>,
     backend: &str,
-    segment_rows: u64,
+    segment_rows: Option<u64>,
 ) -> PyResult<A2aPrediction> {
-    if segment_rows == 0 {
+    if segment_rows == Some(0) {
         return Err(PyValueError::new_err("segment_rows: expected >= 1, got 0"));
     }
+    let segments = segment_rows.map(crate::plan::predictor::Segments::Padded);
     let dtype = self::dtype(dtype)?;
     let opts = a2a_options(&(1, reserved_sms, kernel, backend.to_string()))?;
-    let choice = ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major, segment_rows)
-        .map_err(to_py)?;
+    let choice =
+        ga2a::choose_groups(n, k, dtype, &matrix, &opts, sms, major, segments).map_err(to_py)?;
     let timelines = &choice.timelines;
     let sequential = timelines.first().map_or(0.0, |(_, t)| t.sequential_us);
     let predicted = timelines.iter().map(|(g, t)| (*g, t.overlap_us)).collect();
@@ -1302,8 +1308,10 @@ fn plan_all_to_all_groups(
 }
 
 /// Enqueues GEMM + All-to-All; buffers = (send, send_rows, tables,
-/// table_words, counters), all device memory in stream order on `stream`.
+/// table_words, counters), all device memory in stream order on `stream`;
+/// `recv_phases` as the tables were made with.
 #[pyfunction]
+#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, send_splits, recv_splits, buffers, options, recv_phases=None))]
 #[allow(clippy::too_many_arguments)]
 fn gemm_all_to_all(
     py: Python<'_>,
@@ -1320,6 +1328,7 @@ fn gemm_all_to_all(
     recv_splits: Vec<u64>,
     buffers: (u64, u64, u64, u64, u64),
     options: A2aOptions,
+    recv_phases: Option<Vec<u64>>,
 ) -> PyResult<()> {
     let _keep = driver::KeepCurrent::new();
     let args = operands(x, weight, out, m, n, k, dtype)?;
@@ -1334,7 +1343,17 @@ fn gemm_all_to_all(
     };
     py.detach(|| {
         let caller = stream::from_handle(stream);
-        ga2a::gemm_all_to_all(&comm, &args, &send_splits, &recv_splits, &b, &opts, caller)
+        let phases = recv_phases.as_deref();
+        ga2a::gemm_all_to_all(
+            &comm,
+            &args,
+            &send_splits,
+            &recv_splits,
+            phases,
+            &b,
+            &opts,
+            caller,
+        )
     })
     .map_err(to_py)
 }

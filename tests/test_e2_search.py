@@ -287,7 +287,7 @@ def test_output_paths() -> None:
 
 def test_a2a_backend_options() -> None:
     matrix = e2.skewed_split_matrix(2, 2048)
-    assert e2.a2a_backend_options("nccl", matrix) == {"backend": "nccl"}
+    assert e2.a2a_backend_options("nccl", matrix) == {"backend": "nccl", "split_matrix": matrix}
     assert e2.a2a_backend_options("copy_engine", matrix) == {"backend": "copy_engine", "split_matrix": matrix}
     assert e2.a2a_backend_options("push", matrix) == {"backend": "push", "split_matrix": matrix}
     with pytest.raises(ValueError, match="backend"):
@@ -356,7 +356,7 @@ def test_case_builders_pin_every_call_to_the_backend(backend: str, monkeypatch: 
         assert auto == [{"split_matrix": matrix, "backend": backend}]
         candidates = [kw for kw in runs if "groups" in kw]
         assert len(candidates) == len(fns) - 2
-        # The copy engines and push need the whole routing; NCCL's candidates run as they always did.
-        assert all(kw.get("split_matrix") == (matrix if backend != "nccl" else None) for kw in candidates)
+        # Every candidate has the whole routing, as auto does: the layout the predictor plans.
+        assert all(kw.get("split_matrix") == matrix for kw in candidates)
         assert {info[f"g{kw['groups']}"]["predicted_us"] for kw in candidates} <= set(
             real_a2a_plan(matrix, 8192, 64, backend=backend).predicted_us.values())

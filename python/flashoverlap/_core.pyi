@@ -195,14 +195,20 @@ def register_gemm_sample(kernel: str, dtype: str, sms: int, ctas: int, m: int, n
 def clear_profiles() -> None: ...
 def profile_counts() -> tuple[int, int]: ...
 def all_to_all_tables(m: int, n: int, k: int, dtype: str, device: int, rank: int, send_splits: list[int],
-                      recv_splits: list[int], options: tuple[int, Optional[int], Optional[str], str]) -> tuple[bytes, int]: ...
+                      recv_splits: list[int], options: tuple[int, Optional[int], Optional[str], str],
+                      recv_phases: Optional[list[int]] = None) -> tuple[bytes, int]:
+    """recv_phases: where this rank's block starts in each sender's rows, mod A2A_SEGMENT_ROWS (the
+    split matrix known: one band grid over x's rows); None: each destination in whole bands."""
 def gemm_all_to_all(group_name: str, x: int, weight: int, out: int, m: int, n: int, k: int, dtype: str, stream: int,
                     send_splits: list[int], recv_splits: list[int], buffers: tuple[int, int, int, int, int],
-                    options: tuple[int, Optional[int], Optional[str], str]) -> None: ...
+                    options: tuple[int, Optional[int], Optional[str], str],
+                    recv_phases: Optional[list[int]] = None) -> None: ...
 def plan_all_to_all_groups(n: int, k: int, matrix: list[list[int]], dtype: str = "bfloat16", sms: int = 132,
                            major: int = 9, reserved_sms: Optional[int] = None, kernel: Optional[str] = None,
-                           backend: str = "nccl", segment_rows: int = ...
+                           backend: str = "nccl", segment_rows: Optional[int] = None
                            ) -> tuple[str, int, list[tuple[int, float]], float, float]:
     """(schedule, fastest group count, [(groups, predicted us)], predicted sequential us, an overlapped
-    call's fixed us) for a routing; segment_rows: the split it models (default A2A_SEGMENT_ROWS)."""
+    call's fixed us) for a routing; segment_rows: None models the op's layout (one band grid over
+    each rank's rows; push: each destination in whole bands), n: each destination padded to parts
+    of whole n-row bands (1: near-equal rows, as runs before 2026-11-25 split them)."""
 def all_to_all(group_name: str, send: int, recv: int, count: int, dtype: str, stream: int) -> None: ...

@@ -120,9 +120,9 @@ def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = t
     on a device with ``sms`` multiprocessors (default: an H200). The model takes the slowest
     rank's GEMM and the busiest rank's links for each group. backend: "nccl", "copy_engine"
     (which leaves the GEMM every SM unless reserved_sms says otherwise) or "push" (2 ranks; its
-    constants are estimates, not yet fitted on 2 GPUs). Needs no GPU. (_segment_rows: the split
-    of each destination's rows the model assumes, the op's by default; e2_replay passes 1 for runs
-    measured when the op split rows near-equally.)"""
+    constants are estimates, not yet fitted on 2 GPUs). Needs no GPU. (_segment_rows: None models
+    the op's layout when it has the matrix; n, each destination padded to parts of whole n-row
+    bands, as the op runs without the matrix (128) or ran before 2026-11-25 (1): e2_replay.)"""
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
     if backend not in ("nccl", "copy_engine", "push"):
@@ -141,5 +141,5 @@ def plan_gemm_all_to_all(split_matrix, n: int, k: int, *, dtype: torch.dtype = t
     schedule, best, predicted, sequential, fixed = _core.plan_all_to_all_groups(n, k, matrix, dtype_name(dtype), sms,
                                                                                 compute_capability[0], reserved_sms,
                                                                                 kernel, backend,
-                                                                                _segment_rows or _core.A2A_SEGMENT_ROWS)
+                                                                                _segment_rows)
     return AllToAllPrediction(schedule, best, dict(predicted), sequential, fixed)

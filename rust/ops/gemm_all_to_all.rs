@@ -31,7 +31,10 @@ use crate::cuda::kernels::GemmKernel;
 use crate::cuda::stream::{self, RawStream};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
-use crate::plan::all_to_all::{part, pushed_segments, pushed_store_rows, pushed_tiles};
+use crate::plan::all_to_all::{
+    pushed_segments, pushed_store_rows, pushed_tiles, Layout, SEGMENT_ROWS,
+};
+use crate::plan::predictor::Segments;
 use crate::plan::{
     best_all_to_all_groups, call_us, plan_gemm_all_to_all, AllToAllPlan, AllToAllShape,
     CollectiveKind, Timeline,
@@ -57,10 +60,15 @@ impl Options {
 }
 
 /// The plan of a call: its kernel, and the exchanges of every group.
+/// `recv_phases` (where this rank's block starts in each sender's rows, mod
+/// SEGMENT_ROWS; known from the split matrix): the natural layout, one band
+/// grid over x's rows; None: each destination padded to whole bands. The
+/// push backend stores whole tiles into the peer's slot: padded only.
 pub fn plan_for(
     args: &GemmArgs,
     send_splits: &[u64],
     recv_splits: &[u64],
+    recv_phases: Option<&[u64]>,
     opts: &Options,
     major: i32,
 ) -> Result<(GemmKernel, AllToAllPlan)> {
@@ -79,12 +87,22 @@ pub fn plan_for(
     let kernel = opts
         .kernel
         .unwrap_or_else(|| GemmKernel::default_for(major));
+    let layout = match recv_phases {
+        Some(_) if opts.backend == Backend::Push => {
+            return Err(Error::Invalid(
+                "recv_phases: the push backend keeps each destination in whole bands".into(),
+            ))
+        }
+        Some(recv_phases) => Layout::Natural { recv_phases },
+        None => Layout::Padded,
+    };
     let plan = plan_gemm_all_to_all(
         send_splits,
         recv_splits,
         args.n,
         gemm::tile_shape(kernel),
         opts.groups,
+        layout,
     )?;
     Ok((kernel, plan))
 }
@@ -121,8 +139,10 @@ impl GroupChoice {
 /// (`matrix[p][q]`: rows rank p sends rank q), and whether the sequential
 /// schedule is predicted faster than it. Each rank passes the same matrix and gets the same
 /// answer: nothing rank-specific enters the model (the kernel and the
-/// profile lookup use the largest rank's rows). `segment_rows`: the op's
-/// (plan::all_to_all::SEGMENT_ROWS) but for replays of older runs.
+/// profile lookup use the largest rank's rows). `segments`: None, the op's
+/// layout for the backend (natural: the matrix is known; push: padded);
+/// Some for replays of runs measured with another.
+#[allow(clippy::too_many_arguments)]
 pub fn choose_groups(
     n: u32,
     k: u32,
@@ -131,7 +151,7 @@ pub fn choose_groups(
     opts: &Options,
     sms: u32,
     major: i32,
-    segment_rows: u64,
+    segments: Option<Segments>,
 ) -> Result<GroupChoice> {
     let rows = matrix
         .iter()
@@ -173,7 +193,10 @@ pub fn choose_groups(
         elem_bytes: dtype.bytes(),
         tile: gemm::tile_shape(kernel),
         ctas,
-        segment_rows,
+        segments: segments.unwrap_or(match opts.backend {
+            Backend::Push => Segments::Padded(SEGMENT_ROWS),
+            _ => Segments::Natural,
+        }),
     };
     let (groups, timelines) =
         best_all_to_all_groups(&shape, &hw, crate::plan::MAX_ALL_TO_ALL_GROUPS)?;
@@ -222,12 +245,14 @@ pub struct Buffers {
 
 /// Enqueues the op into `args.out` ([sum(recv_splits), N]). Every rank
 /// calls it with the same group count; the splits are those of
-/// all_to_all_single.
+/// all_to_all_single. `recv_phases`: as [`plan_for`].
+#[allow(clippy::too_many_arguments)]
 pub fn gemm_all_to_all(
     comm: &Communicator,
     args: &GemmArgs,
     send_splits: &[u64],
     recv_splits: &[u64],
+    recv_phases: Option<&[u64]>,
     buffers: &Buffers,
     opts: &Options,
     caller: RawStream,
@@ -241,7 +266,14 @@ pub fn gemm_all_to_all(
             recv_splits.len()
         )));
     }
-    let (kernel, plan) = plan_for(args, send_splits, recv_splits, opts, comm.device.major)?;
+    let (kernel, plan) = plan_for(
+        args,
+        send_splits,
+        recv_splits,
+        recv_phases,
+        opts,
+        comm.device.major,
+    )?;
     let positions = plan.tile_order.len() as u64;
     if plan.send_buffer_rows > buffers.send_rows
         || buffers.table_words < positions * 4
@@ -406,9 +438,9 @@ fn moves(
                             rank: p,
                             addr: send + e.send_row * row,
                             bytes: e.send_rows * row,
-                            slot_offset: part(send_splits[p], g, count) * row,
+                            slot_offset: plan.send_part(send_splits, p, g) * row,
                         });
-                        part(recv_splits[p], g, count)
+                        plan.recv_part(recv_splits, p, g)
                     }
                 };
                 m.lands.push(Piece {
@@ -531,7 +563,7 @@ mod tests {
         let planned: Vec<_> = (0..2)
             .map(|r| {
                 let a = args(matrix[r].iter().sum::<u64>() as u32);
-                let (kernel, plan) = plan_for(&a, &matrix[r], &recv(r), &push, 9).unwrap();
+                let (kernel, plan) = plan_for(&a, &matrix[r], &recv(r), None, &push, 9).unwrap();
                 let table = tables(&plan, kernel, Some((r as u32, &matrix[r][..])));
                 (a, plan, table)
             })
@@ -577,16 +609,34 @@ mod tests {
     fn push_needs_two_hopper_ranks_and_the_sm90_kernel() {
         let a = args(100);
         let push = opts(Backend::Push, None);
-        assert!(plan_for(&a, &[50, 50], &[10, 10], &push, 9).is_ok());
+        assert!(plan_for(&a, &[50, 50], &[10, 10], None, &push, 9).is_ok());
+        // Its tiles land whole in the peer's slot: no natural layout.
+        let e = plan_for(&a, &[50, 50], &[10, 10], Some(&[0, 50]), &push, 9).unwrap_err();
+        assert!(e.to_string().contains("recv_phases"), "{e}");
+        let nccl = opts(Backend::Nccl, None);
+        let (_, plan) = plan_for(&a, &[50, 50], &[10, 10], Some(&[0, 50]), &nccl, 9).unwrap();
+        assert_eq!(
+            (plan.send_phases.clone(), plan.send_buffer_rows),
+            (vec![0, 50], 128)
+        );
         for (sends, recvs, major, kernel) in [
             (&[50u64, 25, 25][..], &[1u64, 1, 1][..], 9, None),
             (&[50, 50], &[10, 10], 8, None),
             (&[50, 50], &[10, 10], 9, Some(GemmKernel::Sm80)),
         ] {
-            let e = plan_for(&a, sends, recvs, &opts(Backend::Push, kernel), major).unwrap_err();
+            let e =
+                plan_for(&a, sends, recvs, None, &opts(Backend::Push, kernel), major).unwrap_err();
             assert!(e.to_string().contains("backend: 'push'"), "{e}");
         }
-        let e = plan_for(&a, &[50, 50], &[10, 10], &opts(Backend::Peer, None), 9).unwrap_err();
+        let e = plan_for(
+            &a,
+            &[50, 50],
+            &[10, 10],
+            None,
+            &opts(Backend::Peer, None),
+            9,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("'peer'"), "{e}");
     }
 }

@@ -18,6 +18,18 @@
 //! destination's last, so the GEMM computes at most one partial band per
 //! destination whatever G is (near-equal row splits padded every segment:
 //! up to G extra bands per destination, 2x the tiles at T = 2048, G = 16).
+//!
+//! That partial band still costs: 819 + 1229 rows are 17 bands where 2048
+//! are 16, a third wave on 128 CTAs at N = 4096. Where every rank knows the
+//! whole routing (the split matrix), the plan is *natural* instead: the
+//! send buffer is x's row order, tiled on one grid of bands, and each
+//! destination's parts are whole bands of that grid (its first and last may
+//! be partial), so the GEMM computes exactly ceil(T / 128) bands, as cuBLAS
+//! would. A band shared by two destinations is computed in the earlier of
+//! the groups that need it; the exchanges wait for the groups' counters in
+//! order, so a group's rows are all computed before it is sent. The
+//! receiver needs the phase of its block in each sender's grid (where it
+//! starts, mod 128), which the matrix gives.
 
 use super::error::PlanError;
 use super::tiles::{pushed_row, TileShape};
@@ -52,6 +64,33 @@ pub struct AllToAllPlan {
     /// Rows of the send buffer (whole bands per segment).
     pub send_buffer_rows: u64,
     pub tiles_n: u32,
+    /// Natural layout: where each destination's block starts on this rank's
+    /// band grid, and this rank's block on each sender's (mod
+    /// SEGMENT_ROWS); all zero in the padded layout.
+    pub send_phases: Vec<u64>,
+    pub recv_phases: Vec<u64>,
+}
+
+impl AllToAllPlan {
+    /// Rows into destination d's block where group g's part starts.
+    pub fn send_part(&self, sends: &[u64], d: usize, g: u32) -> u64 {
+        part_phased(sends[d], self.send_phases[d], g, self.groups.len() as u32)
+    }
+
+    /// Rows into what sender p sends this rank where group g's part starts.
+    pub fn recv_part(&self, recvs: &[u64], p: usize, g: u32) -> u64 {
+        part_phased(recvs[p], self.recv_phases[p], g, self.groups.len() as u32)
+    }
+}
+
+/// How the sender tiles its rows (see the module's header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout<'a> {
+    /// Each (group, destination) segment on its own whole bands.
+    Padded,
+    /// One grid over x's rows; `recv_phases[p]`: where this rank's block
+    /// starts in sender p's rows, mod SEGMENT_ROWS.
+    Natural { recv_phases: &'a [u64] },
 }
 
 /// The rows a segment is made of (the last of a destination may be
@@ -63,6 +102,62 @@ pub const SEGMENT_ROWS: u64 = 128;
 /// counts of whole SEGMENT_ROWS bands (a part may be empty).
 pub(crate) fn part(rows: u64, g: u32, groups: u32) -> u64 {
     part_in(rows, g, groups, SEGMENT_ROWS)
+}
+
+/// The start of part g of `rows` that begin `phase` rows into a band of
+/// SEGMENT_ROWS: near-equal counts of whole bands of that grid, the first
+/// and last partial (phase 0: [`part`]).
+pub(crate) fn part_phased(rows: u64, phase: u64, g: u32, groups: u32) -> u64 {
+    let bands = (phase + rows).div_ceil(SEGMENT_ROWS);
+    (bands * u64::from(g) / u64::from(groups) * SEGMENT_ROWS)
+        .saturating_sub(phase)
+        .min(rows)
+}
+
+/// Running starts of `splits` (each block's first row).
+fn offsets(splits: &[u64]) -> Vec<u64> {
+    splits
+        .iter()
+        .scan(0, |o, &s| {
+            let start = *o;
+            *o += s;
+            Some(start)
+        })
+        .collect()
+}
+
+/// Where each destination's block starts on a sender's band grid (mod
+/// SEGMENT_ROWS) when its rows are in x's order.
+pub fn natural_phases(sends: &[u64]) -> Vec<u64> {
+    offsets(sends).iter().map(|o| o % SEGMENT_ROWS).collect()
+}
+
+/// The natural layout's bands of `bm` rows in each group of a sender of
+/// `sends`: group g computes the bands of its parts of every destination
+/// that no earlier group computed (a band two destinations share goes to
+/// the earlier of their groups).
+pub fn natural_bands(sends: &[u64], groups: u32, bm: u64) -> Vec<Vec<u64>> {
+    let total: u64 = sends.iter().sum();
+    let (starts, phases) = (offsets(sends), natural_phases(sends));
+    let mut taken = vec![false; total.div_ceil(bm) as usize];
+    (0..groups)
+        .map(|g| {
+            let mut bands = Vec::new();
+            for (d, &rows) in sends.iter().enumerate() {
+                let a = part_phased(rows, phases[d], g, groups);
+                let b = part_phased(rows, phases[d], g + 1, groups);
+                if b == a {
+                    continue;
+                }
+                for band in (starts[d] + a) / bm..(starts[d] + b).div_ceil(bm) {
+                    if !std::mem::replace(&mut taken[band as usize], true) {
+                        bands.push(band);
+                    }
+                }
+            }
+            bands
+        })
+        .collect()
 }
 
 /// [`part`] in bands of `unit` rows; 1 gives the near-equal row split the
@@ -85,13 +180,14 @@ fn check_splits(name: &str, splits: &[u64], world: u32) -> Result<(), PlanError>
 
 /// Plans the exchange of `send_splits` rows (summing to x's rows) to each
 /// peer and `recv_splits` rows from each, in `groups` groups, for `n`
-/// output columns and tiles of `tile`.
+/// output columns and tiles of `tile`, in `layout`.
 pub fn plan_gemm_all_to_all(
     send_splits: &[u64],
     recv_splits: &[u64],
     n: u32,
     tile: TileShape,
     groups: u32,
+    layout: Layout,
 ) -> Result<AllToAllPlan, PlanError> {
     let world = send_splits.len() as u32;
     if world == 0 {
@@ -129,6 +225,15 @@ pub fn plan_gemm_all_to_all(
             Some(start)
         })
         .collect();
+    if let Layout::Natural { recv_phases } = layout {
+        check_splits("recv_phases", recv_phases, world)?;
+        if let Some(p) = recv_phases.iter().find(|&&p| p >= SEGMENT_ROWS) {
+            return Err(PlanError::InvalidShape(format!(
+                "recv_phases must be below {SEGMENT_ROWS}, got {p}"
+            )));
+        }
+        return natural_plan(send_splits, recv_splits, recv_phases, tiles_n, bm, groups);
+    }
     let mut plan = AllToAllPlan {
         groups: Vec::with_capacity(groups as usize),
         tile_order: Vec::new(),
@@ -137,6 +242,8 @@ pub fn plan_gemm_all_to_all(
         tile_group: Vec::new(),
         send_buffer_rows: 0,
         tiles_n,
+        send_phases: vec![0; world as usize],
+        recv_phases: vec![0; world as usize],
     };
     for g in 0..groups {
         let first = plan.tile_order.len() as u32;
@@ -177,6 +284,78 @@ pub fn plan_gemm_all_to_all(
                 recv_rows: r1 - r0,
             });
         }
+        let end = plan.tile_order.len() as u32;
+        plan.groups.push(AllToAllGroup {
+            positions: first..end,
+            tiles: end - first,
+            exchanges,
+        });
+    }
+    Ok(plan)
+}
+
+/// The natural layout (see the module's header): tiles on one grid of x's
+/// rows, stored in place into a send buffer in x's row order.
+fn natural_plan(
+    send_splits: &[u64],
+    recv_splits: &[u64],
+    recv_phases: &[u64],
+    tiles_n: u32,
+    bm: u64,
+    groups: u32,
+) -> Result<AllToAllPlan, PlanError> {
+    let total: u64 = send_splits.iter().sum();
+    let bands_total = total.div_ceil(bm);
+    if bands_total * bm > u64::from(u32::MAX >> 1) {
+        return Err(PlanError::InvalidShape(
+            "rows must stay below 2**30 for the kernel's row table".into(),
+        ));
+    }
+    let (send_offsets, recv_offsets) = (offsets(send_splits), offsets(recv_splits));
+    let mut plan = AllToAllPlan {
+        groups: Vec::with_capacity(groups as usize),
+        tile_order: Vec::new(),
+        load_rows: Vec::new(),
+        store_rows: Vec::new(),
+        tile_group: Vec::new(),
+        send_buffer_rows: bands_total * bm,
+        tiles_n,
+        send_phases: natural_phases(send_splits),
+        recv_phases: recv_phases.to_vec(),
+    };
+    let bands = natural_bands(send_splits, groups, bm);
+    for (g, group_bands) in (0..groups).zip(&bands) {
+        let first = plan.tile_order.len() as u32;
+        for &band in group_bands {
+            for tn in 0..tiles_n {
+                plan.tile_order.push(band as u32 * tiles_n + tn);
+                plan.load_rows.push((band * bm) as u32);
+                plan.store_rows.push((band * bm) as u32);
+                plan.tile_group.push(g);
+            }
+        }
+        let part = |splits: &[u64], phases: &[u64], p: usize, g: u32| {
+            part_phased(splits[p], phases[p], g, groups)
+        };
+        let exchanges = (0..send_splits.len())
+            .map(|p| {
+                let (s0, s1) = (
+                    part(send_splits, &plan.send_phases, p, g),
+                    part(send_splits, &plan.send_phases, p, g + 1),
+                );
+                let (r0, r1) = (
+                    part(recv_splits, recv_phases, p, g),
+                    part(recv_splits, recv_phases, p, g + 1),
+                );
+                Exchange {
+                    peer: p as u32,
+                    send_row: send_offsets[p] + s0,
+                    send_rows: s1 - s0,
+                    recv_row: recv_offsets[p] + r0,
+                    recv_rows: r1 - r0,
+                }
+            })
+            .collect();
         let end = plan.tile_order.len() as u32;
         plan.groups.push(AllToAllGroup {
             positions: first..end,
@@ -255,7 +434,7 @@ mod tests {
         let plans: Vec<AllToAllPlan> = (0..world)
             .map(|r| {
                 let recv: Vec<u64> = (0..world).map(|p| matrix[p][r]).collect();
-                plan_gemm_all_to_all(&matrix[r], &recv, 200, TILE, groups).unwrap()
+                plan_gemm_all_to_all(&matrix[r], &recv, 200, TILE, groups, Layout::Padded).unwrap()
             })
             .collect();
         for (r, plan) in plans.iter().enumerate() {
@@ -299,13 +478,109 @@ mod tests {
         Ok(())
     }
 
+    /// The natural layout on every rank of a split matrix: x's rows tiled
+    /// once each (ceil(T / 128) bands, stored in place), a row sent in group
+    /// g computed in a group <= g, what p sends r in group g is what r
+    /// expects, each destination's block sent once, every received row
+    /// landing once.
+    fn check_natural(matrix: &[Vec<u64>], groups: u32) -> Result<(), TestCaseError> {
+        let world = matrix.len();
+        let plans: Vec<AllToAllPlan> = (0..world)
+            .map(|r| {
+                let recv: Vec<u64> = (0..world).map(|p| matrix[p][r]).collect();
+                let phases: Vec<u64> = (0..world).map(|p| natural_phases(&matrix[p])[r]).collect();
+                let layout = Layout::Natural {
+                    recv_phases: &phases,
+                };
+                plan_gemm_all_to_all(&matrix[r], &recv, 200, TILE, groups, layout).unwrap()
+            })
+            .collect();
+        for (r, plan) in plans.iter().enumerate() {
+            let rows: u64 = matrix[r].iter().sum();
+            let bands = rows.div_ceil(128);
+            prop_assert_eq!(
+                plan.tile_order.len() as u64,
+                bands * u64::from(plan.tiles_n)
+            );
+            prop_assert_eq!(plan.send_buffer_rows, bands * 128);
+            // Row -> the group whose tile computes it.
+            let mut computed_in = vec![None; rows as usize];
+            for p in 0..plan.tile_order.len() {
+                prop_assert_eq!(plan.load_rows[p], plan.store_rows[p]);
+                prop_assert!(plan.groups[plan.tile_group[p] as usize]
+                    .positions
+                    .contains(&(p as u32)));
+                if plan.tile_order[p] % plan.tiles_n != 0 {
+                    continue;
+                }
+                for row in
+                    u64::from(plan.load_rows[p])..(u64::from(plan.load_rows[p]) + 128).min(rows)
+                {
+                    prop_assert!(computed_in[row as usize].is_none());
+                    computed_in[row as usize] = Some(plan.tile_group[p]);
+                }
+            }
+            let mut sent = vec![0u32; rows as usize];
+            let mut received = vec![0u32; (0..world).map(|p| matrix[p][r]).sum::<u64>() as usize];
+            let starts = offsets(&matrix[r]);
+            for (g, group) in plan.groups.iter().enumerate() {
+                for e in &group.exchanges {
+                    let d = e.peer as usize;
+                    prop_assert!(
+                        e.send_row >= starts[d]
+                            && e.send_row + e.send_rows <= starts[d] + matrix[r][d]
+                    );
+                    for row in e.send_row..e.send_row + e.send_rows {
+                        sent[row as usize] += 1;
+                        prop_assert!(computed_in[row as usize].is_some_and(|c| c as usize <= g));
+                    }
+                    let peer = &plans[d].groups[g].exchanges[r];
+                    prop_assert_eq!(peer.send_rows, e.recv_rows);
+                    for row in e.recv_row..e.recv_row + e.recv_rows {
+                        received[row as usize] += 1;
+                    }
+                }
+            }
+            prop_assert!(sent.iter().all(|&c| c == 1));
+            prop_assert!(received.iter().all(|&c| c == 1));
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_natural_layout_tiles_a_skew_like_cublas() {
+        // 819 + 1229 rows: 16 bands where padded destinations take 17.
+        let matrix = vec![vec![819, 1229], vec![819, 1229]];
+        for groups in [1, 2, 4, 16] {
+            check_natural(&matrix, groups).unwrap();
+        }
+        assert_eq!(
+            natural_phases(&[819, 1229, 5]),
+            vec![0, 819 % 128, 2048 % 128]
+        );
+        // The band rows 768..896 holds both destinations' rows: computed in group 0 (destination
+        // 1's first part), though destination 0 sends rows 768..819 in its last group.
+        let bands = natural_bands(&[819, 1229], 2, 128);
+        assert!(bands[0].contains(&6) && !bands[1].contains(&6));
+        assert_eq!(bands.iter().map(Vec::len).sum::<usize>(), 16);
+    }
+
     #[test]
     fn segments_are_whole_bands_so_groups_add_no_tiles() {
         // 819 + 1229 rows (a 60% skew of 2048): 7 + 10 bands at every group
         // count, each destination's partial band computed once.
-        let one = plan_gemm_all_to_all(&[819, 1229], &[819, 1229], 256, TILE, 1).unwrap();
+        let one =
+            plan_gemm_all_to_all(&[819, 1229], &[819, 1229], 256, TILE, 1, Layout::Padded).unwrap();
         for groups in [2, 4, 7, 16, 40] {
-            let plan = plan_gemm_all_to_all(&[819, 1229], &[819, 1229], 256, TILE, groups).unwrap();
+            let plan = plan_gemm_all_to_all(
+                &[819, 1229],
+                &[819, 1229],
+                256,
+                TILE,
+                groups,
+                Layout::Padded,
+            )
+            .unwrap();
             assert_eq!(
                 plan.tile_order.len(),
                 one.tile_order.len(),
@@ -341,7 +616,10 @@ mod tests {
         let bm = u64::from(TILE.bm);
         let recv = |r: usize| -> Vec<u64> { (0..2).map(|p| matrix[p][r]).collect() };
         let plans: Vec<AllToAllPlan> = (0..2)
-            .map(|r| plan_gemm_all_to_all(&matrix[r], &recv(r), 200, TILE, groups).unwrap())
+            .map(|r| {
+                plan_gemm_all_to_all(&matrix[r], &recv(r), 200, TILE, groups, Layout::Padded)
+                    .unwrap()
+            })
             .collect();
         for (me, plan) in plans.iter().enumerate() {
             let peer = 1 - me;
@@ -407,9 +685,24 @@ mod tests {
 
     #[test]
     fn bad_splits_are_rejected() {
-        assert!(plan_gemm_all_to_all(&[1, 2], &[3], 64, TILE, 2).is_err());
-        assert!(plan_gemm_all_to_all(&[], &[], 64, TILE, 2).is_err());
-        assert!(plan_gemm_all_to_all(&[1], &[1], 64, TILE, 0).is_err());
+        assert!(plan_gemm_all_to_all(&[1, 2], &[3], 64, TILE, 2, Layout::Padded).is_err());
+        assert!(plan_gemm_all_to_all(&[], &[], 64, TILE, 2, Layout::Padded).is_err());
+        assert!(plan_gemm_all_to_all(&[1], &[1], 64, TILE, 0, Layout::Padded).is_err());
+        let natural = |phases: &[u64]| {
+            plan_gemm_all_to_all(
+                &[1, 2],
+                &[3, 4],
+                64,
+                TILE,
+                2,
+                Layout::Natural {
+                    recv_phases: phases,
+                },
+            )
+        };
+        assert!(natural(&[0]).is_err());
+        assert!(natural(&[0, 128]).is_err());
+        assert!(natural(&[0, 127]).is_ok());
     }
 
     proptest! {
@@ -430,6 +723,16 @@ mod tests {
         ) {
             let matrix: Vec<Vec<u64>> = (0..world).map(|r| cells[r * 4..r * 4 + world].to_vec()).collect();
             check_world(&matrix, groups)?;
+        }
+
+        #[test]
+        fn the_natural_layout_sends_what_every_rank_expects(
+            world in 1usize..5,
+            cells in prop::collection::vec(0u64..600, 16),
+            groups in 1u32..9,
+        ) {
+            let matrix: Vec<Vec<u64>> = (0..world).map(|r| cells[r * 4..r * 4 + world].to_vec()).collect();
+            check_natural(&matrix, groups)?;
         }
     }
 }

@@ -6,7 +6,7 @@
 //! matrix with the same model, so all of them choose the same group count,
 //! which the exchange needs (plan/all_to_all.rs).
 
-use crate::plan::all_to_all::part_in;
+use crate::plan::all_to_all::{natural_bands, natural_phases, part_in, part_phased};
 use crate::plan::error::{require_positive, PlanError};
 use crate::plan::tiles::TileShape;
 
@@ -26,10 +26,19 @@ pub struct AllToAllShape<'a> {
     pub elem_bytes: u32,
     pub tile: TileShape,
     pub ctas: u32,
-    /// The bands the op splits each destination's rows in
-    /// (plan::all_to_all::SEGMENT_ROWS; 1: the near-equal rows of runs
-    /// measured before that).
-    pub segment_rows: u64,
+    /// How the op tiles and splits each rank's rows.
+    pub segments: Segments,
+}
+
+/// The layouts of plan::all_to_all, as the model counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Segments {
+    /// Each destination on its own bands, its parts whole bands of this
+    /// many rows (plan::all_to_all::SEGMENT_ROWS; 1: the near-equal rows of
+    /// runs measured before that).
+    Padded(u64),
+    /// One band grid over each rank's rows (the split matrix known).
+    Natural,
 }
 
 impl AllToAllShape<'_> {
@@ -42,7 +51,10 @@ impl AllToAllShape<'_> {
             ("tile.bm", self.tile.bm),
             ("tile.bn", self.tile.bn),
             ("ctas", self.ctas),
-            ("segment_rows", u32::from(self.segment_rows > 0)),
+            (
+                "segment_rows",
+                u32::from(self.segments != Segments::Padded(0)),
+            ),
         ] {
             require_positive(field, value, PlanError::InvalidShape)?;
         }
@@ -70,20 +82,39 @@ impl AllToAllShape<'_> {
     /// Rows p sends q in group g of `groups` (the plan's split of each segment).
     fn segment(&self, p: usize, q: usize, g: u32, groups: u32) -> u64 {
         let rows = self.matrix[p][q];
-        part_in(rows, g + 1, groups, self.segment_rows)
-            - part_in(rows, g, groups, self.segment_rows)
+        match self.segments {
+            Segments::Padded(unit) => {
+                part_in(rows, g + 1, groups, unit) - part_in(rows, g, groups, unit)
+            }
+            Segments::Natural => {
+                let phase = natural_phases(&self.matrix[p])[q];
+                part_phased(rows, phase, g + 1, groups) - part_phased(rows, phase, g, groups)
+            }
+        }
     }
 
-    /// Tiles rank p computes for group g: each destination's segment in
-    /// whole bands of its own.
-    fn tiles(&self, p: usize, g: u32, groups: u32) -> u64 {
-        let bands: u64 = (0..self.world())
-            .map(|q| {
-                self.segment(p, q, g, groups)
-                    .div_ceil(u64::from(self.tile.bm))
+    /// Tiles each rank computes in each group ([rank][group]): padded, each
+    /// destination's segment in whole bands of its own; natural, the bands
+    /// of the rank's grid that group computes first.
+    fn group_tiles(&self, groups: u32) -> Vec<Vec<u64>> {
+        let bm = u64::from(self.tile.bm);
+        let tiles_n = u64::from(self.n.div_ceil(self.tile.bn));
+        (0..self.world())
+            .map(|p| match self.segments {
+                Segments::Padded(_) => (0..groups)
+                    .map(|g| {
+                        (0..self.world())
+                            .map(|q| self.segment(p, q, g, groups).div_ceil(bm))
+                            .sum::<u64>()
+                            * tiles_n
+                    })
+                    .collect(),
+                Segments::Natural => natural_bands(&self.matrix[p], groups, bm)
+                    .iter()
+                    .map(|b| b.len() as u64 * tiles_n)
+                    .collect(),
             })
-            .sum();
-        bands * u64::from(self.n.div_ceil(self.tile.bn))
+            .collect()
     }
 
     /// Bytes on the busiest rank's links (what it sends to or receives from
@@ -132,13 +163,14 @@ pub fn predict_all_to_all(
     let wave_us =
         hw.overlap_gemm_slowdown * tile_flops / (hw.gemm_tflops * 1e6 / f64::from(hw.sms));
     let ctas = u64::from(shape.ctas);
+    let tiles = shape.group_tiles(groups);
     let mut stored = vec![0u64; world];
     let mut previous_end: f64 = 0.0;
     let mut timings = Vec::with_capacity(groups as usize);
     for g in 0..groups {
         let mut gemm_done_us: f64 = 0.0;
         for (p, done) in stored.iter_mut().enumerate() {
-            *done += shape.tiles(p, g, groups);
+            *done += tiles[p][g as usize];
             gemm_done_us = gemm_done_us.max(done.div_ceil(ctas) as f64 * wave_us);
         }
         let bytes = shape.busiest_bytes(|p, q| shape.segment(p, q, g, groups));
@@ -223,7 +255,7 @@ mod tests {
             elem_bytes: 2,
             tile: TILE,
             ctas: 120,
-            segment_rows: crate::plan::all_to_all::SEGMENT_ROWS,
+            segments: Segments::Padded(crate::plan::all_to_all::SEGMENT_ROWS),
         }
     }
 

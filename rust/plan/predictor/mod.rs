@@ -12,7 +12,8 @@ mod search;
 mod timeline;
 
 pub use all_to_all::{
-    best_all_to_all_groups, call_us, predict_all_to_all, AllToAllShape, MAX_ALL_TO_ALL_GROUPS,
+    best_all_to_all_groups, call_us, predict_all_to_all, AllToAllShape, Segments,
+    MAX_ALL_TO_ALL_GROUPS,
 };
 pub use curve::{Curve, CURVE_CAPACITY};
 pub use hardware::{
