@@ -731,10 +731,14 @@ def a2a_cases(rank: int, world: int, cases: list, backend=None) -> dict:
             x, w, [8] + [0] * (world - 1), [8 if rank == 0 else 0] + [0] * (world - 1), backend=backend),
             "split_matrix")
 
-    def how(groups, matrix):
+    def how(groups, matrix, seed=0):
         if staged:
             return dict(split_matrix=matrix, backend=backend, groups=None if groups == "auto" else groups)
-        return dict(split_matrix=matrix) if groups == "auto" else dict(groups=groups)
+        # Forced group counts with the matrix (one band grid over x's rows) on odd seeds, without it
+        # (each destination in whole bands of its own) on even ones: both layouts.
+        if groups == "auto":
+            return dict(split_matrix=matrix)
+        return dict(groups=groups, split_matrix=matrix) if seed % 2 else dict(groups=groups)
 
     failures = []
     for case in cases:
@@ -744,7 +748,7 @@ def a2a_cases(rank: int, world: int, cases: list, backend=None) -> dict:
         recvs = [matrix[p][rank] for p in range(world)]
         x, w = make_inputs(seed, rank, (sum(sends),), n, k, dtype, device)
         poison((sum(recvs), n), dtype, device)
-        out = flashoverlap.gemm_all_to_all(x, w, sends, recvs, **how(groups, matrix))
+        out = flashoverlap.gemm_all_to_all(x, w, sends, recvs, **how(groups, matrix, seed))
         parts = []
         for p in range(world):
             xp, wp = make_inputs(seed, p, (sum(matrix[p]),), n, k, dtype, device)
