@@ -440,21 +440,27 @@ def test_unknown_backend_is_named(no_distributed, call, backend) -> None:
     valid_plan_still_works()
 
 
-PEER_REFUSERS = {
-    "gemm_all_reduce": lambda x, w: gemm_all_reduce(x, w, backend="peer"),
-    "plan_of": lambda x, w: plan_of(x, w, backend="peer"),
-    "backend_of": lambda x, w: flashoverlap.backend_of(x, w, backend="peer"),
-    "gemm_reduce_scatter": lambda x, w: flashoverlap.gemm_reduce_scatter(x, w, backend="peer"),
-    "gemm_all_to_all": lambda x, w: flashoverlap.gemm_all_to_all(x, w, [16], [16], backend="peer"),
+# Backends only some ops run: every other op refuses them before any process group is needed,
+# naming an op that does take them (peer: the fused norm's; push: a GEMM's epilogue pushes).
+BACKEND_REFUSERS = {
+    "peer-gemm_all_reduce": (lambda x, w: gemm_all_reduce(x, w, backend="peer"), "gemm_all_reduce_rmsnorm"),
+    "peer-plan_of": (lambda x, w: plan_of(x, w, backend="peer"), "gemm_all_reduce_rmsnorm"),
+    "peer-backend_of": (lambda x, w: flashoverlap.backend_of(x, w, backend="peer"), "gemm_all_reduce_rmsnorm"),
+    "peer-gemm_reduce_scatter": (lambda x, w: flashoverlap.gemm_reduce_scatter(x, w, backend="peer"),
+                                 "gemm_all_reduce_rmsnorm"),
+    "peer-gemm_all_to_all": (lambda x, w: flashoverlap.gemm_all_to_all(x, w, [16], [16], backend="peer"),
+                             "gemm_all_reduce_rmsnorm"),
+    "push-all_reduce": (lambda x, w: flashoverlap.all_reduce(x, backend="push"), "gemm_all_to_all"),
+    "push-reduce_scatter": (lambda x, w: flashoverlap.reduce_scatter(x, backend="push"), "gemm_all_to_all"),
 }
 
 
-@pytest.mark.parametrize("op", PEER_REFUSERS)
-def test_peer_backend_is_the_fused_norms_alone(no_distributed, op) -> None:
-    # Refused before any process group is needed, with the op that does take it named.
+@pytest.mark.parametrize("case", BACKEND_REFUSERS)
+def test_op_specific_backends_are_refused_elsewhere(no_distributed, case) -> None:
+    call, taker = BACKEND_REFUSERS[case]
     x, w = operands()
-    with raises_naming(ValueError, "backend", "gemm_all_reduce_rmsnorm"):
-        PEER_REFUSERS[op](x, w)
+    with raises_naming(ValueError, "backend", taker):
+        call(x, w)
     valid_plan_still_works()
 
 
@@ -468,21 +474,6 @@ def test_peer_backend_passes_the_fused_norms_checks(no_distributed, call) -> Non
     with pytest.raises((ValueError, RuntimeError)) as info:
         call(x, w)
     assert not str(info.value).startswith("backend:"), info.value
-
-
-PUSH_REFUSERS = {
-    "all_reduce": lambda x, w: flashoverlap.all_reduce(x, backend="push"),
-    "reduce_scatter": lambda x, w: flashoverlap.reduce_scatter(x, backend="push"),
-}
-
-
-@pytest.mark.parametrize("op", PUSH_REFUSERS)
-def test_push_backend_is_the_gemm_ops_alone(no_distributed, op) -> None:
-    # Only a GEMM's epilogue pushes: the plain collectives refuse it by name.
-    x, w = operands()
-    with raises_naming(ValueError, "backend", "gemm_all_to_all"):
-        PUSH_REFUSERS[op](x, w)
-    valid_plan_still_works()
 
 
 @pytest.mark.parametrize("call", [
