@@ -1226,10 +1226,10 @@ fn a2a_options(o: &A2aOptions) -> PyResult<ga2a::Options> {
 
 /// The tables (u32 words, little-endian bytes) and send-buffer rows of a
 /// GEMM + All-to-All call on `device` by `rank` (whose tiles the push
-/// backend stores into the peer), for the caller to upload. `recv_phases`:
-/// the natural layout's (see ga2a::plan_for); None: padded.
+/// backend stores into the peer), for the caller to upload. `split_matrix`:
+/// the natural layout (see ga2a::plan_for); None: padded.
 #[pyfunction]
-#[pyo3(signature = (m, n, k, dtype, device, rank, send_splits, recv_splits, options, recv_phases=None))]
+#[pyo3(signature = (m, n, k, dtype, device, rank, send_splits, recv_splits, options, split_matrix=None))]
 #[allow(clippy::too_many_arguments)]
 fn all_to_all_tables<'py>(
     py: Python<'py>,
@@ -1242,16 +1242,22 @@ fn all_to_all_tables<'py>(
     send_splits: Vec<u64>,
     recv_splits: Vec<u64>,
     options: A2aOptions,
-    recv_phases: Option<Vec<u64>>,
+    split_matrix: Option<Vec<Vec<u64>>>,
 ) -> PyResult<(Bound<'py, PyBytes>, u64)> {
     let _keep = driver::KeepCurrent::new();
     let args = operands(0, 0, 0, m, n, k, dtype)?;
     let opts = a2a_options(&options)?;
+    let phases = a2a_recv_phases(split_matrix.as_deref(), rank)?;
     let dev = driver::bind(device).map_err(to_py)?;
-    let phases = recv_phases.as_deref();
-    let (kernel, plan) =
-        ga2a::plan_for(&args, &send_splits, &recv_splits, phases, &opts, dev.major)
-            .map_err(to_py)?;
+    let (kernel, plan) = ga2a::plan_for(
+        &args,
+        &send_splits,
+        &recv_splits,
+        phases.as_deref(),
+        &opts,
+        dev.major,
+    )
+    .map_err(to_py)?;
     let pushed_by = (opts.backend == gar::Backend::Push).then_some((rank, &send_splits[..]));
     let words = ga2a::tables(&plan, kernel, pushed_by);
     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
@@ -1307,11 +1313,19 @@ fn plan_all_to_all_groups(
     ))
 }
 
+/// This rank's natural-layout phases where the split matrix is given.
+fn a2a_recv_phases(matrix: Option<&[Vec<u64>]>, rank: u32) -> PyResult<Option<Vec<u64>>> {
+    matrix
+        .map(|m| crate::plan::all_to_all::recv_phases(m, rank as usize))
+        .transpose()
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 /// Enqueues GEMM + All-to-All; buffers = (send, send_rows, tables,
 /// table_words, counters), all device memory in stream order on `stream`;
-/// `recv_phases` as the tables were made with.
+/// `split_matrix` as the tables were made with.
 #[pyfunction]
-#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, send_splits, recv_splits, buffers, options, recv_phases=None))]
+#[pyo3(signature = (group_name, x, weight, out, m, n, k, dtype, stream, send_splits, recv_splits, buffers, options, split_matrix=None))]
 #[allow(clippy::too_many_arguments)]
 fn gemm_all_to_all(
     py: Python<'_>,
@@ -1328,12 +1342,13 @@ fn gemm_all_to_all(
     recv_splits: Vec<u64>,
     buffers: (u64, u64, u64, u64, u64),
     options: A2aOptions,
-    recv_phases: Option<Vec<u64>>,
+    split_matrix: Option<Vec<Vec<u64>>>,
 ) -> PyResult<()> {
     let _keep = driver::KeepCurrent::new();
     let args = operands(x, weight, out, m, n, k, dtype)?;
     let opts = a2a_options(&options)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
+    let phases = a2a_recv_phases(split_matrix.as_deref(), comm.rank as u32)?;
     let b = ga2a::Buffers {
         send: buffers.0,
         send_rows: buffers.1,
@@ -1343,7 +1358,7 @@ fn gemm_all_to_all(
     };
     py.detach(|| {
         let caller = stream::from_handle(stream);
-        let phases = recv_phases.as_deref();
+        let phases = phases.as_deref();
         ga2a::gemm_all_to_all(
             &comm,
             &args,

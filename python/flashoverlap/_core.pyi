@@ -196,13 +196,13 @@ def clear_profiles() -> None: ...
 def profile_counts() -> tuple[int, int]: ...
 def all_to_all_tables(m: int, n: int, k: int, dtype: str, device: int, rank: int, send_splits: list[int],
                       recv_splits: list[int], options: tuple[int, Optional[int], Optional[str], str],
-                      recv_phases: Optional[list[int]] = None) -> tuple[bytes, int]:
-    """recv_phases: where this rank's block starts in each sender's rows, mod A2A_SEGMENT_ROWS (the
-    split matrix known: one band grid over x's rows); None: each destination in whole bands."""
+                      split_matrix: Optional[list[list[int]]] = None) -> tuple[bytes, int]:
+    """split_matrix: one band grid over x's rows, the receivers' parts laid out from the matrix
+    (not with the push backend); None: each destination in whole bands of its own."""
 def gemm_all_to_all(group_name: str, x: int, weight: int, out: int, m: int, n: int, k: int, dtype: str, stream: int,
                     send_splits: list[int], recv_splits: list[int], buffers: tuple[int, int, int, int, int],
                     options: tuple[int, Optional[int], Optional[str], str],
-                    recv_phases: Optional[list[int]] = None) -> None: ...
+                    split_matrix: Optional[list[list[int]]] = None) -> None: ...
 def plan_all_to_all_groups(n: int, k: int, matrix: list[list[int]], dtype: str = "bfloat16", sms: int = 132,
                            major: int = 9, reserved_sms: Optional[int] = None, kernel: Optional[str] = None,
                            backend: str = "nccl", segment_rows: Optional[int] = None

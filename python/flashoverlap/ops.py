@@ -422,8 +422,8 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
     _nvrtc.ensure_loaded()
     dtype, stream = dtype_name(x.dtype), _stream_handle(x.device)
     reserved = _env.reserved_sms()
+    matrix = None if flat is None else [flat[p * world:(p + 1) * world] for p in range(world)]
     if backend == "auto":
-        matrix = [flat[p * world:(p + 1) * world] for p in range(world)]
         backend = _auto_backend(comm, "gemm_all_to_all", m, n, k, dtype, (groups or 1, reserved, kernel, "auto"),
                                 matrix)
     no_exchange = backend == "nccl" and not comm.nccl
@@ -452,15 +452,12 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
         comm.ensure_peer_buffers(rows * n * x.element_size())
 
     # The whole routing known: one band grid over x's rows (no destination padded to whole
-    # bands), for which the core needs where this rank's block starts in each sender's rows.
-    phases = None
-    if flat is not None and backend != "push":
-        band = _core.A2A_SEGMENT_ROWS
-        phases = [sum(flat[p * world:p * world + comm.rank]) % band for p in range(world)]
+    # bands), which the core lays out from the matrix; push keeps its padded destinations.
+    natural = matrix if backend != "push" else None
 
     def upload():
         table_bytes, rows = _core.all_to_all_tables(m, n, k, dtype, x.device.index, comm.rank, sends, recvs,
-                                                    options, phases)
+                                                    options, natural)
         # Up from pinned memory without blocking the host.
         if not table_bytes:
             return torch.empty(0, dtype=torch.int32, device=x.device), rows
@@ -468,7 +465,7 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
         return host.to(x.device, non_blocking=True), rows
 
     key = (x.device.index, comm.rank, m, n, k, dtype, tuple(sends), tuple(recvs), options,
-           None if phases is None else tuple(phases))
+           natural is not None and tuple(flat))
     tables, send_rows = _A2A_TABLES.get(key, upload, torch.cuda.is_current_stream_capturing())
     # Cached tables may be reused from another stream: the allocator must not recycle them until
     # this stream is done with them.
@@ -478,7 +475,7 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
     send = torch.empty((send_rows, n), dtype=x.dtype, device=x.device)
     _core.gemm_all_to_all(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype, stream,
                           sends, recvs, (send.data_ptr(), send_rows, tables.data_ptr(), words, counters.data_ptr()),
-                          options, phases)
+                          options, natural)
     return out
 
 

@@ -142,15 +142,23 @@ pub const SEGMENT_ROWS: u64 = 128;
 /// The start of part g of `rows` split in `groups` parts of near-equal
 /// counts of whole SEGMENT_ROWS bands (a part may be empty).
 pub(crate) fn part(rows: u64, g: u32, groups: u32) -> u64 {
-    part_in(rows, g, groups, SEGMENT_ROWS)
+    part_on(rows, 0, SEGMENT_ROWS, g, groups)
 }
 
 /// The start of part g of `rows` that begin `phase` rows into a band of
 /// SEGMENT_ROWS: near-equal counts of whole bands of that grid, the first
 /// and last partial (phase 0: [`part`]).
 pub(crate) fn part_phased(rows: u64, phase: u64, g: u32, groups: u32) -> u64 {
-    let bands = (phase + rows).div_ceil(SEGMENT_ROWS);
-    (bands * u64::from(g) / u64::from(groups) * SEGMENT_ROWS)
+    part_on(rows, phase, SEGMENT_ROWS, g, groups)
+}
+
+/// The split behind [`part`] and [`part_phased`], on a grid of `unit`-row
+/// bands; unit 1 (phase 0) gives the near-equal row split the op used
+/// before its segments were whole bands (what the predictor needs to replay
+/// runs measured then).
+pub(crate) fn part_on(rows: u64, phase: u64, unit: u64, g: u32, groups: u32) -> u64 {
+    let bands = (phase + rows).div_ceil(unit);
+    (bands * u64::from(g) / u64::from(groups) * unit)
         .saturating_sub(phase)
         .min(rows)
 }
@@ -171,6 +179,20 @@ fn offsets(splits: &[u64]) -> Vec<u64> {
 /// SEGMENT_ROWS) when its rows are in x's order.
 pub fn natural_phases(sends: &[u64]) -> Vec<u64> {
     offsets(sends).iter().map(|o| o % SEGMENT_ROWS).collect()
+}
+
+/// The natural layout's `recv_phases` of rank `me` from the split matrix
+/// (`matrix[p][q]`: rows p sends q): where its block starts in each
+/// sender's rows, mod SEGMENT_ROWS.
+pub fn recv_phases(matrix: &[Vec<u64>], me: usize) -> Result<Vec<u64>, PlanError> {
+    let world = matrix.len();
+    if me >= world || matrix.iter().any(|row| row.len() != world) {
+        return Err(PlanError::InvalidShape(format!(
+            "split_matrix must be world x world with rank {me} in it, got {world} rows of lengths {:?}",
+            matrix.iter().map(Vec::len).collect::<Vec<_>>()
+        )));
+    }
+    Ok(matrix.iter().map(|row| natural_phases(row)[me]).collect())
 }
 
 /// The natural layout's bands of `bm` rows in each group of a sender of
@@ -199,14 +221,6 @@ pub fn natural_bands(sends: &[u64], groups: u32, bm: u64) -> Vec<Vec<u64>> {
             bands
         })
         .collect()
-}
-
-/// [`part`] in bands of `unit` rows; 1 gives the near-equal row split the
-/// op used before its segments were whole bands (what the predictor needs
-/// to replay runs measured then).
-pub(crate) fn part_in(rows: u64, g: u32, groups: u32, unit: u64) -> u64 {
-    let bands = rows.div_ceil(unit);
-    (bands * u64::from(g) / u64::from(groups) * unit).min(rows)
 }
 
 fn check_splits(name: &str, splits: &[u64], world: u32) -> Result<(), PlanError> {
@@ -481,7 +495,7 @@ mod tests {
         let plans: Vec<AllToAllPlan> = (0..world)
             .map(|r| {
                 let recv: Vec<u64> = (0..world).map(|p| matrix[p][r]).collect();
-                let phases: Vec<u64> = (0..world).map(|p| natural_phases(&matrix[p])[r]).collect();
+                let phases = recv_phases(matrix, r).unwrap();
                 let layout = Layout::Natural {
                     recv_phases: &phases,
                 };
@@ -551,6 +565,10 @@ mod tests {
             natural_phases(&[819, 1229, 5]),
             vec![0, 819 % 128, 2048 % 128]
         );
+        let m = vec![vec![819, 1229], vec![300, 5]];
+        assert_eq!(recv_phases(&m, 1).unwrap(), vec![819 % 128, 300]);
+        assert!(recv_phases(&m, 2).is_err() && recv_phases(&[vec![1]], 0).is_ok());
+        assert!(recv_phases(&[vec![1, 2], vec![3]], 0).is_err());
         // The band rows 768..896 holds both destinations' rows: computed in group 0 (destination
         // 1's first part), though destination 0 sends rows 768..819 in its last group.
         let bands = natural_bands(&[819, 1229], 2, 128);

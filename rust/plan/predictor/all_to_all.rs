@@ -6,7 +6,7 @@
 //! matrix with the same model, so all of them choose the same group count,
 //! which the exchange needs (plan/all_to_all.rs).
 
-use crate::plan::all_to_all::{natural_bands, natural_phases, part_in, part_phased};
+use crate::plan::all_to_all::{natural_bands, natural_phases, part_on, part_phased};
 use crate::plan::error::{require_positive, PlanError};
 use crate::plan::tiles::TileShape;
 
@@ -84,7 +84,7 @@ impl AllToAllShape<'_> {
         let rows = self.matrix[p][q];
         match self.segments {
             Segments::Padded(unit) => {
-                part_in(rows, g + 1, groups, unit) - part_in(rows, g, groups, unit)
+                part_on(rows, 0, unit, g + 1, groups) - part_on(rows, 0, unit, g, groups)
             }
             Segments::Natural => {
                 let phase = natural_phases(&self.matrix[p])[q];
