@@ -3,6 +3,7 @@ collective on each finished group overlaps the rest of the GEMM."""
 
 from ._core import Plan, version as _version
 from ._env import configure_logging as _configure_logging
+from . import nn
 from .collectives import all_reduce, reduce_scatter
 from .communicator import Communicator, destroy_communicators, get_communicator
 from .ops import (backend_of, compile_kernels, gemm, gemm_all_reduce, gemm_all_reduce_rmsnorm, gemm_all_to_all,
@@ -28,6 +29,7 @@ __all__ = [
     "gemm_all_reduce_rmsnorm",
     "gemm_all_to_all",
     "gemm_reduce_scatter",
+    "nn",
     "get_communicator",
     "plan_gemm_all_reduce",
     "plan_gemm_all_to_all",

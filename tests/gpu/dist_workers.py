@@ -1030,7 +1030,18 @@ def timing_rounds(rank: int, world: int) -> dict:
     return {name: [len(v), statistics.median(v)] for name, v in times.items()}
 
 
+def nn_layers(rank: int, world: int, seed: int, **options) -> dict:
+    """flashoverlap.nn's layers against the whole layer in fp32 (tests/nn_checks.py)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from nn_checks import row_parallel_checks
+
+    return {"failures": row_parallel_checks(rank, world, device_of(rank), seed, **options)}
+
+
 TARGETS = {
+    "nn_layers": nn_layers,
     "load_calls": load_calls,
     "timing_rounds": timing_rounds,
     "tune_copy_engine": tune_copy_engine,
