@@ -105,3 +105,52 @@ def row_parallel_checks(rank: int, world: int, device, seed: int, dtype=torch.bf
     ((out.float() * probe).sum() + (res.float() * probe2).sum()).backward()
     expect(x_r.grad, xf2.grad[..., cols], "add_rmsnorm x grad")
     return failures
+
+
+def graph_checks(rank: int, world: int, device, seed: int, replays: int = 4, dtype=torch.bfloat16, s: int = 192,
+                 b: int = 2, n: int = 512, k_share: int = 256, **options) -> list:
+    """The layers captured in a CUDA graph after one eager call (as vLLM captures its decode
+    steps), replayed on fresh inputs copied into the captured ones, against the whole layer."""
+    from flashoverlap import nn as fnn
+
+    failures = []
+    cols = slice(rank * k_share, (rank + 1) * k_share)
+    rows = slice(rank * s // world, (rank + 1) * s // world)
+    x, w, bias, residual, norm_weight, _, _ = _problem(seed, world, s, b, n, k_share, dtype, device)
+    whole = torch.nn.Linear(k_share * world, n, dtype=dtype, device=device)
+    with torch.no_grad():
+        whole.weight.copy_(w)
+        whole.bias.copy_(bias)
+    layers = {reduce: fnn.RowParallelLinear.from_linear(whole, sharded=False, reduce=reduce, **options)
+              for reduce in ("all_reduce", "reduce_scatter")}
+    fused = fnn.RowParallelLinearAddRMSNorm(k_share * world, n, eps=1e-5, dtype=dtype, device=device, **options)
+    with torch.no_grad():
+        fused.linear.weight.copy_(w[:, cols])
+        fused.norm_weight.copy_(norm_weight)
+    static_x, static_res = x[..., cols].clone(), residual.clone()
+
+    def step():
+        return [layers["all_reduce"](static_x), layers["reduce_scatter"](static_x), *fused(static_x, static_res)]
+
+    with torch.no_grad():
+        step()  # the ops' first call of each shape makes their plans and tables, outside capture
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        for i in range(replays):
+            x, _, _, residual, _, _, _ = _problem(seed + 1 + i, world, s, b, n, k_share, dtype, device)
+            static_x.copy_(x[..., cols])
+            static_res.copy_(residual)
+            for o in outs:
+                o.fill_(float("nan"))
+            graph.replay()
+            y = x.float() @ w.float().t()
+            r = (y.to(dtype).float() + residual.float()).to(dtype).float()
+            norm = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.float()
+            for got, ref, what in zip(outs, (y + bias.float(), (y + bias.float())[rows], norm, r),
+                                      ("all_reduce", "reduce_scatter", "add_rmsnorm out", "add_rmsnorm residual")):
+                err = _error(got, ref, f"rank {rank} replay {i} {what}")
+                if err:
+                    failures.append(err)
+    return failures

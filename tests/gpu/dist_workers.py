@@ -1035,9 +1035,11 @@ def nn_layers(rank: int, world: int, seed: int, **options) -> dict:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from nn_checks import row_parallel_checks
+    from nn_checks import graph_checks, row_parallel_checks
 
-    return {"failures": row_parallel_checks(rank, world, device_of(rank), seed, **options)}
+    device = device_of(rank)
+    return {"failures": row_parallel_checks(rank, world, device, seed, **options)
+            + graph_checks(rank, world, device, seed + 100, **options)}
 
 
 TARGETS = {
