@@ -978,6 +978,18 @@ fn allreduce_rmsnorm_buffer_bytes(
 
 /// Parts each CTA pipelines its rows in, for a push call keeping the full
 /// residual of `tokens` rows on `world` ranks and `ctas` CTAs with kernel
+/// Rows [start, end) of `tokens` that `rank` of `world` owns in the peer
+/// AllReduce + RMSNorm (the kernel's near-equal split).
+#[pyfunction]
+fn allreduce_rmsnorm_slice(tokens: u64, world: usize, rank: usize) -> PyResult<(u64, u64)> {
+    if world == 0 || rank >= world {
+        return Err(PyValueError::new_err(format!(
+            "rank: expected 0 <= rank < world, got rank {rank} of world {world}"
+        )));
+    }
+    Ok(arn::slice(tokens, world, rank))
+}
+
 /// `config` (threads, unroll, stages, oneshot; default the library's).
 #[pyfunction]
 #[pyo3(signature = (tokens, world, ctas, config=None))]
@@ -1161,6 +1173,12 @@ impl PyPeerMemory {
 
     /// Header word `index` of this rank's buffer (read synchronously).
     fn header_word(&self, index: u64) -> PyResult<u32> {
+        const WORDS: u64 = 65536 / 4; // the header of every rank's buffer
+        if index >= WORDS {
+            return Err(PyValueError::new_err(format!(
+                "index: expected a header word below {WORDS}, got {index}"
+            )));
+        }
         let _keep = driver::KeepCurrent::new();
         let local = self.live()?;
         driver::bind(self.device).map_err(to_py)?;
@@ -1170,7 +1188,7 @@ impl PyPeerMemory {
             unsafe {
                 cudarc::driver::sys::cuMemcpyDtoH_v2(
                     (&mut word as *mut u32).cast(),
-                    local.ptr + 4 * index.min(16383),
+                    local.ptr + 4 * index,
                     4,
                 )
             },
@@ -1598,6 +1616,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_all_to_all_groups, m)?)?;
     m.add_function(wrap_pyfunction!(all_to_all, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_buffer_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_rmsnorm_slice, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_partial, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_stages, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_launch, m)?)?;

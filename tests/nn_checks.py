@@ -2,7 +2,7 @@
 columns of one whole linear layer, and its outputs and gradients must be those of the whole layer
 computed in fp32 (outputs: the whole output, or this rank's block of tokens; gradients: this rank's
 columns). tests/test_nn.py runs them on the CPU with stand-in ops (the layers' own logic: shapes,
-bias, the backward's AllGather); tests/gpu/test_nn.py with the real ops. Returns the failures.
+bias, the backward's AllGather); tests/gpu/test_nn_layers.py with the real ops. Returns the failures.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """flashoverlap.nn on the CPU: argument checks before anything is made, and the layers' own logic
 (shapes, the bias after the reduction, sequence-parallel token blocks, the backward's AllGather)
 on a 2-process gloo group whose ops are stand-ins computing the unfused composition. The real ops
-run under the same checks in tests/gpu/test_nn.py."""
+run under the same checks in tests/gpu/test_nn_layers.py."""
 
 from __future__ import annotations
 

@@ -148,3 +148,23 @@ def test_ranks_must_agree_on_the_norm_config(tmp_path, configs, agree, words) ->
     else:
         for v in verdicts:
             assert v.startswith("ValueError") and words in v, v
+
+
+@pytest.mark.parametrize("tokens,world", [(0, 2), (1, 2), (1001, 2), (777, 3), (5, 8), (16384, 8)])
+def test_token_slices_are_the_kernels_split(tokens, world) -> None:
+    """Each rank's rows, as Python asks the core for them, are the kernel's near-equal split
+    (slice_start in csrc/allreduce_rmsnorm.cu): consecutive, covering every token once."""
+    from flashoverlap import _core
+
+    slices = [_core.allreduce_rmsnorm_slice(tokens, world, r) for r in range(world)]
+    assert slices == [(tokens * r // world, tokens * (r + 1) // world) for r in range(world)]
+    assert slices[0][0] == 0 and slices[-1][1] == tokens
+    assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))
+
+
+@pytest.mark.parametrize("world,rank", [(2, 2), (0, 0), (3, 7)])
+def test_token_slice_of_a_rank_outside_the_world_is_refused(world, rank) -> None:
+    from flashoverlap import _core
+
+    with pytest.raises(ValueError, match="^rank: "):
+        _core.allreduce_rmsnorm_slice(100, world, rank)

@@ -189,7 +189,8 @@ def gemm_peer_group(comm, create: bool = False) -> PeerGroup:
 
 
 def _slice(tokens: int, world: int, rank: int) -> tuple[int, int]:
-    return tokens * rank // world, tokens * (rank + 1) // world
+    """The rows of `tokens` that `rank` owns: the core's split, which the kernel's matches."""
+    return _core.allreduce_rmsnorm_slice(tokens, world, rank)
 
 
 def _check(x, residual, weight, eps, residual_out, ctas) -> tuple[int, int]:

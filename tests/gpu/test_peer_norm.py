@@ -106,6 +106,18 @@ def _worker(rank, world, init_method, out_dir):
                 failures.append(f"rank {rank}: unclear error {e}")
         out, r = flashoverlap.all_reduce_rmsnorm(sx, sres, sw, EPS)
         torch.cuda.synchronize()
+        # The buffer's header words: the error word clear, a word past the header refused.
+        from flashoverlap import _core, peer_norm
+
+        (memory,) = [g.memory for g in peer_norm._GROUPS.values() if g.memory is not None]
+        if memory.header_word(_core.ALLREDUCE_RMSNORM_ERROR_WORD) != 0:
+            failures.append(f"rank {rank}: the error word is set after clean calls")
+        try:
+            memory.header_word(65536 // 4)
+            failures.append(f"rank {rank}: header_word past the header was accepted")
+        except ValueError as e:
+            if not str(e).startswith("index:"):
+                failures.append(f"rank {rank}: unclear error {e}")
         flashoverlap.destroy_peer_groups()
         dist.destroy_process_group()
     except Exception:
