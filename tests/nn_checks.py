@@ -154,3 +154,42 @@ def graph_checks(rank: int, world: int, device, seed: int, replays: int = 4, dty
                 if err:
                     failures.append(err)
     return failures
+
+
+def compiled_checks(rank: int, world: int, device, seed: int, dtype=torch.bfloat16, s: int = 128, b: int = 2,
+                    n: int = 512, k_share: int = 256, **options) -> list:
+    """The layers under torch.compile: the same outputs as eager (the same op runs), and with
+    gradients the same gradients."""
+    from flashoverlap import nn as fnn
+
+    failures = []
+    cols = slice(rank * k_share, (rank + 1) * k_share)
+    x, w, bias, residual, _, _, _ = _problem(seed, world, s, b, n, k_share, dtype, device)
+    whole = torch.nn.Linear(k_share * world, n, dtype=dtype, device=device)
+    with torch.no_grad():
+        whole.weight.copy_(w)
+        whole.bias.copy_(bias)
+    fused = fnn.RowParallelLinearAddRMSNorm(k_share * world, n, eps=1e-5, dtype=dtype, device=device, **options)
+    for what, module, args in (
+            [(reduce, fnn.RowParallelLinear.from_linear(whole, sharded=False, reduce=reduce, **options), ())
+             for reduce in ("all_reduce", "reduce_scatter")] + [("add_rmsnorm", fused, (residual,))]):
+        torch._dynamo.reset()
+        compiled = torch.compile(module, fullgraph=False)
+        with torch.no_grad():
+            eager, got = module(x[..., cols], *args), compiled(x[..., cols], *args)
+        for e, g in zip(eager if isinstance(eager, tuple) else (eager,), got if isinstance(got, tuple) else (got,)):
+            if not torch.equal(e, g):
+                failures.append(f"rank {rank} {what}: compiled output differs from eager")
+        if what == "add_rmsnorm":
+            continue
+        grads = []
+        for fn in (module, compiled):
+            x_r = x[..., cols].clone().requires_grad_(True)
+            module.weight.grad = None
+            fn(x_r).float().square().sum().backward()
+            grads.append((x_r.grad, module.weight.grad))
+        for (e, g), name in zip(zip(*grads), ("x", "weight")):
+            err = _error(g, e.float(), f"rank {rank} {what} compiled {name} grad")
+            if err:
+                failures.append(err)
+    return failures

@@ -626,3 +626,27 @@ def test_all_to_all_table_cache() -> None:
         cache.get(1, maker(1), True)
     cache.get(1, maker(1), False)
     assert made == [1, 2, 3, 4, 5, 1]
+
+
+def _compiled_op_calls():
+    x, w = torch.randn(16, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16)
+    r, nw = torch.randn(16, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)
+    ops = torch.ops.flashoverlap
+    return {
+        "gemm": lambda: ops.gemm(x, w, None),
+        "gemm_all_reduce": lambda: ops.gemm_all_reduce(x, w, "g", "auto", None, None, None, None),
+        "gemm_all_reduce_rmsnorm": lambda: ops.gemm_all_reduce_rmsnorm(x, w, r, nw, 1e-6, "g", "auto", None, None,
+                                                                        None)[0],
+        "gemm_all_to_all": lambda: ops.gemm_all_to_all(x, w, [16], [16], "g", None, None, None, None),
+    }
+
+
+@pytest.mark.parametrize("op", sorted(_compiled_op_calls()))
+def test_ops_lower_under_torch_compile(op: str) -> None:
+    """Inductor lowers each op to a fallback call (an argument named `kernel` in a schema once made
+    that fail: FallbackKernel.create takes `kernel` itself), so the compiled call reaches the op and
+    its argument checks: CPU tensors then get the op's own error."""
+    call = _compiled_op_calls()[op]
+    torch._dynamo.reset()
+    with pytest.raises((ValueError, TypeError), match=r"^(x|group_name): "):
+        torch.compile(lambda: call() * 2, fullgraph=True)()

@@ -26,18 +26,22 @@ def _stream_handle(device: torch.device) -> int:
 
 
 _LIB = torch.library.Library("flashoverlap", "DEF")
-_LIB.define("gemm(Tensor x, Tensor weight, str? kernel=None, int? raster_bands=None, int? sms=None) -> Tensor")
+# The schemas name the GEMM kernel argument `gemm_kernel` (the Python functions' `kernel`): Inductor
+# hands a custom op's arguments to FallbackKernel.create(kernel, ...) by name, so one named
+# `kernel` made torch.compile fail ("got multiple values for argument 'kernel'").
+_LIB.define("gemm(Tensor x, Tensor weight, str? gemm_kernel=None, int? raster_bands=None, int? sms=None) "
+            "-> Tensor")
 _LIB.define("gemm_all_reduce(Tensor x, Tensor weight, str group_name, str mode='auto', int? bands_per_group=None, "
-            "str? kernel=None, str? backend=None, str? order=None) -> Tensor")
+            "str? gemm_kernel=None, str? backend=None, str? order=None) -> Tensor")
 
 _LIB.define("gemm_all_reduce_rmsnorm(Tensor x, Tensor weight, Tensor residual, Tensor norm_weight, float eps, "
-            "str group_name, str mode='auto', int? bands_per_group=None, str? kernel=None, str? backend=None) "
+            "str group_name, str mode='auto', int? bands_per_group=None, str? gemm_kernel=None, str? backend=None) "
             "-> (Tensor, Tensor)")
 _LIB.define("gemm_all_to_all(Tensor x, Tensor weight, int[] input_split_sizes, int[] output_split_sizes, "
-            "str group_name, int? groups=None, str? kernel=None, int[]? split_matrix=None, str? backend=None) "
+            "str group_name, int? groups=None, str? gemm_kernel=None, int[]? split_matrix=None, str? backend=None) "
             "-> Tensor")
 _LIB.define("gemm_reduce_scatter(Tensor x, Tensor weight, str group_name, str mode='auto', "
-            "int? bands_per_group=None, str? kernel=None, str? backend=None) -> Tensor")
+            "int? bands_per_group=None, str? gemm_kernel=None, str? backend=None) -> Tensor")
 
 
 def _register(name: str, impl, fake) -> None:

@@ -1035,11 +1035,12 @@ def nn_layers(rank: int, world: int, seed: int, **options) -> dict:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from nn_checks import graph_checks, row_parallel_checks
+    from nn_checks import compiled_checks, graph_checks, row_parallel_checks
 
     device = device_of(rank)
     return {"failures": row_parallel_checks(rank, world, device, seed, **options)
-            + graph_checks(rank, world, device, seed + 100, **options)}
+            + graph_checks(rank, world, device, seed + 100, **options)
+            + compiled_checks(rank, world, device, seed + 200, **options)}
 
 
 TARGETS = {
