@@ -396,8 +396,8 @@ def test_ops_are_registered() -> None:
     assert isinstance(gar, torch._ops.OpOverload)
     assert isinstance(gemm_op, torch._ops.OpOverload)
     names = [a.name for a in gar._schema.arguments]
-    assert names == ["x", "weight", "group_name", "mode", "bands_per_group", "kernel", "backend", "order"]
-    assert [a.name for a in gemm_op._schema.arguments] == ["x", "weight", "kernel", "raster_bands", "sms"]
+    assert names == ["x", "weight", "group_name", "mode", "bands_per_group", "gemm_kernel", "backend", "order"]
+    assert [a.name for a in gemm_op._schema.arguments] == ["x", "weight", "gemm_kernel", "raster_bands", "sms"]
     # Functional ops: nothing is mutated, one tensor comes back.
     assert not gar._schema.is_mutable and not gemm_op._schema.is_mutable
     assert len(gar._schema.returns) == 1 and len(gemm_op._schema.returns) == 1
