@@ -1173,7 +1173,7 @@ impl PyPeerMemory {
 
     /// Header word `index` of this rank's buffer (read synchronously).
     fn header_word(&self, index: u64) -> PyResult<u32> {
-        const WORDS: u64 = 65536 / 4; // the header of every rank's buffer
+        const WORDS: u64 = arn::HEADER_BYTES / 4;
         if index >= WORDS {
             return Err(PyValueError::new_err(format!(
                 "index: expected a header word below {WORDS}, got {index}"
@@ -1183,7 +1183,8 @@ impl PyPeerMemory {
         let local = self.live()?;
         driver::bind(self.device).map_err(to_py)?;
         let mut word = 0u32;
-        // SAFETY: the buffer is larger than the 64 KiB header; out pointer valid.
+        // SAFETY: the buffer is larger than its header, whose words `index` is
+        // checked to be among; out pointer valid.
         crate::cuda::driver::check(
             unsafe {
                 cudarc::driver::sys::cuMemcpyDtoH_v2(

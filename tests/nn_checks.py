@@ -36,6 +36,15 @@ def _problem(seed: int, world: int, s: int, b: int, n: int, k_share: int, dtype,
                                                                                    probe2.to(device)]
 
 
+def _whole_layer(w: torch.Tensor, bias: torch.Tensor) -> torch.nn.Linear:
+    """The whole layer as an nn.Linear holding w and bias (which the layers under test slice)."""
+    whole = torch.nn.Linear(w.shape[1], w.shape[0], dtype=w.dtype, device=w.device)
+    with torch.no_grad():
+        whole.weight.copy_(w)
+        whole.bias.copy_(bias)
+    return whole
+
+
 def row_parallel_checks(rank: int, world: int, device, seed: int, dtype=torch.bfloat16, s: int = 192, b: int = 2,
                         n: int = 512, k_share: int = 256, **options) -> list:
     """RowParallelLinear (both reductions, with grads and without) and RowParallelLinearAddRMSNorm
@@ -59,10 +68,7 @@ def row_parallel_checks(rank: int, world: int, device, seed: int, dtype=torch.bf
     y = xf @ wf.t() + bf
     (y * probe).sum().backward()
 
-    whole = torch.nn.Linear(k_share * world, n, dtype=dtype, device=device)
-    with torch.no_grad():
-        whole.weight.copy_(w)
-        whole.bias.copy_(bias)
+    whole = _whole_layer(w, bias)
     for reduce in ("all_reduce", "reduce_scatter"):
         layer = fnn.RowParallelLinear.from_linear(whole, sharded=False, reduce=reduce, **options)
         if layer.weight.shape != (n, k_share):
@@ -117,10 +123,7 @@ def graph_checks(rank: int, world: int, device, seed: int, replays: int = 4, dty
     cols = slice(rank * k_share, (rank + 1) * k_share)
     rows = slice(rank * s // world, (rank + 1) * s // world)
     x, w, bias, residual, norm_weight, _, _ = _problem(seed, world, s, b, n, k_share, dtype, device)
-    whole = torch.nn.Linear(k_share * world, n, dtype=dtype, device=device)
-    with torch.no_grad():
-        whole.weight.copy_(w)
-        whole.bias.copy_(bias)
+    whole = _whole_layer(w, bias)
     layers = {reduce: fnn.RowParallelLinear.from_linear(whole, sharded=False, reduce=reduce, **options)
               for reduce in ("all_reduce", "reduce_scatter")}
     fused = fnn.RowParallelLinearAddRMSNorm(k_share * world, n, eps=1e-5, dtype=dtype, device=device, **options)
@@ -165,10 +168,7 @@ def compiled_checks(rank: int, world: int, device, seed: int, dtype=torch.bfloat
     failures = []
     cols = slice(rank * k_share, (rank + 1) * k_share)
     x, w, bias, residual, _, _, _ = _problem(seed, world, s, b, n, k_share, dtype, device)
-    whole = torch.nn.Linear(k_share * world, n, dtype=dtype, device=device)
-    with torch.no_grad():
-        whole.weight.copy_(w)
-        whole.bias.copy_(bias)
+    whole = _whole_layer(w, bias)
     fused = fnn.RowParallelLinearAddRMSNorm(k_share * world, n, eps=1e-5, dtype=dtype, device=device, **options)
     for what, module, args in (
             [(reduce, fnn.RowParallelLinear.from_linear(whole, sharded=False, reduce=reduce, **options), ())

@@ -12,6 +12,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
 
 
+def check_eps(eps: object) -> None:
+    """An RMSNorm epsilon: a number >= 0 (bools refused)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps: expected a number >= 0, got {eps!r}")
+
+
 def check_tensor(name: str, t: object, ndim: "int | None" = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")

@@ -22,21 +22,29 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from ._validation import SUPPORTED_DTYPES, check_eps
 from .communicator import GroupLike, get_communicator
+from .peer_norm import torch_add_rms_norm
 
 _REDUCES = ("all_reduce", "reduce_scatter")
-# Options each reduction takes through to its op.
+# Options each layer's op takes (RowParallelLinear's by its reduction).
 _OP_OPTIONS = {
     "all_reduce": ("mode", "bands_per_group", "kernel", "backend", "order"),
     "reduce_scatter": ("mode", "bands_per_group", "kernel", "backend"),
+    "all_reduce_rmsnorm": ("mode", "bands_per_group", "kernel", "backend"),
 }
 
 
-def _check_options(reduce: str, options: dict) -> None:
-    unknown = sorted(set(options) - set(_OP_OPTIONS[reduce]))
+def _check_options(op: str, options: dict) -> None:
+    unknown = sorted(set(options) - set(_OP_OPTIONS[op]))
     if unknown:
-        raise TypeError(f"options: {', '.join(unknown)} not taken by reduce={reduce!r} "
-                        f"(it takes {', '.join(_OP_OPTIONS[reduce])})")
+        raise TypeError(f"options: {', '.join(unknown)} not taken by {op} (it takes {', '.join(_OP_OPTIONS[op])})")
+
+
+def _check_reduce(reduce: str, options: dict) -> None:
+    if reduce not in _REDUCES:
+        raise ValueError(f"reduce: expected one of {_REDUCES}, got {reduce!r}")
+    _check_options(reduce, options)
 
 
 class _RowParallel(torch.autograd.Function):
@@ -107,31 +115,32 @@ class RowParallelLinear(torch.nn.Module):
                  reduce: str = "all_reduce", skip_bias_add: bool = False, dtype: Optional[torch.dtype] = None,
                  device=None, **options):
         super().__init__()
-        if reduce not in _REDUCES:
-            raise ValueError(f"reduce: expected one of {_REDUCES}, got {reduce!r}")
-        _check_options(reduce, options)
+        _check_reduce(reduce, options)
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        self.communicator = get_communicator(group)
-        world = self.communicator.world_size
+        comm = get_communicator(group)
+        world = comm.world_size
         if in_features % world:
             raise ValueError(f"in_features: {in_features} must be divisible by the world size {world}")
         dtype = torch.bfloat16 if dtype is None else dtype
-        if dtype not in (torch.bfloat16, torch.float16):
+        if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
-        device = self.communicator.device if device is None else torch.device(device)
-        self.in_features, self.out_features = in_features, out_features
-        self.reduce, self.skip_bias_add, self.options = reduce, skip_bias_add, dict(options)
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features // world, dtype=dtype,
-                                                     device=device))
-        self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
-        self._mark_bias()
+        device = comm.device if device is None else torch.device(device)
+        weight = torch.nn.Parameter(torch.empty(out_features, in_features // world, dtype=dtype, device=device))
+        self._set(comm, in_features, weight,
+                  torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None,
+                  reduce, skip_bias_add, options)
         self.reset_parameters()
 
-    def _mark_bias(self) -> None:
-        if self.bias is not None and self.reduce == "reduce_scatter":
-            self.bias.sequence_parallel = True
+    def _set(self, comm, in_features: int, weight, bias, reduce: str, skip_bias_add: bool, options: dict) -> None:
+        """The layer's state, however made (a new layer or an existing nn.Linear's parameters)."""
+        self.communicator = comm
+        self.in_features, self.out_features = in_features, weight.shape[0]
+        self.reduce, self.skip_bias_add, self.options = reduce, skip_bias_add, dict(options)
+        self.weight, self.bias = weight, bias
+        if bias is not None and reduce == "reduce_scatter":
+            bias.sequence_parallel = True
 
     def reset_parameters(self) -> None:
         # nn.Linear's initialization over the whole input width, each rank drawing its own columns.
@@ -146,18 +155,14 @@ class RowParallelLinear(torch.nn.Module):
         columns ([out_features, in_features / world]); its parameters are shared, not copied, so
         whatever loads or trains them keeps doing so. sharded=False: ``linear`` is the whole
         layer ([out_features, in_features]) and this rank's columns are copied out of it."""
-        layer = cls.__new__(cls)
-        torch.nn.Module.__init__(layer)
-        if reduce not in _REDUCES:
-            raise ValueError(f"reduce: expected one of {_REDUCES}, got {reduce!r}")
-        _check_options(reduce, options)
+        _check_reduce(reduce, options)
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
-        layer.communicator = comm = get_communicator(group)
+        comm = get_communicator(group)
         world, rank = comm.world_size, comm.rank
-        out_features, width = linear.weight.shape
+        width = linear.weight.shape[1]
         if sharded:
-            weight, in_features = linear.weight, width * world
+            weight, bias, in_features = linear.weight, linear.bias, width * world
         else:
             if width % world:
                 raise ValueError(f"linear: in_features {width} must be divisible by the world size {world}")
@@ -165,18 +170,14 @@ class RowParallelLinear(torch.nn.Module):
             columns = linear.weight.detach()[:, rank * share:(rank + 1) * share]
             weight = torch.nn.Parameter(columns.to(comm.device, copy=True).contiguous(),
                                         requires_grad=linear.weight.requires_grad)
-            in_features = width
-        if weight.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"linear: expected a bfloat16 or float16 weight, got {weight.dtype}")
-        layer.in_features, layer.out_features = in_features, out_features
-        layer.reduce, layer.skip_bias_add, layer.options = reduce, skip_bias_add, dict(options)
-        layer.weight = weight
-        if linear.bias is None:
-            layer.bias = None
-        else:
-            layer.bias = linear.bias if sharded else torch.nn.Parameter(
+            bias = None if linear.bias is None else torch.nn.Parameter(
                 linear.bias.detach().to(comm.device, copy=True), requires_grad=linear.bias.requires_grad)
-        layer._mark_bias()
+            in_features = width
+        if weight.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"linear: expected a bfloat16 or float16 weight, got {weight.dtype}")
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer._set(comm, in_features, weight, bias, reduce, skip_bias_add, options)
         return layer
 
     def extra_repr(self) -> str:
@@ -209,12 +210,8 @@ class RowParallelLinearAddRMSNorm(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group: GroupLike = None, *,
                  eps: float = 1e-6, dtype: Optional[torch.dtype] = None, device=None, **options):
         super().__init__()
-        unknown = sorted(set(options) - {"mode", "bands_per_group", "kernel", "backend"})
-        if unknown:
-            raise TypeError(f"options: {', '.join(unknown)} not taken (it takes mode, bands_per_group, kernel, "
-                            "backend)")
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-            raise ValueError(f"eps: expected a number >= 0, got {eps!r}")
+        _check_options("all_reduce_rmsnorm", options)
+        check_eps(eps)
         self.linear = RowParallelLinear(in_features, out_features, bias, group, dtype=dtype, device=device)
         self.eps, self.options = float(eps), dict(options)
         self.norm_weight = torch.nn.Parameter(torch.ones(out_features, dtype=self.linear.weight.dtype,
@@ -230,9 +227,6 @@ class RowParallelLinearAddRMSNorm(torch.nn.Module):
         if _needs_grad(x, residual, linear.weight, self.norm_weight):
             options = {k: v for k, v in self.options.items() if k != "backend" or v != "peer"}
             reduced = _RowParallel.apply(x, linear.weight, "all_reduce", linear.communicator, options)
-            r = (reduced.float() + residual.float()).to(x.dtype)
-            rf = r.float()
-            out = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
-            return out.to(x.dtype), r
+            return torch_add_rms_norm(reduced, residual, self.norm_weight, self.eps)
         return ops.gemm_all_reduce_rmsnorm(x.contiguous(), linear.weight, residual.contiguous(), self.norm_weight,
                                            self.eps, linear.communicator, **self.options)

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from . import _core, _env, _nvrtc
-from ._validation import (check_device, check_gemm_operands, check_groups, check_split_matrix, check_splits,
-                          check_tensor, dtype_name)
+from ._validation import (check_device, check_eps, check_gemm_operands, check_groups, check_split_matrix,
+                          check_splits, check_tensor, dtype_name)
 from .communicator import Communicator, GroupLike, resolve_group, communicator_by_name, get_communicator
 
 _MODES = ("auto", "overlap", "sequential")
@@ -213,8 +213,7 @@ def _check_norm_operands(x: torch.Tensor, weight: torch.Tensor, residual, norm_w
             raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
     if n > _MAX_NORM_N:
         raise ValueError(f"weight: the fused RMSNorm takes hidden sizes up to {_MAX_NORM_N}, got N={n}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps: expected a number >= 0, got {eps!r}")
+    check_eps(eps)
 
 
 def _gemm_all_reduce_rmsnorm_impl(x, weight, residual, norm_weight, eps: float, group_name: str,
@@ -568,17 +567,20 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, *, kernel: Optional[str] = None,
 
 
 def _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order=None,
-                  norm: bool = False, push: bool = False):
-    """The argument checks of the collective ops, in the documented order (shapes and dtypes,
-    options, an initialised process group, devices), then the communicator (created
-    collectively on first use). Returns (M, N, K, communicator). norm: the fused-norm op's
-    (backends "peer" and "push" allowed); push: a GEMM op's ("push" allowed)."""
+                  norm: bool = False):
+    """The argument checks of the GEMM ops, in the documented order (shapes and dtypes, options,
+    an initialised process group, devices), then the communicator (created collectively on first
+    use) and what backend="push" needs of it. Returns (M, N, K, communicator). norm: the
+    fused-norm op's (backend "peer" allowed too)."""
     m, n, k = check_gemm_operands(x, weight, devices=False)
     _check_mode(mode, bands_per_group)
     _check_kernel(kernel)
-    _check_backend(backend, norm, push)
+    _check_backend(backend, norm, push=True)
     _check_order(order)
-    return m, n, k, _communicator_of(x, group, communicator, weight)
+    comm = _communicator_of(x, group, communicator, weight)
+    if backend == "push":
+        _check_push(comm)
+    return m, n, k, comm
 
 
 def _communicator_of(x: torch.Tensor, group, communicator, weight: Optional[torch.Tensor] = None) -> Communicator:
@@ -625,10 +627,7 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
       the output, then copied into place) or "auto" (whichever the predictor says is faster);
       default: FLASHOVERLAP_ORDER, else "auto". bands_per_group implies "banded".
     """
-    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order,
-                                  push=True)
-    if backend == "push":
-        _check_push(comm)
+    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order)
     return torch.ops.flashoverlap.gemm_all_reduce(x, weight, comm.name, mode, bands_per_group, kernel, backend,
                                                   order)
 
@@ -640,7 +639,7 @@ def plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, c
     with ``fused_norm=True``, the plan ``gemm_all_reduce_rmsnorm`` runs (banded, the norm charged to
     each group)."""
     m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, order,
-                                  norm=bool(fused_norm), push=True)
+                                  norm=bool(fused_norm))
     order = "banded" if fused_norm else _resolve_order(order)
     if _env.force_sequential():
         mode, bands_per_group = "sequential", None
@@ -667,7 +666,7 @@ def backend_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *
         raise ValueError(f"op: expected 'gemm_all_reduce' or 'gemm_reduce_scatter', got {op!r}")
     if op == "gemm_all_reduce":
         m, n, k, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend,
-                                      order, push=True)
+                                      order)
     else:
         comm = _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
         m, n, k = _rs_shape(x, weight, comm.world_size)
@@ -701,8 +700,6 @@ def gemm_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: GroupLike 
     its slot (over NVLink, as it computes them) and the same sums follow; with NCCL, one
     ncclReduceScatter per group (24 SMs left free for it)."""
     comm = _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
-    if backend == "push":
-        _check_push(comm)
     return torch.ops.flashoverlap.gemm_reduce_scatter(x, weight, comm.name, mode, bands_per_group, kernel, backend)
 
 
@@ -723,7 +720,7 @@ def reduce_scatter_plan_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLi
 
 
 def _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend):
-    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, push=True)
+    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
     _rs_shape(x, weight, comm.world_size)
     return comm
 
@@ -755,12 +752,9 @@ def gemm_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: tor
     # Every argument is checked before the communicator is looked up (or created, collectively).
     check_gemm_operands(x, weight, devices=False)
     _check_norm_operands(x, weight, residual, norm_weight, eps)
-    _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, norm=True)
-    comm = get_communicator(group, communicator=communicator)
+    _, _, _, comm = _checked_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend, norm=True)
     for name, t in (("residual", residual), ("norm_weight", norm_weight)):
         check_device(name, t, comm.device)
-    if backend == "push":
-        _check_push(comm)
     if backend == "peer":
         from . import peer_norm
 
@@ -800,9 +794,7 @@ def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, ou
     Splits are checked (one entry per rank, ints >= 0, input summing to T). Capturable in CUDA
     graphs once the op has run with the same split sizes outside capture (its tables are made then
     and kept for the graph)."""
-    _, _, _, comm = _checked_call(x, weight, group, communicator, "auto", None, kernel, backend, push=True)
-    if backend == "push":
-        _check_push(comm)
+    _, _, _, comm = _checked_call(x, weight, group, communicator, "auto", None, kernel, backend)
     if x.dim() != 2:
         raise ValueError(f"x: expected [T, K] (rows grouped by destination rank), got shape {tuple(x.shape)}")
     sends = check_splits("input_split_sizes", input_split_sizes, comm.world_size, x.shape[0])

@@ -216,12 +216,19 @@ def _check(x, residual, weight, eps, residual_out, ctas) -> tuple[int, int]:
     return tokens, hidden
 
 
+def torch_add_rms_norm(s, residual, weight, eps):
+    """vLLM's fused_add_rms_norm after an AllReduce `s`, in torch ops (differentiable):
+    r = round(s + residual); out = round(r * rsqrt(mean(r^2) + eps) * weight), fp32 inside.
+    Returns (out, r)."""
+    r = (s.float() + residual.float()).to(s.dtype)
+    rf = r.float()
+    return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(s.dtype), r
+
+
 def _torch_fallback(x, residual, weight, eps, group, residual_out, world, rank):
     s = x.clone()
     dist.all_reduce(s, group=group)
-    r = (s.float() + residual.float()).to(x.dtype)
-    rf = r.float()
-    out = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    out, r = torch_add_rms_norm(s, residual, weight, eps)
     if residual_out == "sharded":
         a, b = _slice(x.shape[0], world, rank)
         r = r[a:b].clone()
