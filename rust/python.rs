@@ -990,6 +990,27 @@ fn allreduce_rmsnorm_slice(tokens: u64, world: usize, rank: usize) -> PyResult<(
     Ok(arn::slice(tokens, world, rank))
 }
 
+/// TokenWeave's wave-aware cut of `tokens` for a GEMM with `n` output
+/// columns in `tile` (rows, columns) tiles on `ctas` CTAs: (first, second,
+/// waves of the halves, waves of the whole batch), or None where the batch
+/// has fewer than two row bands.
+#[pyfunction]
+fn wave_aware_split(
+    tokens: u32,
+    n: u32,
+    tile: (u32, u32),
+    ctas: u32,
+) -> PyResult<Option<(u32, u32, u32, u32)>> {
+    let tile = crate::plan::TileShape {
+        bm: tile.0,
+        bn: tile.1,
+        bk: 1,
+    };
+    let split = crate::plan::wave_aware_split(tokens, n, tile, ctas)
+        .map_err(|e| to_py(e.into()))?;
+    Ok(split.map(|s| (s.first, s.second, s.waves, s.unsplit_waves)))
+}
+
 /// `config` (threads, unroll, stages, oneshot; default the library's).
 #[pyfunction]
 #[pyo3(signature = (tokens, world, ctas, config=None))]
@@ -1618,6 +1639,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(all_to_all, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_buffer_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_slice, m)?)?;
+    m.add_function(wrap_pyfunction!(wave_aware_split, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_partial, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_stages, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_launch, m)?)?;

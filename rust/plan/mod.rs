@@ -12,6 +12,7 @@ pub mod predictor;
 pub mod reduce_scatter;
 pub mod staged;
 pub mod tiles;
+pub mod token_split;
 pub mod waves;
 
 #[cfg(test)]
@@ -35,4 +36,5 @@ pub use reduce_scatter::{
 };
 pub use staged::{staging_elems, StagedGroup, StagedPartition};
 pub use tiles::{pushed_row, OutputTiles, TileShape, HOPPER_TILE_N};
+pub use token_split::{wave_aware_split, TokenSplit};
 pub use waves::Waves;

@@ -1043,8 +1043,93 @@ def nn_layers(rank: int, world: int, seed: int, **options) -> dict:
             + compiled_checks(rank, world, device, seed + 200, **options)}
 
 
+
+def weave_block(rank: int, world: int, seed: int, replays: int = 3) -> dict:
+    """Two tensor-parallel MLP layers (GEMMs on the compute stream, all_reduce_rmsnorm on 8 CTAs on
+    the communication stream) woven over two token halves, against the fp32 composition: eager at
+    several splits (wave-aware, uneven, unsplit), then a captured CUDA graph replayed on fresh inputs."""
+    import torch
+
+    import flashoverlap
+
+    device = device_of(rank)
+    hidden, shard, layers, eps = 1024, 512, 2, 1e-5
+    failures: list = []
+
+    def weights(r: int, layer: int):
+        gen = torch.Generator(device=device).manual_seed(seed * 1009 + layer * 31 + r)
+        up = (torch.randn(shard, hidden, generator=gen, device=device) / hidden ** 0.5).bfloat16()
+        down = (torch.randn(hidden, shard, generator=gen, device=device) / shard ** 0.5).bfloat16()
+        norm = (torch.rand(hidden, generator=gen, device=device) + 0.5).bfloat16()
+        return up, down, norm
+
+    mine = [weights(rank, layer) for layer in range(layers)]
+    # The norm weight is the same on every rank: rank 0's.
+    norms = [weights(0, layer)[2] for layer in range(layers)]
+
+    def stage(layer: int):
+        up, down, _ = mine[layer]
+
+        def compute(h, res):
+            return torch.relu(h @ up.T) @ down.T, res
+
+        def communicate(partial, res):
+            return flashoverlap.all_reduce_rmsnorm(partial, res, norms[layer], eps, ctas=8)
+
+        return compute, communicate
+
+    stages = [stage(layer) for layer in range(layers)]
+
+    def reference(h, res):
+        h, res = h.float(), res.float()
+        for layer in range(layers):
+            total = torch.zeros_like(res)
+            for r in range(world):
+                up, down, _ = weights(r, layer)
+                total += torch.relu(h @ up.float().T) @ down.float().T
+            res = res + total
+            h = res * torch.rsqrt(res.pow(2).mean(-1, keepdim=True) + eps) * norms[layer].float()
+        return h, res
+
+    def inputs(tokens: int, draw: int):
+        gen = torch.Generator(device=device).manual_seed(seed * 7 + draw)  # the same on every rank
+        return (torch.randn(tokens, hidden, generator=gen, device=device).bfloat16(),
+                torch.randn(tokens, hidden, generator=gen, device=device).bfloat16())
+
+    def compare(got, want, what: str) -> None:
+        for name, out, ref in zip(("out", "residual"), got, want):
+            why = mismatch(out, ref, f"{what} {name}")
+            if why:
+                failures.append(why)
+
+    for draw, (tokens, split) in enumerate([(1000, None), (2048, 1024), (777, (512, 265)), (64, 64)]):
+        split = flashoverlap.token_split(tokens, shard) if split is None else split
+        h, res = inputs(tokens, draw)
+        poison((tokens, hidden), torch.bfloat16, device)
+        compare(flashoverlap.weave(stages, (h, res), split), reference(h, res), f"{tokens} tokens split {split}")
+
+    tokens = 1000
+    h, res = inputs(tokens, 100)
+    split = flashoverlap.token_split(tokens, shard)
+    flashoverlap.weave(stages, (h, res), split)  # peer buffers made outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashoverlap.weave(stages, (h, res), split)
+    for replay in range(replays):
+        fresh = inputs(tokens, 200 + replay)
+        h.copy_(fresh[0])
+        res.copy_(fresh[1])
+        for t in out:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        compare(out, reference(*fresh), f"graph replay {replay}")
+    return {"failures": failures}
+
 TARGETS = {
     "nn_layers": nn_layers,
+    "weave_block": weave_block,
     "load_calls": load_calls,
     "timing_rounds": timing_rounds,
     "tune_copy_engine": tune_copy_engine,
