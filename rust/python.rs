@@ -1006,8 +1006,8 @@ fn wave_aware_split(
         bn: tile.1,
         bk: 1,
     };
-    let split = crate::plan::wave_aware_split(tokens, n, tile, ctas)
-        .map_err(|e| to_py(e.into()))?;
+    let split =
+        crate::plan::wave_aware_split(tokens, n, tile, ctas).map_err(|e| to_py(e.into()))?;
     Ok(split.map(|s| (s.first, s.second, s.waves, s.unsplit_waves)))
 }
 

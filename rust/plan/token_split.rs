@@ -93,7 +93,10 @@ mod tests {
     fn even_batch_of_whole_waves_splits_in_half() {
         // 4096 x 8192: 32 bands x 32 columns = 1024 tiles on 128 CTAs, 8 waves.
         let s = split(4096, 8192, 128);
-        assert_eq!((s.first, s.second, s.waves, s.unsplit_waves), (2048, 2048, 8, 8));
+        assert_eq!(
+            (s.first, s.second, s.waves, s.unsplit_waves),
+            (2048, 2048, 8, 8)
+        );
     }
 
     #[test]
