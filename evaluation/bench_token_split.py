@@ -2,12 +2,14 @@
 
 Token weaving runs each layer's GEMMs on two halves of the batch instead of once on all of it. An
 even cut can cost a wave: each half's GEMM ends in a partial wave of its own. `token_split` cuts
-on a row band where the halves keep the whole batch's wave count (for the GEMM it is given). This
+on a row band near the middle where the halves run the layer's GEMMs in the fewest waves. This
 script times, for a Llama-3-70B layer at tensor parallelism 2 (o_proj 8192 x 4096, gate_up
-28672 x 8192, down 8192 x 14336; N x K per rank), the layer's three GEMMs on the whole batch, on
-the even halves and on the wave-aware halves (cut for gate_up, the largest), with cuBLAS
-(torch.matmul) and with flashoverlap's kernel (flashoverlap.gemm, whose 128 x 256 tiles the cut
-assumes). Ratio = halves / whole: 1.000 means the split costs the GEMMs nothing.
+28672 x 8192, down 8192 x 14336; N x K per rank), the layer's three GEMMs on the whole batch and
+on two halves cut three ways: even (T/2), `token_split(T, layer)` (the default), and the first
+rule this library tried, the cut that keeps gate_up's waves alone with no bound on how uneven the
+halves get (`token_split(T, [gate_up], skew=1)`), with cuBLAS (torch.matmul) and with
+flashoverlap's kernel (flashoverlap.gemm, whose 128 x 256 tiles the cut assumes). Ratio = halves /
+whole: 1.000 means the split costs the GEMMs nothing.
 
 Correctness first: each variant's output rows against the fp32 product (relative error).
 Timing: random bf16 data, every call on the next of four operand sets, CUDA events, variants
@@ -31,16 +33,22 @@ from flashoverlap.bench import interleaved_times_us, write_lines
 from flashoverlap.weave import gemm_waves
 
 GEMMS = {"o_proj": (8192, 4096), "gate_up": (28672, 8192), "down": (8192, 14336)}
-CUT_FOR = "gate_up"
 TOKENS = [1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384]
 BUFFERS = 4
 TOLERANCE = 1e-2
 
 
+CUTS = ("whole", "even", "layer", "gate_up")
+
+
+def _halves(split: flashoverlap.TokenSplit) -> tuple[int, ...]:
+    return (split.first, split.second) if split.second else (split.first,)
+
+
 def _cuts(tokens: int) -> dict[str, tuple[int, ...]]:
-    split = flashoverlap.token_split(tokens, GEMMS[CUT_FOR][0])
     return {"whole": (tokens,), "even": (tokens // 2, tokens - tokens // 2),
-            "wave": (split.first, split.second) if split.second else (tokens,)}
+            "layer": _halves(flashoverlap.token_split(tokens, list(GEMMS.values()))),
+            "gate_up": _halves(flashoverlap.token_split(tokens, [GEMMS["gate_up"]], skew=1.0))}
 
 
 def main() -> int:
@@ -62,14 +70,17 @@ def main() -> int:
                for name, (n, k) in GEMMS.items()}
     matmuls = {"cublas": lambda x, w: torch.matmul(x, w.T), "fo": flashoverlap.gemm}
 
+    split_cuts = CUTS[1:]
     lines = [f"# token splitting: a Llama-3-70B TP=2 layer's GEMMs on the whole batch vs two halves, "
              f"1 x {props.name} ({sms} SMs), bf16, {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; "
              f"command: python evaluation/bench_token_split.py {' '.join(sys.argv[1:])}",
-             f"# us: median of {args.iters} interleaved iterations of the three GEMMs (o_proj, gate_up, down); "
-             f"ratio = halves / whole (1.000: the split is free); waves = gate_up's waves at 128 x 256 tiles "
-             f"on {sms} CTAs (whole / even halves / wave-aware halves)",
-             f"{'tokens':>6} {'even':>11} {'wave-aware':>11} {'waves':>9} {'lib':>6} {'whole':>9} {'even':>9} "
-             f"{'wave':>9} {'even/w':>7} {'wave/w':>7} {'max err':>8}"]
+             f"# us: median of {args.iters} interleaved iterations of the three GEMMs (o_proj, gate_up, down) "
+             f"on the whole batch and on the halves of each cut (even: T/2; layer: token_split(T, layer), the "
+             f"default; gate_up: token_split(T, [gate_up], skew=1), the first rule); x = halves / whole "
+             f"(1.000: the split is free); waves: the layer's waves at 128 x 256 tiles on {sms} CTAs "
+             f"(whole/even/layer/gate_up)",
+             f"{'tokens':>6} {'layer cut':>11} {'gate_up cut':>11} {'waves':>15} {'lib':>6} {'whole':>9} "
+             + " ".join(f"{c:>9} {'x':>6}" for c in split_cuts) + f" {'max err':>8}"]
     print("\n".join(lines), flush=True)
     rows, failures = [], []
     for tokens in args.tokens:
@@ -101,26 +112,27 @@ def main() -> int:
                             mm(x.narrow(0, at, size), w)
                 fns[f"{lib}_{cut}"] = run
         times = {name: statistics.median(v) for name, v in interleaved_times_us(fns, args.iters, args.warmup).items()}
-        n_cut = GEMMS[CUT_FOR][0]
-        waves = "/".join(str(sum(gemm_waves(s, n_cut, ctas=sms) for s in cuts[c])) for c in ("whole", "even", "wave"))
+        waves = "/".join(str(sum(gemm_waves(h, n, ctas=sms) for h in cuts[c] for n, _ in GEMMS.values()))
+                         for c in CUTS)
         for lib in matmuls:
-            whole, even, wave = (times[f"{lib}_{c}"] for c in ("whole", "even", "wave"))
-            row = {"tokens": tokens, "lib": lib, "even": cuts["even"], "wave": cuts["wave"], "waves": waves,
-                   "whole_us": whole, "even_us": even, "wave_us": wave, "even_ratio": even / whole,
-                   "wave_ratio": wave / whole, "max_err": worst}
+            row = {"tokens": tokens, "lib": lib, "waves": waves, "max_err": worst}
+            for c in CUTS:
+                row[f"{c}_cut"] = "+".join(map(str, cuts[c]))
+                row[f"{c}_us"] = times[f"{lib}_{c}"]
+                row[f"{c}_ratio"] = times[f"{lib}_{c}"] / times[f"{lib}_whole"]
             rows.append(row)
-            line = (f"{tokens:>6} {'+'.join(map(str, cuts['even'])):>11} {'+'.join(map(str, cuts['wave'])):>11} "
-                    f"{waves:>9} {lib:>6} {whole:>9.1f} {even:>9.1f} {wave:>9.1f} {even / whole:>7.3f} "
-                    f"{wave / whole:>7.3f} {worst:>8.1e}")
+            line = (f"{tokens:>6} {row['layer_cut']:>11} {row['gate_up_cut']:>11} {waves:>15} {lib:>6} "
+                    f"{row['whole_us']:>9.1f} "
+                    + " ".join(f"{row[f'{c}_us']:>9.1f} {row[f'{c}_ratio']:>6.3f}" for c in split_cuts)
+                    + f" {worst:>8.1e}")
             lines.append(line)
             print(line, flush=True)
         del xs
     for lib in matmuls:
         mine = [r for r in rows if r["lib"] == lib]
-        geo = {k: statistics.geometric_mean([r[k] for r in mine]) for k in ("even_ratio", "wave_ratio")}
-        lines.append(f"# {lib}: geometric mean over token counts: even halves {geo['even_ratio']:.3f}, "
-                     f"wave-aware halves {geo['wave_ratio']:.3f} of the whole batch's time; worst "
-                     f"{max(r['even_ratio'] for r in mine):.3f} / {max(r['wave_ratio'] for r in mine):.3f}")
+        lines.append(f"# {lib}: halves / whole, geometric mean over token counts (worst): " + ", ".join(
+            f"{c} {statistics.geometric_mean([r[f'{c}_ratio'] for r in mine]):.3f} "
+            f"({max(r[f'{c}_ratio'] for r in mine):.3f})" for c in split_cuts))
     lines += [f"FAIL {f}" for f in failures] or ["correctness: every variant within "
                                                  f"{TOLERANCE} of the fp32 product"]
     print("\n".join(lines[-3:]), flush=True)

@@ -23,6 +23,7 @@
 #   first  first_call_latency.py --world-size 2 (issue 5)         [13]
 #   argather  bench_gemm_ar.py with FLASHOVERLAP_CE_ALLREDUCE=gather (the copy engines' AllReduce as ReduceScatter + AllGather on 2 ranks) [40]
 #   collgather  bench_collectives.py with the same                [32]
+#   weave  bench_weave.py: 2 decoder layers woven over two token halves vs NCCL / fused, 1K-16K tokens [not yet run]
 # Each part writes OUTDIR/<part>.log (its output) and its result files
 # under OUTDIR, and prints one line: part, exit code, seconds. NVLink
 # multicast stays off in everything started here.
@@ -69,6 +70,7 @@ part_command() {
     first) echo "timeout 240 python $here/first_call_latency.py --world-size 2" ;;
     argather) echo "FLASHOVERLAP_CE_ALLREDUCE=gather timeout 420 python $here/bench_gemm_ar.py --iters 40 --out $out/bench_gemm_ar_gather_h200x2_bfloat16.csv" ;;
     collgather) echo "FLASHOVERLAP_CE_ALLREDUCE=gather timeout 420 python $here/bench_collectives.py --world-size 2 --out $out/bench_collectives_gather_h200x2" ;;
+    weave) echo "timeout 420 python $here/bench_weave.py --world-size 2 --out $out/bench_weave_h200x2" ;;
     *) return 1 ;;
   esac
 }

@@ -990,24 +990,29 @@ fn allreduce_rmsnorm_slice(tokens: u64, world: usize, rank: usize) -> PyResult<(
     Ok(arn::slice(tokens, world, rank))
 }
 
-/// TokenWeave's wave-aware cut of `tokens` for a GEMM with `n` output
-/// columns in `tile` (rows, columns) tiles on `ctas` CTAs: (first, second,
-/// waves of the halves, waves of the whole batch), or None where the batch
-/// has fewer than two row bands.
+/// TokenWeave's wave-aware cut of `tokens` for a layer of GEMMs `(n, k)`
+/// in `tile` (rows, columns) tiles on `ctas` CTAs, halves at most `skew` x
+/// tokens apart: (first, second, waves of the halves, waves of the whole
+/// batch), or None where the batch has fewer than two row bands.
 #[pyfunction]
 fn wave_aware_split(
     tokens: u32,
-    n: u32,
+    gemms: Vec<(u32, u32)>,
     tile: (u32, u32),
     ctas: u32,
+    skew: f64,
 ) -> PyResult<Option<(u32, u32, u32, u32)>> {
     let tile = crate::plan::TileShape {
         bm: tile.0,
         bn: tile.1,
         bk: 1,
     };
-    let split =
-        crate::plan::wave_aware_split(tokens, n, tile, ctas).map_err(|e| to_py(e.into()))?;
+    let gemms: Vec<_> = gemms
+        .into_iter()
+        .map(|(n, k)| crate::plan::LayerGemm { n, k })
+        .collect();
+    let split = crate::plan::wave_aware_split(tokens, &gemms, tile, ctas, skew)
+        .map_err(|e| to_py(e.into()))?;
     Ok(split.map(|s| (s.first, s.second, s.waves, s.unsplit_waves)))
 }
 

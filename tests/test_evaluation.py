@@ -76,7 +76,7 @@ def test_write_outputs(tmp_path) -> None:
 def test_gpu_scripts_import_and_document_their_command() -> None:
     """The GPU-only scripts at least load on a CPU machine and say how they are run."""
     for name in ("bench_gemm", "bench_gemm_ar", "bench_gemm_rs", "bench_gemm_ar_rmsnorm", "bench_add_rmsnorm",
-                 "e1_correctness", "e3_overhead", "norm_stages_one_gpu"):
+                 "e1_correctness", "e3_overhead", "norm_stages_one_gpu", "bench_token_split", "bench_weave"):
         module = _load(name)
         assert f"evaluation/{name}.py" in module.__doc__, name
         assert callable(module.main)

@@ -19,37 +19,59 @@ def _waves(rows: int, n: int, tile: tuple[int, int], ctas: int) -> int:
     return -(-tiles // ctas)
 
 
-def _brute_force(tokens: int, n: int, tile: tuple[int, int], ctas: int):
-    """Every cut at a multiple of tile[0]: fewest waves, then most even, then larger first half."""
+def _cost(rows: int, layer, tile, ctas) -> int:
+    return sum(_waves(rows, n, tile, ctas) * k for n, k in layer)
+
+
+def _brute_force(tokens: int, layer, tile: tuple[int, int], ctas: int, skew: float):
+    """Every cut at a multiple of tile[0] within the skew (or the most even): the fewest K-weighted
+    waves, then most even, then the larger first half."""
     cuts = range(tile[0], tokens, tile[0])
     if not cuts:
         return None
-    return min(cuts, key=lambda a: (_waves(a, n, tile, ctas) + _waves(tokens - a, n, tile, ctas),
-                                    abs(2 * a - tokens), -a))
+    limit = max(skew * tokens, min(abs(2 * a - tokens) for a in cuts))
+    return min((a for a in cuts if abs(2 * a - tokens) <= limit),
+               key=lambda a: (_cost(a, layer, tile, ctas) + _cost(tokens - a, layer, tile, ctas),
+                              abs(2 * a - tokens), -a))
 
 
 def test_split_is_the_best_band_cut() -> None:
     rng = random.Random(7)
     for _ in range(400):
-        tokens, n = rng.randint(1, 20000), rng.randint(1, 30000)
+        tokens = rng.randint(1, 20000)
+        layer = [(rng.randint(1, 30000), rng.randint(1, 16384)) for _ in range(rng.randint(1, 3))]
         tile = rng.choice([(128, 256), (128, 128), (64, 256), (256, 128)])
         ctas = rng.choice([132, 116, 108, 78, 7])
-        s = flashoverlap.token_split(tokens, n, tile=tile, ctas=ctas)
+        skew = rng.choice([0.0, 0.1, 0.25, 0.5, 1.0])
+        s = flashoverlap.token_split(tokens, layer, tile=tile, ctas=ctas, skew=skew)
         assert s.first + s.second == tokens
-        assert s.unsplit_waves == _waves(tokens, n, tile, ctas)
-        best = _brute_force(tokens, n, tile, ctas)
+        assert s.unsplit_waves == sum(_waves(tokens, n, tile, ctas) for n, _ in layer)
+        best = _brute_force(tokens, layer, tile, ctas, skew)
         if best is None:
             assert s == (tokens, 0, s.unsplit_waves, s.unsplit_waves)
         else:
-            assert s.first == best, (tokens, n, tile, ctas)
-            assert s.waves == _waves(s.first, n, tile, ctas) + _waves(s.second, n, tile, ctas)
+            assert s.first == best, (tokens, layer, tile, ctas, skew)
+            assert s.waves == sum(_waves(h, n, tile, ctas) for h in (s.first, s.second) for n, _ in layer)
+
+
+def test_one_n_is_one_gemm() -> None:
+    assert flashoverlap.token_split(5000, 8192, ctas=132) == flashoverlap.token_split(5000, [(8192, 7)], ctas=132)
 
 
 def test_wave_aware_cut_beats_halving() -> None:
-    # 1536 tokens of an 8192-wide GEMM on 132 SMs: 384 tiles, 3 waves; halves of 768 take 2 each.
-    s = flashoverlap.token_split(1536, 8192, ctas=132)
+    # 1536 tokens of an 8192-wide GEMM on 132 SMs: 384 tiles, 3 waves; halves of 768 take 2 each,
+    # 1024 + 512 keep 3 (a skew of 1/3 allows it).
+    s = flashoverlap.token_split(1536, 8192, ctas=132, skew=0.34)
     assert (s.first, s.second, s.waves, s.unsplit_waves) == (1024, 512, 3, 3)
     assert 2 * _waves(768, 8192, (128, 256), 132) == 4
+    assert flashoverlap.token_split(1536, 8192, ctas=132)[:2] == (768, 768)
+
+
+def test_the_whole_layer_decides() -> None:
+    # Cut for gate_up alone, 3072 tokens go 1792 + 1280; o_proj and down then lose a wave each.
+    gate_up, layer = (28672, 8192), [(8192, 4096), (28672, 8192), (8192, 14336)]
+    assert flashoverlap.token_split(3072, [gate_up], ctas=132)[:2] == (1792, 1280)
+    assert flashoverlap.token_split(3072, layer, ctas=132)[:2] == (1536, 1536)
 
 
 def test_default_ctas_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,13 +82,16 @@ def test_default_ctas_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("kwargs,argument", [
     ({"tokens": 0}, "tokens"), ({"tokens": -5}, "tokens"), ({"tokens": True}, "tokens"), ({"tokens": 3.0}, "tokens"),
-    ({"n": 0}, "n"), ({"ctas": 0}, "ctas"), ({"tile": (128,)}, "tile"), ({"tile": (0, 256)}, "tile[0]"),
-    ({"tile": (128, -1)}, "tile[1]"), ({"tokens": 2 ** 40}, "tokens"),
+    ({"gemms": 0}, "gemms"), ({"gemms": []}, "gemms"), ({"gemms": "8192"}, "gemms"),
+    ({"gemms": [(8192, 4096), (8192,)]}, "gemms[1]"), ({"gemms": [(8192, 0)]}, "gemms[0] K"),
+    ({"gemms": [(-8, 4096)]}, "gemms[0] N"), ({"ctas": 0}, "ctas"), ({"tile": (128,)}, "tile"),
+    ({"tile": (0, 256)}, "tile[0]"), ({"tile": (128, -1)}, "tile[1]"), ({"tokens": 2 ** 40}, "tokens"),
+    ({"skew": -0.1}, "skew"), ({"skew": 1.5}, "skew"), ({"skew": float("nan")}, "skew"), ({"skew": "0.2"}, "skew"),
 ])
 def test_split_arguments_are_checked(kwargs: dict, argument: str) -> None:
-    args = {"tokens": 1024, "n": 8192, "ctas": 132, **kwargs}
+    args = {"tokens": 1024, "gemms": 8192, "ctas": 132, **kwargs}
     with pytest.raises(ValueError, match=f"^{re.escape(argument)}:"):
-        flashoverlap.token_split(args.pop("tokens"), args.pop("n"), **args)
+        flashoverlap.token_split(args.pop("tokens"), args.pop("gemms"), **args)
 
 
 def _block(log: list):

@@ -171,7 +171,8 @@ def plan_gemm_reduce_scatter(
     m: int, n: int, k: int, world_size: int, dtype: str, sms: int, major: int, options: RsOptions
 ) -> dict[str, object]:
     """communicator_rs_plan's dict for a described device (needs no GPU)."""
-def wave_aware_split(tokens: int, n: int, tile: tuple[int, int], ctas: int) -> Optional[tuple[int, int, int, int]]:
+def wave_aware_split(tokens: int, gemms: list[tuple[int, int]], tile: tuple[int, int], ctas: int,
+                     skew: float) -> Optional[tuple[int, int, int, int]]:
     """(first, second, waves of the halves, waves unsplit); None below two row bands."""
 def gemm_reduce_scatter(
     group_name: str,

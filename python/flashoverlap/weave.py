@@ -1,9 +1,9 @@
 """Token weaving (TokenWeave): a batch's tokens cut into two halves so that
 one half's communication runs while the other half computes.
 
-`token_split` cuts the batch where neither half's GEMM ends in a wave of its
-own that the whole batch would not have run (a wave-aware cut, see
-rust/plan/token_split.rs); `weave` runs a sequence of (compute,
+`token_split` cuts the batch near the middle where the halves' GEMMs run
+the fewest waves, so that splitting costs the GEMMs as little as it can (a
+wave-aware cut, see rust/plan/token_split.rs); `weave` runs a sequence of (compute,
 communicate) stages over the two halves: every compute on the caller's
 stream, every communicate on a side stream, so that half A's communicate of
 stage i overlaps half B's compute of stage i, and half B's communicate
@@ -27,6 +27,8 @@ __all__ = ["TokenSplit", "gemm_waves", "token_split", "weave"]
 DEFAULT_TILE = (128, 256)
 # SMs of an H100/H200 SXM: the CTAs of a wave where no device says otherwise.
 DEFAULT_CTAS = 132
+# The halves may differ by a quarter of the tokens (37.5% / 62.5% at most).
+DEFAULT_SKEW = 0.25
 
 
 class TokenSplit(NamedTuple):
@@ -47,30 +49,52 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def token_split(tokens: int, n: int, *, tile: tuple[int, int] = DEFAULT_TILE, ctas: Optional[int] = None,
+def token_split(tokens: int, gemms: Union[int, Sequence[tuple[int, int]]], *, skew: float = DEFAULT_SKEW,
+                tile: tuple[int, int] = DEFAULT_TILE, ctas: Optional[int] = None,
                 device: Union[torch.device, int, str, None] = None) -> TokenSplit:
-    """TokenWeave's wave-aware cut of `tokens` for the layer's GEMM with `n`
-    output columns (choose the GEMM that dominates the compute, e.g. the MLP's
-    gate/up projection shard).
+    """TokenWeave's wave-aware cut of `tokens` for the GEMMs of the layer
+    that runs on each half: `gemms` is a list of their (N, K) (each with the
+    tokens as its rows, e.g. a tensor-parallel MLP's gate/up and down shards
+    and the attention's output projection), or one N.
 
     The cut falls on a `tile[0]`-row boundary, so the halves hold exactly the
-    whole batch's tiles; among those cuts it keeps the fewest waves of `ctas`
-    tiles, then the most even halves, the larger one first. A batch of fewer
-    than two row bands is not split (`second == 0`).
+    whole batch's tiles. Among the cuts whose halves differ by at most
+    `skew` x tokens (the overlap needs them alike; where no cut is that
+    even, the most even one), it takes the fewest waves of `ctas` tiles over
+    the GEMMs, each weighted by its K, then the most even halves, the larger
+    one first. A batch of fewer than two row bands is not split
+    (`second == 0`). `waves` / `unsplit_waves`: the GEMMs' waves over both
+    halves / over the whole batch.
     `ctas`: the CTAs of one wave, default the SM count of `device` (default:
     the current CUDA device; 132 where there is none)."""
-    tokens, n = _positive_int("tokens", tokens), _positive_int("n", n)
+    tokens = _positive_int("tokens", tokens)
+    layer = _check_gemms(gemms)
+    if isinstance(skew, bool) or not isinstance(skew, (int, float)) or not 0 <= skew <= 1:
+        raise ValueError(f"skew: expected a number in [0, 1], got {skew!r}")
     if not (isinstance(tile, (tuple, list)) and len(tile) == 2):
         raise ValueError(f"tile: expected (rows, columns), got {tile!r}")
     tile = (_positive_int("tile[0]", tile[0]), _positive_int("tile[1]", tile[1]))
     if ctas is None:
         ctas = _device_sms(device)
     ctas = _positive_int("ctas", ctas)
-    cut = _core.wave_aware_split(tokens, n, tile, ctas)
+    cut = _core.wave_aware_split(tokens, layer, tile, ctas, float(skew))
     if cut is None:
-        waves = gemm_waves(tokens, n, tile=tile, ctas=ctas)
+        waves = sum(gemm_waves(tokens, n, tile=tile, ctas=ctas) for n, _ in layer)
         return TokenSplit(tokens, 0, waves, waves)
     return TokenSplit(*cut)
+
+
+def _check_gemms(gemms: Any) -> list[tuple[int, int]]:
+    if isinstance(gemms, int) and not isinstance(gemms, bool):
+        return [(_positive_int("gemms", gemms), 1)]
+    if isinstance(gemms, (str, bytes)) or not isinstance(gemms, Sequence) or not gemms:
+        raise ValueError(f"gemms: expected N or a non-empty list of (N, K), got {gemms!r}")
+    layer = []
+    for i, g in enumerate(gemms):
+        if not (isinstance(g, (tuple, list)) and len(g) == 2):
+            raise ValueError(f"gemms[{i}]: expected (N, K), got {g!r}")
+        layer.append((_positive_int(f"gemms[{i}] N", g[0]), _positive_int(f"gemms[{i}] K", g[1])))
+    return layer
 
 
 def gemm_waves(tokens: int, n: int, *, tile: tuple[int, int] = DEFAULT_TILE, ctas: int = DEFAULT_CTAS) -> int:

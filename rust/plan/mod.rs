@@ -36,5 +36,5 @@ pub use reduce_scatter::{
 };
 pub use staged::{staging_elems, StagedGroup, StagedPartition};
 pub use tiles::{pushed_row, OutputTiles, TileShape, HOPPER_TILE_N};
-pub use token_split::{wave_aware_split, TokenSplit};
+pub use token_split::{wave_aware_split, LayerGemm, TokenSplit};
 pub use waves::Waves;

@@ -1103,14 +1103,14 @@ def weave_block(rank: int, world: int, seed: int, replays: int = 3) -> dict:
                 failures.append(why)
 
     for draw, (tokens, split) in enumerate([(1000, None), (2048, 1024), (777, (512, 265)), (64, 64)]):
-        split = flashoverlap.token_split(tokens, shard) if split is None else split
+        split = flashoverlap.token_split(tokens, [(shard, hidden), (hidden, shard)]) if split is None else split
         h, res = inputs(tokens, draw)
         poison((tokens, hidden), torch.bfloat16, device)
         compare(flashoverlap.weave(stages, (h, res), split), reference(h, res), f"{tokens} tokens split {split}")
 
     tokens = 1000
     h, res = inputs(tokens, 100)
-    split = flashoverlap.token_split(tokens, shard)
+    split = flashoverlap.token_split(tokens, [(shard, hidden), (hidden, shard)])
     flashoverlap.weave(stages, (h, res), split)  # peer buffers made outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
