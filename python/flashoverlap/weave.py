@@ -252,23 +252,32 @@ def _run_streams(stages: list[Stage], halves: list[tuple], device: torch.device,
         raise ValueError("comm_stream: must differ from the current stream, else nothing overlaps")
     states = list(halves)
     pending: list[Optional[torch.cuda.Event]] = [None] * len(states)  # a half's last communicate
-    for i, (compute, communicate) in enumerate(stages):
-        for h in range(len(states)):
-            if pending[h] is not None:
-                main.wait_event(pending[h])
-                pending[h] = None
-            states[h] = _as_state(compute(*states[h]), f"stages[{i}] compute")
-            if communicate is None:
-                continue
-            computed = torch.cuda.Event()
-            computed.record(main)
-            _used_on(states[h], side)
-            with torch.cuda.stream(side):
-                side.wait_event(computed)
-                states[h] = _as_state(communicate(*states[h]), f"stages[{i}] communicate")
-                _used_on(states[h], main)
-                pending[h] = torch.cuda.Event()
-                pending[h].record(side)
+    side_used = False
+    try:
+        for i, (compute, communicate) in enumerate(stages):
+            for h in range(len(states)):
+                if pending[h] is not None:
+                    main.wait_event(pending[h])
+                    pending[h] = None
+                states[h] = _as_state(compute(*states[h]), f"stages[{i}] compute")
+                if communicate is None:
+                    continue
+                computed = torch.cuda.Event()
+                computed.record(main)
+                _used_on(states[h], side)
+                side_used = True
+                with torch.cuda.stream(side):
+                    side.wait_event(computed)
+                    states[h] = _as_state(communicate(*states[h]), f"stages[{i}] communicate")
+                    _used_on(states[h], main)
+                    pending[h] = torch.cuda.Event()
+                    pending[h].record(side)
+    except BaseException:
+        # A step raised, perhaps halfway through its kernels: the caller's
+        # stream still comes after everything enqueued on the side stream.
+        if side_used:
+            main.wait_stream(side)
+        raise
     for event in pending:
         if event is not None:
             main.wait_event(event)

@@ -121,6 +121,25 @@ def test_comm_stream_must_differ() -> None:
     assert _rel(out, _reference(x, w)) < 1e-2
 
 
+@pytest.mark.gpus(1)
+def test_a_step_that_raises_leaves_the_streams_ordered() -> None:
+    # The communicate enqueues a delayed write, then raises: the caller's stream must still come
+    # after the write, and weave must stay usable.
+    x, w, bufs = _fresh(512, 128, SEED + 2)
+
+    def failing(y, buf, *rest):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        buf.copy_(y)
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        flashoverlap.weave([(lambda a, *rest: (a @ w.T, *rest), failing)], (x, *bufs), 256)
+    assert not torch.isnan(bufs[0][:256]).any(), "the caller's stream ran before the side stream's write"
+    x, w, bufs = _fresh(512, 128, SEED + 4)
+    stages, inputs = _layers(x, w, bufs, False, True)
+    assert _rel(flashoverlap.weave(stages, inputs, 256), _reference(x, w)) < 1e-2
+
+
 def _check(results: list) -> None:
     assert all(not r["failures"] for r in results), [r["failures"] for r in results]
 
