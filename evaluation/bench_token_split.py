@@ -30,7 +30,7 @@ import torch
 
 import flashoverlap
 from flashoverlap.bench import interleaved_times_us, write_lines
-from flashoverlap.weave import gemm_waves
+from flashoverlap.weaving import gemm_waves
 
 GEMMS = {"o_proj": (8192, 4096), "gate_up": (28672, 8192), "down": (8192, 14336)}
 TOKENS = [1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384]

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import flashoverlap  # noqa: E402
-from flashoverlap.weave import DEFAULT_CTAS  # noqa: E402
+from flashoverlap.weaving import DEFAULT_CTAS  # noqa: E402
 
 
 def _waves(rows: int, n: int, tile: tuple[int, int], ctas: int) -> int:

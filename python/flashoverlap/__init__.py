@@ -10,7 +10,7 @@ from .ops import (backend_of, compile_kernels, gemm, gemm_all_reduce, gemm_all_r
                   gemm_reduce_scatter, plan_of, reduce_scatter_plan_of)
 from .peer_norm import all_reduce_rmsnorm, destroy_peer_groups
 from .planning import AllToAllPrediction, plan_gemm_all_reduce, plan_gemm_all_to_all, plan_gemm_reduce_scatter
-from .weave import TokenSplit, token_split, weave
+from .weaving import TokenSplit, token_split, weave
 
 __version__ = _version()
 _configure_logging()

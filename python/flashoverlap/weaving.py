@@ -23,7 +23,8 @@ from . import _core
 
 __all__ = ["TokenSplit", "gemm_waves", "token_split", "weave"]
 
-# The library's Hopper GEMM tile (rows, columns); cuBLAS's large-shape tiles on H100/H200 are of this size too.
+# The library's Hopper GEMM tile (rows, columns). cuBLAS picks its own per shape
+# (evaluation/results/cublas_tiles_h200.txt): for its GEMMs the waves are a proxy.
 DEFAULT_TILE = (128, 256)
 # SMs of an H100/H200 SXM: the CTAs of a wave where no device says otherwise.
 DEFAULT_CTAS = 132
@@ -33,7 +34,7 @@ DEFAULT_SKEW = 0.25
 
 class TokenSplit(NamedTuple):
     """`first` tokens then `second` (0: the batch is not split); the waves the
-    two halves' GEMMs run together, and the whole batch's GEMM alone."""
+    layer's GEMMs run over both halves, and over the whole batch."""
 
     first: int
     second: int
