@@ -251,6 +251,8 @@ def _run_streams(stages: list[Stage], halves: list[tuple], device: torch.device,
     side = comm_stream if comm_stream is not None else _side_stream(device)
     if side == main:
         raise ValueError("comm_stream: must differ from the current stream, else nothing overlaps")
+    if side.device != main.device:
+        raise ValueError(f"comm_stream: expected a stream of {main.device} (that of the inputs), got one of {side.device}")
     states = list(halves)
     pending: list[Optional[torch.cuda.Event]] = [None] * len(states)  # a half's last communicate
     side_used = False
