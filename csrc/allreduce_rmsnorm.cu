@@ -99,7 +99,7 @@ __device__ __forceinline__ unsigned long long now_ns() {
 
 struct Params {
   const uint4* x;         // [tokens, hidden] this rank's partial
-  const uint4* residual;  // [tokens, hidden]
+  const uint4* residual;  // [tokens, hidden], or this rank's slice rows (residual_sliced)
   const uint4* weight;    // [hidden]
   uint4* out;             // [tokens, hidden]
   uint4* residual_out;    // full: [tokens, hidden]; sharded: this rank's slice rows
@@ -115,6 +115,7 @@ struct Params {
   int row0;                                // first row of this call (0 in push mode)
   int stages;                              // parts per chunk, CTAs x stages <= FLAG_SLOTS
   int oneshot;                             // every rank reduces every row (2 ranks, full, push)
+  int residual_sliced;                     // sharded: residual holds this rank's slice rows only
 };
 
 namespace {
@@ -348,7 +349,7 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
         const int v = v0 + threads * u;
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
-        if (v < vecs) res[u] = p.residual[base + v];
+        if (v < vecs) res[u] = p.residual[(p.residual_sliced ? local : base) + v];
       }
       // Rank order, so that every rank would get bit-identical sums.
       for (int src = 0; src < p.world; ++src) {

@@ -1063,9 +1063,10 @@ fn allreduce_rmsnorm_partial(
 /// x is first copied into this rank's x area unless it lies there already
 /// (its sequential schedule).
 /// `config`: (threads, unroll, stages, oneshot) of the kernel (default the library's;
-/// other values for the benchmark's sweep).
+/// other values for the benchmark's sweep). `residual_sliced` (sharded mode):
+/// the residual tensor holds this rank's slice rows only.
 #[pyfunction]
-#[pyo3(signature = (device, tensors, bases, buffer_bytes, rank, tokens, hidden, eps, residual_full, dtype, ctas, timeout_ns, stream, pull=false, config=None))]
+#[pyo3(signature = (device, tensors, bases, buffer_bytes, rank, tokens, hidden, eps, residual_full, dtype, ctas, timeout_ns, stream, pull=false, config=None, residual_sliced=false))]
 #[allow(clippy::too_many_arguments)]
 fn allreduce_rmsnorm_launch(
     py: Python<'_>,
@@ -1084,6 +1085,7 @@ fn allreduce_rmsnorm_launch(
     stream: usize,
     pull: bool,
     config: Option<(u32, u32, u32, bool)>,
+    residual_sliced: bool,
 ) -> PyResult<()> {
     let _keep = driver::KeepCurrent::new();
     let dtype = self::dtype(dtype)?;
@@ -1105,6 +1107,7 @@ fn allreduce_rmsnorm_launch(
         hidden,
         eps,
         residual_full,
+        residual_sliced,
         timeout_ns,
         dtype,
         buffer_bytes,

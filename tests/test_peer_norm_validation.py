@@ -46,6 +46,31 @@ def test_bad_options_are_named(kwargs, words) -> None:
         assert word in str(info.value), str(info.value)
 
 
+def test_a_residual_of_other_rows_is_refused() -> None:
+    x, r, w = args()
+    with pytest.raises(ValueError, match=r"^residual: expected the shape of x \(16, 64\), got \(8, 64\)$"):
+        flashoverlap.all_reduce_rmsnorm(x, r[:8], w)
+    # Sharded calls may take a slice; its rows are checked against the group's split.
+    with pytest.raises(ValueError, match="or, with residual_out='sharded', this rank's slice"):
+        flashoverlap.all_reduce_rmsnorm(x, r[:8, :32].contiguous(), w, residual_out="sharded")
+
+
+def test_a_sharded_residual_must_be_this_ranks_slice(tmp_path) -> None:
+    import torch.distributed as dist
+
+    x, r, w = args()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        # One rank's slice is every row: 15 rows are neither the residual nor the slice.
+        with pytest.raises(ValueError, match=r"^residual: .*rows 0\.\.15: \[16, 64\]; got \(15, 64\)"):
+            flashoverlap.all_reduce_rmsnorm(x, r[:15], w, residual_out="sharded")
+        # The full residual passes this check and meets the next one (a CPU tensor).
+        with pytest.raises(ValueError, match="^x: expected a CUDA tensor"):
+            flashoverlap.all_reduce_rmsnorm(x, r, w, residual_out="sharded")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_widest_hidden_size() -> None:
     with pytest.raises(ValueError, match="16384"):
         flashoverlap.all_reduce_rmsnorm(*args(2, 16392))
@@ -168,3 +193,60 @@ def test_token_slice_of_a_rank_outside_the_world_is_refused(world, rank) -> None
 
     with pytest.raises(ValueError, match="^rank: "):
         _core.allreduce_rmsnorm_slice(100, world, rank)
+
+
+def _fallback_rank(rank: int, world: int, init_method: str, out_dir: str) -> None:
+    import json
+    import traceback
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from flashoverlap import peer_norm
+
+    failures = []
+    try:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+        tokens, hidden = 11, 64
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(tokens, hidden, generator=gen).to(BF16)
+        residual = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(99)).to(BF16)
+        weight = torch.rand(hidden, generator=torch.Generator().manual_seed(98)).to(BF16) + 0.5
+        a, b = peer_norm._slice(tokens, world, rank)
+        group = dist.group.WORLD
+        full = peer_norm._torch_fallback(x, residual, weight, 1e-6, group, "sharded", world, rank)
+        sliced = peer_norm._torch_fallback(x, residual[a:b].clone(), weight, 1e-6, group, "sharded", world, rank)
+        for name, p, q in zip(("out", "residual"), full, sliced):
+            if not torch.equal(p, q):
+                failures.append(f"rank {rank}: {name} differs with a sliced residual")
+        if tuple(sliced[1].shape) != (b - a, hidden):
+            failures.append(f"rank {rank}: residual shape {tuple(sliced[1].shape)}")
+        dist.destroy_process_group()
+    except Exception:
+        failures.append(traceback.format_exc())
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(failures))
+
+
+def test_fallback_rebuilds_a_sliced_residual(tmp_path) -> None:
+    """The torch fallback (off-node groups) given each rank's slice of the residual returns what it
+    returns given the whole residual: 11 tokens on 3 gloo ranks (slices of 3, 4 and 4 rows)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_fallback_rank, args=(r, 3, f"file://{tmp_path / 'rdv'}", str(tmp_path)))
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    failures = []
+    for r in range(3):
+        path = tmp_path / f"rank{r}.json"
+        failures += json.loads(path.read_text()) if path.exists() else [f"rank {r}: no result"]
+    assert not failures, failures
+

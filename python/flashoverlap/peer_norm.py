@@ -123,19 +123,20 @@ class PeerGroup:
         return _alias(ptr, (rows, hidden), dtype)
 
     def launch(self, x, residual, weight, out, residual_out, eps: float, ctas: int, *, full: bool = True,
-               pull: bool = False, config=None) -> None:
+               pull: bool = False, config=None, residual_sliced: bool = False) -> None:
         """Enqueues the kernel over x's rows on this device's current stream, on this group's
         buffers (made and large enough: `ensure`). pull: the buffers are laid out for
         gemm_all_reduce_rmsnorm's backend="peer" (x is copied into this rank's partial first,
         unless x is `partial(...)`);
-        config: (threads, unroll, stages, oneshot) of the kernel, default the group's (FLASHOVERLAP_NORM_CONFIG)."""
+        config: (threads, unroll, stages, oneshot) of the kernel, default the group's (FLASHOVERLAP_NORM_CONFIG).
+        residual_sliced: `residual` holds this rank's slice rows only (full=False)."""
         hidden = x.shape[-1]
         _core.allreduce_rmsnorm_launch(self.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
                                                            out.data_ptr(), residual_out.data_ptr()),
                                        self.memory.bases, self.memory.bytes, self.rank, x.numel() // hidden, hidden, float(eps), full,
                                        dtype_name(x.dtype), ctas, wait_timeout_ns(),
                                        torch.cuda.current_stream(self.device).cuda_stream, pull=pull,
-                                       config=config or self.config)
+                                       config=config or self.config, residual_sliced=residual_sliced)
 
     def check_error(self) -> None:
         # Only a bounded wait can record an error, and reading the word waits for the device:
@@ -198,8 +199,11 @@ def _check(x, residual, weight, eps, residual_out, ctas) -> tuple[int, int]:
     check_tensor("residual", residual, 2)
     check_tensor("weight", weight, 1)
     tokens, hidden = x.shape
-    if residual.shape != x.shape:
-        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    # A sharded call may take this rank's slice of the residual (checked once the group is known).
+    if residual.shape != x.shape and not (residual_out == "sharded" and residual.shape[1:] == x.shape[1:]):
+        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}"
+                         + (" (or, with residual_out='sharded', this rank's slice of it)" if residual_out == "sharded"
+                            else "") + f", got {tuple(residual.shape)}")
     if weight.shape[0] != hidden:
         raise ValueError(f"weight: expected [{hidden}] (the hidden size of x), got {tuple(weight.shape)}")
     for name, t in (("residual", residual), ("weight", weight)):
@@ -225,7 +229,34 @@ def torch_add_rms_norm(s, residual, weight, eps):
     return (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(s.dtype), r
 
 
+def _residual_sliced(x, residual, residual_out, world: int, rank: int) -> bool:
+    """Whether `residual` is this rank's slice of the tokens (sharded calls only; the full
+    residual otherwise); raises where it is neither the full residual nor the slice."""
+    tokens = x.shape[0]
+    if residual.shape[0] == tokens:
+        return False
+    a, b = _slice(tokens, world, rank)
+    if residual_out != "sharded" or residual.shape[0] != b - a:
+        raise ValueError(f"residual: expected [{tokens}, {x.shape[1]}] or, with residual_out='sharded', this "
+                         f"rank's slice of the tokens, rows {a}..{b - 1}: [{b - a}, {x.shape[1]}]; got "
+                         f"{tuple(residual.shape)}")
+    return True
+
+
+def _gather_residual(residual, tokens: int, group, world: int) -> torch.Tensor:
+    """The full residual from every rank's slice (slices differ by a row at most: padded)."""
+    rows = -(-tokens // world)
+    padded = residual.new_zeros((rows, residual.shape[1]))
+    padded[:residual.shape[0]] = residual
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    slices = [_slice(tokens, world, r) for r in range(world)]
+    return torch.cat([part[:b - a] for part, (a, b) in zip(parts, slices)])
+
+
 def _torch_fallback(x, residual, weight, eps, group, residual_out, world, rank):
+    if residual.shape[0] != x.shape[0]:
+        residual = _gather_residual(residual, x.shape[0], group, world)
     s = x.clone()
     dist.all_reduce(s, group=group)
     out, r = torch_add_rms_norm(s, residual, weight, eps)
@@ -245,6 +276,7 @@ def _impl(x, residual, weight, eps: float, group_name: str, residual_out: str = 
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):
         check_device(name, t, state.device)
     world, rank = state.world, state.rank
+    sliced = _residual_sliced(x, residual, residual_out, world, rank)
     dtype = dtype_name(x.dtype)
     # Off-node, or the mapping failed on some rank: the same result from torch.distributed.
     # (The buffer size is asked only of peer groups: those have at most MAX_WORLD ranks.)
@@ -254,7 +286,8 @@ def _impl(x, residual, weight, eps: float, group_name: str, residual_out: str = 
     out = torch.empty_like(x)
     res = torch.empty_like(x) if residual_out == "full" else x.new_empty((b - a, hidden))
     sms = torch.cuda.get_device_properties(state.device).multi_processor_count
-    state.launch(x, residual, weight, out, res, eps, min(ctas or DEFAULT_CTAS, sms), full=residual_out == "full")
+    state.launch(x, residual, weight, out, res, eps, min(ctas or DEFAULT_CTAS, sms), full=residual_out == "full",
+                 residual_sliced=sliced)
     return out, res
 
 
@@ -279,9 +312,12 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     x, residual: [tokens, hidden] (bf16 or fp16, hidden a multiple of 8 up to 16384), residual the
     same on every rank (as in tensor parallelism); weight: [hidden]. residual_out: "full" (every
     rank gets all of r) or "sharded" (each rank gets only its slice of the tokens,
-    rows tokens*rank//world .. tokens*(rank+1)//world - 1: less traffic, for callers whose next
-    fused call uses the same slicing). ctas: CTAs of the kernel (default 16), the SMs it takes from
-    concurrent work.
+    rows tokens*rank//world .. tokens*(rank+1)//world - 1: less traffic and memory). A sharded
+    call also takes `residual` as that slice alone ([slice rows, hidden], what the previous
+    sharded call returned: the rows this rank reduces are all it reads), so that a model's
+    layers can keep the residual sharded from one fused call to the next (TokenWeave's layout);
+    `out` is every token's row either way. ctas: CTAs of the kernel (default 16), the SMs it
+    takes from concurrent work.
 
     Every rank of the group calls it with the same shapes. The first call for a group, and the
     first with more tokens than before, are collective host calls (the peer buffers are made or
@@ -289,6 +325,7 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     the same with torch.distributed.all_reduce and torch ops."""
     tokens, hidden = _check(x, residual, weight, eps, residual_out, ctas)
     pg = resolve_group(group)
+    _residual_sliced(x, residual, residual_out, dist.get_world_size(pg), dist.get_rank(pg))
     device = x.device
     if device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got a tensor on {device}")

@@ -184,6 +184,7 @@ struct Params {
     row0: i32,
     stages: i32,
     oneshot: i32,
+    residual_sliced: i32,
 }
 
 /// One call: device pointers of this rank's tensors, every rank's buffer
@@ -202,6 +203,8 @@ pub struct Call {
     pub hidden: u32,
     pub eps: f32,
     pub residual_full: bool,
+    /// `residual` holds this rank's slice rows only (sharded residual mode).
+    pub residual_sliced: bool,
     pub timeout_ns: u64,
     pub dtype: Dtype,
     /// Bytes of each rank's buffer (the same on every rank).
@@ -284,7 +287,9 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
     let pull_ok = call
         .pull
         .map_or(true, |p| end <= p.rows && call.residual_full);
-    if end > i32::MAX as u64 || call.rank >= world || !pull_ok {
+    // A slice of the residual is all a rank reads only where it normalizes its slice alone.
+    let sliced_ok = !call.residual_sliced || (!call.residual_full && call.pull.is_none());
+    if end > i32::MAX as u64 || call.rank >= world || !pull_ok || !sliced_ok {
         return Err(Error::Invalid(format!(
             "internal: tokens {} from {row0} / rank {} of {world} / {:?}",
             call.tokens, call.rank, call.pull
@@ -326,6 +331,7 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         row0: row0 as i32,
         stages: stages(call.tokens, world, ctas, call.config, call.oneshot()) as i32,
         oneshot: i32::from(call.oneshot()),
+        residual_sliced: i32::from(call.residual_sliced),
     };
     Ok(Checked {
         params: Some(params),
@@ -393,6 +399,7 @@ mod tests {
             hidden: 1024,
             eps: 1e-6,
             residual_full: full,
+            residual_sliced: false,
             timeout_ns: 0,
             dtype: Dtype::Bf16,
             buffer_bytes: 1 << 30,
@@ -422,6 +429,41 @@ mod tests {
         let mut small = call(2, true, None);
         small.buffer_bytes = Layout::needed(2, 990, 1024, Dtype::Bf16).unwrap();
         assert!(checked(&small, 8).is_err());
+        // A residual slice is read only where each rank normalizes its own slice alone.
+        let mut sliced = call(2, false, None);
+        sliced.residual_sliced = true;
+        assert_eq!(
+            checked(&sliced, 8).unwrap().params.unwrap().residual_sliced,
+            1
+        );
+        for (full, pull) in [
+            (true, None),
+            (
+                true,
+                Some(Pull {
+                    first: 0,
+                    rows: 1000,
+                }),
+            ),
+        ] {
+            let mut bad = call(2, full, pull);
+            bad.residual_sliced = true;
+            assert!(checked(&bad, 8).is_err());
+        }
+    }
+
+    #[test]
+    fn params_end_as_the_kernel_declares_them() {
+        let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
+        let declared = source.split("struct Params {").nth(1).unwrap();
+        let declared = declared.split("};").next().unwrap();
+        let last = declared
+            .lines()
+            .filter(|l| l.trim().ends_with(';') || l.contains(";  "))
+            .last()
+            .unwrap();
+        assert!(last.contains("int residual_sliced;"), "{last}");
+        assert_eq!(std::mem::size_of::<Params>() % 8, 0);
     }
 
     #[test]

@@ -667,6 +667,7 @@ impl PeerNorm {
             hidden: n,
             eps: norm.eps,
             residual_full: true,
+            residual_sliced: false,
             timeout_ns: self.timeout_ns,
             dtype,
             buffer_bytes: self.buffer_bytes,

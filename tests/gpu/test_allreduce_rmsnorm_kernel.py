@@ -33,8 +33,10 @@ class Ranks:
         self.bases = [b.data_ptr() for b in self.buffers]
         self.streams = [torch.cuda.Stream() for _ in range(world)]
 
-    def launch(self, xs, residual, weight, outs, residual_outs, full: bool, ctas: int) -> None:
-        """residual, weight: one for every rank, or a list of each rank's."""
+    def launch(self, xs, residual, weight, outs, residual_outs, full: bool, ctas: int,
+               residual_sliced: bool = False) -> None:
+        """residual, weight: one for every rank, or a list of each rank's (residual_sliced: each
+        rank's slice rows)."""
         tokens = xs[0].shape[0]
         main = torch.cuda.current_stream()
         for r, s in enumerate(self.streams):
@@ -44,7 +46,8 @@ class Ranks:
             _core.allreduce_rmsnorm_launch(0, (xs[r].data_ptr(), res.data_ptr(), w.data_ptr(),
                                                outs[r].data_ptr(), residual_outs[r].data_ptr()),
                                            self.bases, self.nbytes, r, tokens, self.hidden, EPS, full, self.name,
-                                           ctas, TIMEOUT_NS, s.cuda_stream, pull=self.pull, config=self.config)
+                                           ctas, TIMEOUT_NS, s.cuda_stream, pull=self.pull, config=self.config,
+                                           residual_sliced=residual_sliced)
         for s in self.streams:
             main.wait_stream(s)
 
@@ -110,6 +113,36 @@ def test_calls_with_changing_tokens_and_ctas(world, dtype) -> None:
                                               (1024, 32, True), (999, 1, False), (128 * world, 32, True),
                                               (200, 16, True), (60, 8, False), (61, 8, True)]):
         run_and_check(ranks, tokens, full, ctas, seed=world * 100 + i)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("config", [None, (512, 4, 4, False)])
+def test_sharded_calls_take_a_residual_slice(world, config) -> None:
+    """residual_out='sharded' with each rank passing only its slice of the residual: the same
+    rows, bit for bit, as with the whole residual (the kernel reads only the slice's rows)."""
+    hidden, dtype = 2048, torch.bfloat16
+    ranks = Ranks(world, 1031, hidden, dtype, config=config)
+    for i, (tokens, ctas) in enumerate([(1031, 8), (7, 4), (1, 2), (512, 32)]):
+        xs, residual, weight = fresh(world, tokens, hidden, dtype, seed=700 + 10 * world + i)
+        cuts = [slice_of(tokens, world, r) for r in range(world)]
+        runs = []
+        for sliced in (False, True):
+            outs = [torch.full((tokens, hidden), float("nan"), device="cuda", dtype=dtype) for _ in range(world)]
+            res_outs = [torch.full((max(1, b - a), hidden), float("nan"), device="cuda", dtype=dtype)
+                        for a, b in cuts]
+            res = [residual[a:b].clone() for a, b in cuts] if sliced else residual
+            ranks.launch(xs, res, weight, outs, res_outs, False, ctas, residual_sliced=sliced)
+            torch.cuda.synchronize()
+            assert ranks.errors() == [0] * world, "a wait timed out"
+            runs.append((outs, res_outs))
+        out_ref, r_ref = reference(xs, residual, weight)
+        for r, (a, b) in enumerate(cuts):
+            where = f"world {world} tokens {tokens} ctas {ctas} config {config} rank {r}"
+            assert torch.equal(runs[1][0][r], runs[0][0][r]), where
+            assert torch.equal(runs[1][1][r][:b - a], runs[0][1][r][:b - a]), where
+            assert rel(runs[1][0][r], out_ref) <= 1e-2, where
+            if b > a:
+                assert rel(runs[1][1][r][:b - a], r_ref[a:b]) <= 1e-2, where
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -72,6 +72,21 @@ def _worker(rank, world, init_method, out_dir):
             errors = (_rel(out, out_ref), _rel(r, r_ref) if r.numel() else 0.0)
             if max(errors) > 1e-2 or tuple(r.shape) != tuple(r_ref.shape):
                 failures.append(f"rank {rank} case {i}: errors {errors}, residual shape {tuple(r.shape)}")
+        # Two layers keeping the residual sharded: the second call takes the first's slice.
+        tokens, hidden, dtype = 1001, 2048, torch.bfloat16
+        x1, residual, weight = _inputs(900, rank, tokens, hidden, dtype, device)
+        x2 = _inputs(901, rank, tokens, hidden, dtype, device)[0]
+        _, r1 = flashoverlap.all_reduce_rmsnorm(x1, residual, weight, EPS, residual_out="sharded", ctas=8)
+        out2, r2 = flashoverlap.all_reduce_rmsnorm(x2, r1, weight, EPS, residual_out="sharded", ctas=8)
+        torch.cuda.synchronize()
+        r_ref = residual.float()
+        for seed in (900, 901):
+            r_ref = r_ref + sum(_inputs(seed, p, tokens, hidden, dtype, device)[0].float() for p in range(world))
+        out_ref = r_ref * torch.rsqrt(r_ref.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()
+        a, b = tokens * rank // world, tokens * (rank + 1) // world
+        errors = (_rel(out2, out_ref), _rel(r2, r_ref[a:b]))
+        if max(errors) > 1e-2 or tuple(r2.shape) != (b - a, hidden):
+            failures.append(f"rank {rank} sharded chain: errors {errors}, residual shape {tuple(r2.shape)}")
         # A CUDA graph of one call, replayed on fresh inputs (the flags' epochs advance on the device).
         tokens, hidden, dtype = 777, 4096, torch.bfloat16
         sx, sres, sw = _inputs(5, rank, tokens, hidden, dtype, device)
