@@ -14,6 +14,8 @@ Variants, each the whole forward of every layer:
   weave        flashoverlap.weave over token_split(T, layer): all_reduce_rmsnorm on 8 CTAs on the
                side stream while the other half's GEMMs run
   weave_even   the same over the even halves T/2
+  weave_shard  weave with residual_out="sharded": each rank keeps only its slice of each half's
+               residual from one call to the next (TokenWeave's layout; less NVLink traffic)
 Speedups are nccl / variant. Correctness first: every variant's output and residual against the
 nccl variant's (relative error, max over ranks).
 
@@ -41,7 +43,8 @@ GEMMS = {"qkv": (5120, 8192), "o_proj": (8192, 4096), "gate_up": (28672, 8192), 
 TOKENS = [1024, 2048, 4096, 8192, 16384]
 EPS = 1e-5
 TOLERANCE = 1e-2
-VARIANTS = ("compute", "nccl", "fused", "weave", "weave_even")
+VARIANTS = ("compute", "nccl", "fused", "weave", "weave_even", "weave_shard")
+SHORT = {"compute": "comp", "fused": "fused", "weave": "weave", "weave_even": "even", "weave_shard": "shard"}
 
 
 class Layer:
@@ -67,13 +70,21 @@ def _forward_whole(layers, h, res, reduce_norm):
     return h, res
 
 
-def _woven_stages(layers):
+def _woven_stages(layers, residual_out: str = "full"):
     stages = []
     for layer in layers:
         for part, norm in ((layer.attention, layer.norms[0]), (layer.mlp, layer.norms[1])):
             stages.append((lambda h, res, part=part: (part(h), res),
-                           lambda y, res, norm=norm: flashoverlap.all_reduce_rmsnorm(y, res, norm, EPS, ctas=8)))
+                           lambda y, res, norm=norm: flashoverlap.all_reduce_rmsnorm(
+                               y, res, norm, EPS, ctas=8, residual_out=residual_out)))
     return stages
+
+
+def _weave_sharded(stages, h, res, split):
+    """Woven with the residual kept sharded (each rank holds its slice of each half's rows from
+    the first call on): the hidden rows merged, the residual slices left as they are."""
+    halves = flashoverlap.weave(stages, (h, res), split, merge=False)
+    return torch.cat([half[0] for half in halves]), None
 
 
 def _nccl_norm(y, res, norm):
@@ -103,19 +114,22 @@ def measure(tokens: int, layers, iters: int, warmup: int, rank: int) -> dict:
     layer_gemms = [GEMMS[name] for name in ("qkv", "o_proj", "gate_up", "down")]
     split = flashoverlap.token_split(tokens, layer_gemms)
     stages = _woven_stages(layers)
+    sharded = _woven_stages(layers, "sharded")
     runs = {
         "compute": lambda h, res: _forward_whole(layers, h, res, lambda y, r, n: (y, r)),
         "nccl": lambda h, res: _forward_whole(layers, h, res, _nccl_norm),
         "fused": lambda h, res: _forward_whole(layers, h, res, _fused_norm),
         "weave": lambda h, res: flashoverlap.weave(stages, (h, res), split),
         "weave_even": lambda h, res: flashoverlap.weave(stages, (h, res), tokens // 2),
+        "weave_shard": lambda h, res: _weave_sharded(sharded, h, res, split),
     }
     # Correctness first: every variant that communicates against the unfused composition.
     errors = {}
     want = runs["nccl"](*sets[0])
-    for name in ("fused", "weave", "weave_even"):
+    for name in ("fused", "weave", "weave_even", "weave_shard"):
         got = runs[name](*sets[0])
-        errors[name] = _max_over_ranks(max(_rel(g, w) for g, w in zip(got, want)))
+        # weave_shard's residual stays in slices: its hidden rows (which the residual feeds) are compared.
+        errors[name] = _max_over_ranks(max(_rel(g, w) for g, w in zip(got, want) if g is not None))
     del want
     times = bench.interleaved_times_us({name: (lambda i, fn=fn: fn(*sets[i % 2])) for name, fn in runs.items()},
                                        iters, warmup)
@@ -131,7 +145,7 @@ def measure(tokens: int, layers, iters: int, warmup: int, rank: int) -> dict:
 
 def _format(row: dict) -> str:
     return (f"{row['tokens']:>6} {row['split']:>11} {row['waves']:>9} "
-            + " ".join(f"{row[f'{v}_us']:>9.1f}" for v in VARIANTS) + " "
+            + " ".join(f"{row[f'{v}_us']:>11.1f}" for v in VARIANTS) + " "
             + " ".join(f"{row[f'{v}_x']:>7.3f}" for v in VARIANTS if v != "nccl")
             + f" {row['max_err']:>8.1e} {'ok' if row['ok'] else 'FAIL'}")
 
@@ -174,13 +188,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"{' '.join(sys.argv[1:] if argv is None else argv)}",
             "# us: median of interleaved iterations, max over ranks; x = nccl / variant; split = token_split(T, "
             "layer GEMMs); waves = the layer's GEMM waves whole/halves; err = max relative error vs nccl",
-            f"{'tokens':>6} {'split':>11} {'waves':>9} " + " ".join(f"{v:>9}" for v in VARIANTS) + " "
-            + " ".join(f"{'x ' + v[:5]:>7}" for v in VARIANTS if v != "nccl") + f" {'err':>8} verdict"]
+            f"{'tokens':>6} {'split':>11} {'waves':>9} " + " ".join(f"{v:>11}" for v in VARIANTS) + " "
+            + " ".join(f"{'x ' + SHORT[v]:>7}" for v in VARIANTS if v != "nccl") + f" {'err':>8} verdict"]
     print("\n".join(head), flush=True)
     data = bench.spawn_ranks(_worker, world, cfg)
     rows = data["rows"]
     lines = head + [_format(r) for r in rows]
-    for name in ("fused", "weave", "weave_even", "compute"):
+    for name in ("fused", "weave", "weave_even", "weave_shard", "compute"):
         xs = [r[f"{name}_x"] for r in rows]
         lines.append(f"# {name}: {statistics.geometric_mean(xs):.3f}x geometric mean over nccl, {min(xs):.3f}x worst")
     print("\n".join(lines[len(head) + len(rows):]), flush=True)

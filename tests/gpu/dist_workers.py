@@ -1067,14 +1067,14 @@ def weave_block(rank: int, world: int, seed: int, replays: int = 3) -> dict:
     # The norm weight is the same on every rank: rank 0's.
     norms = [weights(0, layer)[2] for layer in range(layers)]
 
-    def stage(layer: int):
+    def stage(layer: int, residual_out: str = "full"):
         up, down, _ = mine[layer]
 
         def compute(h, res):
             return torch.relu(h @ up.T) @ down.T, res
 
         def communicate(partial, res):
-            return flashoverlap.all_reduce_rmsnorm(partial, res, norms[layer], eps, ctas=8)
+            return flashoverlap.all_reduce_rmsnorm(partial, res, norms[layer], eps, ctas=8, residual_out=residual_out)
 
         return compute, communicate
 
@@ -1108,9 +1108,23 @@ def weave_block(rank: int, world: int, seed: int, replays: int = 3) -> dict:
         poison((tokens, hidden), torch.bfloat16, device)
         compare(flashoverlap.weave(stages, (h, res), split), reference(h, res), f"{tokens} tokens split {split}")
 
+    # The residual kept sharded from call to call: each half's rows of this rank's slice.
     tokens = 1000
-    h, res = inputs(tokens, 100)
+    h, res = inputs(tokens, 50)
     split = flashoverlap.token_split(tokens, [(shard, hidden), (hidden, shard)])
+    halves = flashoverlap.weave([stage(layer, "sharded") for layer in range(layers)], (h, res), split, merge=False)
+    want_h, want_r = reference(h, res)
+    why = mismatch(torch.cat([half[0] for half in halves]), want_h, "sharded residual: out")
+    failures += [why] if why else []
+    first = 0
+    for n, half in zip((split.first, split.second), halves):
+        a, b = n * rank // world, n * (rank + 1) // world
+        if b > a:
+            why = mismatch(half[1], want_r[first + a:first + b], f"sharded residual: rows {a}..{b - 1} of a half")
+            failures += [why] if why else []
+        first += n
+
+    h, res = inputs(tokens, 100)
     flashoverlap.weave(stages, (h, res), split)  # peer buffers made outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
