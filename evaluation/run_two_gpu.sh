@@ -30,7 +30,7 @@
 # The 2x H200 curves ship in the package (NCCL 2.28.9): `tune` is needed
 # only under another NCCL version. With ~30 minutes of 2-GPU time (a machine
 # start takes a few): ar rs a2a arn norm coll first in one call, then e2 e2ce
-# e1 argather collgather normcfg arns4, then tests. The push backend (unmeasured
+# e1 argather collgather normcfg arns4 weave, then tests. The push backend (unmeasured
 # on 2 GPUs so far) is timed inside ar, rs, a2a, arn and e1; e2push checks its model.
 # After `e2` (and `tune`), the predictor can be refitted on any machine:
 #   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
