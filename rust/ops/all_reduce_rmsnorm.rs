@@ -453,17 +453,45 @@ mod tests {
     }
 
     #[test]
-    fn params_end_as_the_kernel_declares_them() {
+    fn params_are_declared_in_the_kernels_order() {
         let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
-        let declared = source.split("struct Params {").nth(1).unwrap();
-        let declared = declared.split("};").next().unwrap();
-        let last = declared
+        let body = source.split("struct Params {").nth(1).unwrap();
+        let body = body.split("};").next().unwrap();
+        // Each declarator's name: the last word of each comma-separated part
+        // before the ';', without a pointer or array.
+        let names: Vec<&str> = body
             .lines()
-            .filter(|l| l.trim().ends_with(';') || l.contains(";  "))
-            .last()
-            .unwrap();
-        assert!(last.contains("int residual_sliced;"), "{last}");
-        assert_eq!(std::mem::size_of::<Params>() % 8, 0);
+            .filter_map(|l| l.split_once(';').map(|(decl, _)| decl))
+            .flat_map(|decl| decl.split(','))
+            .filter_map(|part| part.split_whitespace().last())
+            .map(|n| n.trim_start_matches('*').split('[').next().unwrap())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "x",
+                "residual",
+                "weight",
+                "out",
+                "residual_out",
+                "bases",
+                "slot_bytes",
+                "out_offset",
+                "res_offset",
+                "timeout_ns",
+                "x_offset",
+                "rank",
+                "world",
+                "tokens",
+                "hidden",
+                "eps",
+                "residual_full",
+                "row0",
+                "stages",
+                "oneshot",
+                "residual_sliced"
+            ]
+        );
     }
 
     #[test]
