@@ -142,6 +142,16 @@ def test_unmerged_halves_and_single_tensor_inputs() -> None:
     assert torch.equal(merged[0], (x + 1) * 2) and torch.equal(merged[1], (x + 1).sum(1))
 
 
+def test_an_empty_batch_is_one_empty_half() -> None:
+    log: list = []
+    x, r = torch.randn(0, 5), torch.randn(0, 5)
+    out = flashoverlap.weave(_block(log), (x, r), 0)
+    assert out.shape == (0, 3)
+    assert log == [("compute0", 0), ("communicate0", 0), ("compute1", 0)]
+    with pytest.raises(ValueError, match="^split:"):
+        flashoverlap.weave(_block(log), (x, r), (1, -1))
+
+
 def test_halves_are_views_not_copies() -> None:
     x = torch.zeros(6, 2)
 

@@ -177,7 +177,8 @@ def _check_split(split: Any, tokens: int) -> tuple[int, int]:
         raise ValueError(f"split: expected a TokenSplit, (first, second) or the first half's tokens, got {split!r}")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (first, second)):
         raise ValueError(f"split: expected integer token counts, got ({first!r}, {second!r})")
-    if first < 1 or second < 0 or first + second != tokens:
+    # An empty batch is one empty half.
+    if first < min(1, tokens) or second < 0 or first + second != tokens:
         raise ValueError(f"split: expected first >= 1, second >= 0 and first + second == {tokens} tokens, "
                          f"got ({first}, {second})")
     return first, second
