@@ -553,7 +553,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, *, kernel: Optional[str] = None,
 
     x: [..., K], weight: [N, K] (nn.Linear layout), both bfloat16 or both float16, contiguous,
     on one CUDA device; N and K multiples of 8. kernel: "sm80" (any sm_80+ GPU), "sm90_n128" or
-    "sm90_n256" (Hopper only); default: the device's default kernel. raster_bands: row bands per
+    "sm90_n256" (Hopper only); default: sm80, or on Hopper 256-wide tiles unless 128-wide ones
+    finish in at most 0.9x the waves (small M, where wide tiles leave SMs idle). raster_bands: row bands per
     L2 raster block of the tile order (1: row by row); default: the planner's choice. sms: SMs
     (persistent CTAs) the kernel uses, at most the device's; default: all of them.
     """

@@ -478,9 +478,15 @@ fn resolve(args: &GemmArgs, ordinal: i32, how: &Launch, stream: RawStream) -> Re
             how.staging
         )));
     }
+    // No kernel named: on Hopper the tile width that keeps the SMs busy.
     let which = how
         .kernel
-        .unwrap_or_else(|| GemmKernel::default_for(device.major));
+        .unwrap_or_else(|| match GemmKernel::default_for(device.major) {
+            GemmKernel::Sm90 { .. } => GemmKernel::Sm90 {
+                bn: plan::hopper_tile_n(args.m, args.n, sms),
+            },
+            other => other,
+        });
     let kernel = load(&device, args.dtype, which)?;
     let tiles = OutputTiles::new(args.m, args.n, tile_shape(kernel.which))?;
     let raster = how

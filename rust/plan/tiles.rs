@@ -75,12 +75,39 @@ impl OutputTiles {
 }
 
 /// The tile width (BN) of the Hopper kernel when the caller names none: 256
-/// on every shape. Over the 17 shapes of evaluation/gemm_tile_sweep.py at the
+/// on every shape but the few [`hopper_tile_n`] narrows. Over the 17 shapes of evaluation/gemm_tile_sweep.py at the
 /// planner's raster, 128-wide tiles ran 1.039x cuBLAS on H200 (256-wide:
 /// 1.034x) but 0.85x on H100 (0.59x worst, at M >= 8192), where 256-wide
 /// ones ran 1.03x (1.00x worst): a small gain on one GPU is not worth a large
 /// loss on its sibling.
 pub const HOPPER_TILE_N: u32 = 256;
+
+/// Where 128-wide tiles must save over 256-wide ones to be taken by
+/// [`hopper_tile_n`]: a tenth of the waves.
+pub const NARROW_TILES_MARGIN: f64 = 0.9;
+
+/// The Hopper tile width for an `m` x `n` output on `ctas` CTAs: 256
+/// ([`HOPPER_TILE_N`]), unless 256-wide tiles leave so many SMs idle that
+/// 128-wide ones (half the work each, twice as many) run in at most 0.9x
+/// the time, counting whole waves: e.g. 768 x 8192 on 132 SMs is 192 wide
+/// tiles (2 waves, 4 narrow-tile times) or 384 narrow ones (3 waves). On
+/// one H200 and one H100 (evaluation/gemm_small_m.py, 24 shapes of M <= 2048)
+/// it picks 128 on 8 shapes, each faster that way on both GPUs (up to 1.9x),
+/// and 256 on every shape of M = 2048 that H100 times slower in 128. Used
+/// where the caller names no kernel for the GEMM alone (`flashoverlap.gemm`);
+/// the overlapped ops choose by their profile's timings instead.
+pub fn hopper_tile_n(m: u32, n: u32, ctas: u32) -> u32 {
+    let bands = u64::from(m.div_ceil(128));
+    let ctas = u64::from(ctas.max(1));
+    // Time in narrow-tile units: a wide tile is two.
+    let wide = (bands * u64::from(n.div_ceil(256))).div_ceil(ctas) * 2;
+    let narrow = (bands * u64::from(n.div_ceil(128))).div_ceil(ctas);
+    if (narrow as f64) <= NARROW_TILES_MARGIN * wide as f64 {
+        128
+    } else {
+        HOPPER_TILE_N
+    }
+}
 
 /// A row table's store row for a tile the push backend sends to row
 /// `slot_row` of the peer's staging slot instead of storing it here: -r - 1,
@@ -91,6 +118,31 @@ pub fn pushed_row(slot_row: u64) -> u32 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn narrow_tiles_only_where_wide_ones_idle_the_sms() {
+        // (m, n, width) on 132 SMs, from the shapes timed on H200 and H100.
+        for (m, n, bn) in [
+            (256, 8192, 128),
+            (256, 5120, 128),
+            (256, 28672, 256),
+            (512, 28672, 128),
+            (512, 5120, 256),
+            (768, 8192, 128),
+            (768, 28672, 256),
+            (1024, 5120, 128),
+            (1024, 28672, 256),
+            (1536, 28672, 256),
+            (2048, 5120, 128),
+            (2048, 8192, 256),
+            (2048, 28672, 256),
+            (16384, 8192, 256),
+            (8192, 8192, 256),
+        ] {
+            assert_eq!(hopper_tile_n(m, n, 132), bn, "{m} x {n}");
+        }
+        assert_eq!(hopper_tile_n(1, 8, 0), 128);
+    }
+
     use proptest::prelude::*;
 
     use super::*;
