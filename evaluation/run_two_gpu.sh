@@ -6,7 +6,8 @@
 #   bash evaluation/run_two_gpu.sh OUTDIR PART [PART ...]
 #
 # Parts (seconds measured on 2x H200 on 2026-11-23 in brackets; the budget of each is its timeout):
-#   tests  the whole GPU test suite                              [300 on 2026-11-23; more tests since]
+#   tests  the whole GPU test suite                              [300 on 2026-11-23; 430 on ONE GPU on 2026-11-25]
+#   testsa / testsb  the same in two halves: the GEMM ops' files / every other file (each under the 10-minute limit)
 #   ar     bench_gemm_ar.py --iters 40 (issues 3, 5, 8)           [37]
 #   rs     bench_gemm_rs.py, both backends (issues 4, 8)          [31]
 #   a2a    bench_gemm_a2a.py, both backends, 19 cases (the 16 and issue 4's bar cases) [36 for 16]
@@ -30,7 +31,7 @@
 # The 2x H200 curves ship in the package (NCCL 2.28.9): `tune` is needed
 # only under another NCCL version. With ~30 minutes of 2-GPU time (a machine
 # start takes a few): ar rs a2a arn norm coll first in one call, then e2 e2ce
-# e1 argather collgather normcfg arns4 weave, then tests. The push backend (unmeasured
+# e1 argather collgather normcfg arns4 weave, then testsa, then testsb. The push backend (unmeasured
 # on 2 GPUs so far) is timed inside ar, rs, a2a, arn and e1; e2push checks its model.
 # After `e2` (and `tune`), the predictor can be refitted on any machine:
 #   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
@@ -49,9 +50,22 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # Lazy module loading (CUDA's default) is what users run.
 unset CUDA_MODULE_LOADING
 
+# The GPU test files of the GEMM ops (testsa), or every other one (--others: testsb).
+gemm_tests() {
+  local pattern='/test_gemm(_all_reduce|_reduce_scatter|_all_to_all)?\.py$'
+  if [ "${1:-}" = --others ]; then
+    ls "$here"/../tests/gpu/test_*.py | grep -v -E "$pattern" | tr '\n' ' '
+  else
+    ls "$here"/../tests/gpu/test_*.py | grep -E "$pattern" | tr '\n' ' '
+  fi
+}
+
 part_command() {
   case "$1" in
     tests) echo "timeout 560 python -m pytest $here/../tests/gpu -q -p no:cacheprovider --timeout 240" ;;
+    # The suite in two halves, each under the device's 10-minute limit (one GPU alone took 430 s on 2026-11-25).
+    testsa) echo "timeout 560 python -m pytest $(gemm_tests) -q -p no:cacheprovider --timeout 240" ;;
+    testsb) echo "timeout 560 python -m pytest $(gemm_tests --others) -q -p no:cacheprovider --timeout 240" ;;
     ar) echo "timeout 420 python $here/bench_gemm_ar.py --iters 40 --out $out/bench_gemm_ar_h200x2_bfloat16.csv" ;;
     rs) echo "timeout 420 python $here/bench_gemm_rs.py --out $out/bench_gemm_rs_h200x2_bfloat16" ;;
     a2a) echo "timeout 360 python $here/bench_gemm_a2a.py --out $out/bench_gemm_a2a_h200x2_bfloat16" ;;
