@@ -32,24 +32,7 @@
 #include <thread>
 #include <vector>
 
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
-#define CKD(x)                                                                \
-  do {                                                                        \
-    CUresult r_ = (x);                                                        \
-    if (r_ != CUDA_SUCCESS) {                                                 \
-      const char* s_ = nullptr;                                               \
-      cuGetErrorString(r_, &s_);                                              \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_);     \
-      std::exit(1);                                                           \
-    }                                                                         \
-  } while (0)
+#include "probe_check.cuh"
 
 __global__ void tiny(int* p) {
   if (threadIdx.x == 0) atomicAdd(p, 1);
