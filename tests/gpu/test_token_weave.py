@@ -68,6 +68,18 @@ def test_steps_wait_for_what_they_read(delay_compute: bool, delay_comm: bool) ->
 
 
 @pytest.mark.gpus(1)
+def test_under_inference_mode() -> None:
+    # vLLM runs its models under torch.inference_mode(): inference tensors cross the streams too.
+    with torch.inference_mode():
+        x, w, bufs = _fresh(1000, 256, SEED + 5)
+        stages, inputs = _layers(x, w, bufs, False, True)
+        out = flashoverlap.weave(stages, inputs, flashoverlap.token_split(1000, [(256, 256)] * 2))
+        assert out.is_inference()
+        assert not torch.isnan(out).any()
+        assert _rel(out, _reference(x, w)) < 1e-2
+
+
+@pytest.mark.gpus(1)
 def test_streams_overlap() -> None:
     # Each step sleeps S on its stream: in order 8 S; woven, the communicate of one half runs
     # while the other half computes: 5 S.
