@@ -213,14 +213,15 @@ def weave(stages: Sequence[Stage], inputs: Union[torch.Tensor, Sequence[torch.Te
     caller's current stream, every communicate on `comm_stream` (default: a
     high-priority stream of the device), ordered by events: a half's
     communicate after its compute, its next compute after its communicate,
-    and the caller's stream after both halves' last step. The same calls
-    in the same order on one half alone would give the same results.
+    and the caller's stream after both halves' last step. Each half goes
+    through the same steps in the same order as it would alone.
 
     `split`: a `TokenSplit`, `(first, second)` or the first half's token
     count; a split with `second == 0` runs the batch as one half. Returns the
     final state with each tensor's halves concatenated along the first
     dimension (`merge=True`, the final states must then be tensors with the
-    half's tokens first), or the two halves' final states (`merge=False`).
+    half's tokens first; a state of one tensor comes back as that tensor),
+    or the list of the halves' final states (`merge=False`).
     On CPU tensors the steps simply run in order. CUDA-graph capturable where
     the steps are."""
     stages = _check_stages(stages)
