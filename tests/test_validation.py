@@ -650,3 +650,19 @@ def test_ops_lower_under_torch_compile(op: str) -> None:
     torch._dynamo.reset()
     with pytest.raises((ValueError, TypeError), match=r"^(x|group_name): "):
         torch.compile(lambda: call() * 2, fullgraph=True)()
+
+
+def test_every_core_function_has_a_stub() -> None:
+    """_core.pyi (what type checkers and editors see) names every function, class and constant the
+    extension exports."""
+    import ast
+    from pathlib import Path
+
+    from flashoverlap import _core
+
+    stub = ast.parse((Path(__file__).resolve().parent.parent / "python" / "flashoverlap" / "_core.pyi").read_text())
+    named = {n.name for n in stub.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    named |= {t.id for n in stub.body if isinstance(n, (ast.AnnAssign, ast.Assign))
+              for t in ([n.target] if isinstance(n, ast.AnnAssign) else n.targets) if isinstance(t, ast.Name)}
+    exported = {name for name in dir(_core) if not name.startswith("_")}
+    assert exported - named == set(), f"exported but not in _core.pyi: {sorted(exported - named)}"

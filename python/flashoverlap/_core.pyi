@@ -215,3 +215,40 @@ def plan_all_to_all_groups(n: int, k: int, matrix: list[list[int]], dtype: str =
     each rank's rows; push: each destination in whole bands), n: each destination padded to parts
     of whole n-row bands (1: near-equal rows, as runs before 2026-11-25 split them)."""
 def all_to_all(group_name: str, send: int, recv: int, count: int, dtype: str, stream: int) -> None: ...
+def measured_collective_us(collective: str, backend: str, world_size: int, sms: int, ctas: int,
+                           bytes: int) -> Optional[float]:
+    """What `tune` measured a plain collective of `bytes` per rank to take; None where unmeasured."""
+def add_rmsnorm(x: int, residual_in: int, residual_out: int, weight: int, rows: int, n: int, eps: float, dtype: str,
+                device: int, stream: int, ctas: int) -> None:
+    """The fused add + RMSNorm alone on rows 0..rows of x [rows, n], on `ctas` CTAs."""
+
+# The peer-memory AllReduce + residual add + RMSNorm (peer_norm.py drives these).
+PeerBuffers = tuple[list[int], int, int, int, tuple[int, int, int, bool]]  # bases, bytes, rank, timeout_ns, config
+ALLREDUCE_RMSNORM_ERROR_WORD: int
+
+class PeerMemory:
+    """A device buffer of this rank's, mapped into the other ranks through CUDA IPC handles."""
+
+    def __init__(self, device: int, bytes: int) -> None: ...
+    def handle(self) -> bytes: ...
+    def attach(self, rank: int, handles: list[bytes]) -> None: ...
+    @property
+    def bases(self) -> list[int]: ...
+    @property
+    def bytes(self) -> int: ...
+    def header_word(self, index: int) -> int: ...  # index < 16384 (the 64 KiB header), else ValueError
+    def close(self) -> None: ...
+
+def allreduce_rmsnorm_buffer_bytes(world: int, tokens: int, hidden: int, dtype: str, pull: bool = False) -> int: ...
+def allreduce_rmsnorm_slice(tokens: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows [start, end) of `tokens` that `rank` owns."""
+def allreduce_rmsnorm_partial(buffers: PeerBuffers, rows: int, hidden: int, dtype: str) -> int: ...
+def allreduce_rmsnorm_stages(tokens: int, world: int, ctas: int,
+                             config: Optional[tuple[int, int, int, bool]] = None) -> int: ...
+def allreduce_rmsnorm_launch(device: int, tensors: tuple[int, int, int, int, int], bases: list[int],
+                             buffer_bytes: int, rank: int, tokens: int, hidden: int, eps: float,
+                             residual_full: bool, dtype: str, ctas: int, timeout_ns: int, stream: int,
+                             pull: bool = False, config: Optional[tuple[int, int, int, bool]] = None,
+                             residual_sliced: bool = False) -> None:
+    """Enqueues the kernel: tensors = (x, residual, weight, out, residual_out) pointers; residual_sliced
+    (sharded mode): `residual` holds this rank's slice rows only."""
