@@ -96,3 +96,17 @@ def test_two_gpu_runner_names_its_parts(tmp_path: Path) -> None:
     text = script.read_text()
     for part in parts:
         assert f"    {part}) echo " in text, part
+
+
+def test_two_gpu_test_halves_cover_the_suite_once() -> None:
+    """run_two_gpu.sh's testsa and testsb parts: every GPU test file in exactly one of them."""
+    script = ROOT / "evaluation" / "run_two_gpu.sh"
+    body = script.read_text().split("gemm_tests() {")[1].split("\n}\n")[0]
+    halves = []
+    for flag in ("", "--others"):
+        run = subprocess.run(["bash", "-c", f'here="$1"; gemm_tests() {{{body}\n}}; gemm_tests {flag}', "_",
+                              str(ROOT / "evaluation")], capture_output=True, text=True, check=True)
+        halves.append({Path(p).name for p in run.stdout.split()})
+    every = {p.name for p in (ROOT / "tests" / "gpu").glob("test_*.py")}
+    assert halves[0] and halves[1] and not halves[0] & halves[1]
+    assert halves[0] | halves[1] == every
