@@ -69,8 +69,19 @@ impl KernelSpec {
     fn options(&self, arch: &str) -> Vec<String> {
         let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()];
         o.extend(self.defines.iter().map(|(k, v)| format!("-D{k}={v}")));
+        o.extend(extra_options(
+            std::env::var("FLASHOVERLAP_NVRTC_OPTIONS").ok().as_deref(),
+        ));
         o
     }
+}
+
+/// Options a user adds to every compilation (`FLASHOVERLAP_NVRTC_OPTIONS`,
+/// split on whitespace), e.g. `-lineinfo` so that compute-sanitizer and Nsight
+/// name source lines. They are part of the cache key like every option.
+fn extra_options(var: Option<&str>) -> Vec<String> {
+    var.map(|v| v.split_whitespace().map(String::from).collect())
+        .unwrap_or_default()
 }
 
 /// The GEMM kernels: the portable mma.sync one and the Hopper wgmma/TMA one
@@ -528,5 +539,15 @@ mod tests {
         let spec = |c: NormConfig| allreduce_rmsnorm_spec(Dtype::Bf16, c).defines;
         assert_eq!(spec(NormConfig::SWEEP[1]), spec(NormConfig::DEFAULT));
         assert_ne!(spec(NormConfig::SWEEP[3]), spec(NormConfig::DEFAULT));
+    }
+
+    #[test]
+    fn extra_nvrtc_options_split_on_whitespace() {
+        assert!(extra_options(None).is_empty());
+        assert!(extra_options(Some("  ")).is_empty());
+        assert_eq!(
+            extra_options(Some(" -lineinfo\t-DFOO=1 ")),
+            vec!["-lineinfo".to_string(), "-DFOO=1".to_string()]
+        );
     }
 }
