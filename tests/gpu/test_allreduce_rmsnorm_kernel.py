@@ -146,7 +146,7 @@ def test_sharded_calls_take_a_residual_slice(world, config) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("config", [(512, 4, 4, False), (256, 2, 8, False)])
+@pytest.mark.parametrize("config", [(512, 4, 4, False), (256, 2, 8, False), (1024, 4, 2, False), (512, 8, 2, False)])
 def test_pipelined_parts(world, config) -> None:
     """Each CTA cuts its rows into several parts whose push, reduce and gather steps overlap: the
     same results, epochs in step with unpipelined calls on the same buffers, slices and parts of
