@@ -154,3 +154,17 @@ def test_nvrtc_is_found_where_torch_put_it(nvrtc_path: str) -> None:
     assert Path(nvrtc_path) in _nvrtc.candidates()
     major, minor = _core.nvrtc_version()
     assert major >= 11 and minor >= 0
+
+
+def test_extra_nvrtc_options_reach_the_compiler(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASHOVERLAP_NVRTC_OPTIONS: -lineinfo makes each cubin larger (its line table) and keys it
+    apart from the plain one, so both stay cached side by side; a bad option is NVRTC's error."""
+    plain = {k + d: size for k, d, size in flashoverlap.compile_kernels("sm_80")}
+    monkeypatch.setenv("FLASHOVERLAP_NVRTC_OPTIONS", " -lineinfo ")
+    lined = {k + d: size for k, d, size in flashoverlap.compile_kernels("sm_80")}
+    assert lined.keys() == plain.keys()
+    assert all(lined[k] > plain[k] for k in plain), (plain, lined)
+    assert len(cubins(cache)) == 2 * len(plain)
+    monkeypatch.setenv("FLASHOVERLAP_NVRTC_OPTIONS", "--no-such-option")
+    with pytest.raises(RuntimeError, match="no-such-option"):
+        flashoverlap.compile_kernels("sm_80")
