@@ -22,6 +22,7 @@
 #   e2push e2_predictive_search.py --backend push (its estimated constants' first check; then refit them with e2_replay) [~70]
 #   tune   flashoverlap tune, 2-GPU collective curves (issue 5) [72]
 #   first  first_call_latency.py --world-size 2 (issue 5)         [13]
+#   a2a16  bench_gemm_a2a.py with FLASHOVERLAP_NCCL_MAX_CTAS=16 (NCCL rounds P2P channels up to a power of two: 24 -> 32 CTAs, more than the 24 SMs the GEMM leaves; suspected of forced A2A groups costing ~45 us each) [36]
 #   argather  bench_gemm_ar.py with FLASHOVERLAP_CE_ALLREDUCE=gather (the copy engines' AllReduce as ReduceScatter + AllGather on 2 ranks) [40]
 #   collgather  bench_collectives.py with the same                [32]
 #   weave  bench_weave.py: 2 decoder layers woven over two token halves vs NCCL / fused, 1K-16K tokens [not yet run]
@@ -31,7 +32,7 @@
 # The 2x H200 curves ship in the package (NCCL 2.28.9): `tune` is needed
 # only under another NCCL version. With ~30 minutes of 2-GPU time (a machine
 # start takes a few): ar rs a2a arn norm coll first in one call, then e2 e2ce
-# e1 argather collgather normcfg arns4 weave, then testsa, then testsb. The push backend (unmeasured
+# e1 a2a16 argather collgather normcfg arns4 weave, then testsa, then testsb. The push backend (unmeasured
 # on 2 GPUs so far) is timed inside ar, rs, a2a, arn and e1; e2push checks its model.
 # After `e2` (and `tune`), the predictor can be refitted on any machine:
 #   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
@@ -82,6 +83,7 @@ part_command() {
     # shapes ship in the bundled one-GPU profile), then a copy under OUTDIR.
     tune) echo "timeout 570 flashoverlap tune --world-size 2 --ops all_reduce,reduce_scatter,all_to_all && cp \"\$(python -c 'from flashoverlap import profiles; print(profiles.cache_dir())')\"/*-w2-*.json $out/" ;;
     first) echo "timeout 240 python $here/first_call_latency.py --world-size 2" ;;
+    a2a16) echo "FLASHOVERLAP_NCCL_MAX_CTAS=16 timeout 360 python $here/bench_gemm_a2a.py --out $out/bench_gemm_a2a_ctas16_h200x2_bfloat16" ;;
     argather) echo "FLASHOVERLAP_CE_ALLREDUCE=gather timeout 420 python $here/bench_gemm_ar.py --iters 40 --out $out/bench_gemm_ar_gather_h200x2_bfloat16.csv" ;;
     collgather) echo "FLASHOVERLAP_CE_ALLREDUCE=gather timeout 420 python $here/bench_collectives.py --world-size 2 --out $out/bench_collectives_gather_h200x2" ;;
     weave) echo "timeout 420 python $here/bench_weave.py --world-size 2 --out $out/bench_weave_h200x2" ;;
