@@ -8,6 +8,7 @@
 # Parts (seconds measured on 2x H200 on 2026-11-23 in brackets; the budget of each is its timeout):
 #   tests  the whole GPU test suite                              [300 on 2026-11-23; 430 on ONE GPU on 2026-11-25]
 #   testsa / testsb  the same in two halves: the GEMM ops' files / every other file (each under the 10-minute limit)
+#   tests2 only the tests that need 2 GPUs (pytest --multi-gpu-only; one GPU runs the rest)
 #   ar     bench_gemm_ar.py --iters 40 (issues 3, 5, 8)           [37]
 #   rs     bench_gemm_rs.py, both backends (issues 4, 8)          [31]
 #   a2a    bench_gemm_a2a.py, both backends, 19 cases (the 16 and issue 4's bar cases) [36 for 16]
@@ -67,6 +68,7 @@ part_command() {
     # The suite in two halves, each under the device's 10-minute limit (one GPU alone took 430 s on 2026-11-25).
     testsa) echo "timeout 560 python -m pytest $(gemm_tests) -q -p no:cacheprovider --timeout 240" ;;
     testsb) echo "timeout 560 python -m pytest $(gemm_tests --others) -q -p no:cacheprovider --timeout 240" ;;
+    tests2) echo "timeout 560 python -m pytest $here/../tests/gpu --multi-gpu-only -q -rfE -p no:cacheprovider --timeout 240" ;;
     ar) echo "timeout 420 python $here/bench_gemm_ar.py --iters 40 --out $out/bench_gemm_ar_h200x2_bfloat16.csv" ;;
     rs) echo "timeout 420 python $here/bench_gemm_rs.py --out $out/bench_gemm_rs_h200x2_bfloat16" ;;
     a2a) echo "timeout 360 python $here/bench_gemm_a2a.py --out $out/bench_gemm_a2a_h200x2_bfloat16" ;;

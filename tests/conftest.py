@@ -6,6 +6,9 @@
   is what the GPU tests exercise. This runs before any test initialises CUDA.
 * The ``gpus(n)`` marker: a test marked ``@pytest.mark.gpus(2)`` is skipped,
   with a reason, where fewer than ``n`` CUDA devices are visible.
+* ``--multi-gpu-only``: deselects every test not marked ``gpus(n)`` with
+  n >= 2, so that scarce multi-GPU machine time goes to the tests that one
+  GPU cannot run.
 """
 
 from __future__ import annotations
@@ -34,15 +37,39 @@ def _cuda_devices() -> int:
         return 0
 
 
+def _needed_gpus(item: pytest.Item) -> int:
+    marker = item.get_closest_marker("gpus")
+    if marker is None:
+        return 0
+    return int(marker.args[0]) if marker.args else 1
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--multi-gpu-only",
+        action="store_true",
+        help="run only the tests marked gpus(n) with n >= 2",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpus(n): needs at least n CUDA devices; skipped otherwise")
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    marker = item.get_closest_marker("gpus")
-    if marker is None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--multi-gpu-only"):
         return
-    needed = int(marker.args[0]) if marker.args else 1
+    keep = [item for item in items if _needed_gpus(item) >= 2]
+    dropped = [item for item in items if _needed_gpus(item) < 2]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    needed = _needed_gpus(item)
+    if needed == 0:
+        return
     have = _cuda_devices()
     if have < needed:
         pytest.skip(f"needs {needed} CUDA device(s), {have} visible")
