@@ -48,13 +48,17 @@ SHORT = {"compute": "comp", "fused": "fused", "weave": "weave", "weave_even": "e
 
 
 class Layer:
-    """One rank's shard of a decoder layer (random weights, scaled to keep activations O(1))."""
+    """One rank's shard of decoder layer `index` (random weights, scaled to keep activations
+    O(1)): the GEMM weights are this rank's own, the RMSNorm weights the same on every rank, as
+    in tensor parallelism (the fused kernel normalizes each rank's slice of the tokens with that
+    rank's weight and shares the rows, so weights that differ by rank would not match NCCL)."""
 
-    def __init__(self, device: torch.device, seed: int) -> None:
-        gen = torch.Generator(device=device).manual_seed(seed)
+    def __init__(self, device: torch.device, index: int, rank: int, gemms: dict = GEMMS, hidden: int = HIDDEN) -> None:
+        gen = torch.Generator(device=device).manual_seed(100 * index + rank)
         self.w = {name: (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).bfloat16()
-                  for name, (n, k) in GEMMS.items()}
-        self.norms = [(torch.rand(HIDDEN, generator=gen, device=device) + 0.5).bfloat16() for _ in range(2)]
+                  for name, (n, k) in gemms.items()}
+        shared = torch.Generator(device=device).manual_seed(100 * index + 99)
+        self.norms = [(torch.rand(hidden, generator=shared, device=device) + 0.5).bfloat16() for _ in range(2)]
 
     def attention(self, h: torch.Tensor) -> torch.Tensor:
         return (h @ self.w["qkv"].T)[:, :GEMMS["o_proj"][1]] @ self.w["o_proj"].T
@@ -153,7 +157,7 @@ def _format(row: dict) -> str:
 def _worker(rank: int, world: int, init_method: str, cfg: dict, result_path: str) -> None:
     bench.init_worker(rank, world, init_method)
     device = torch.device("cuda", rank)
-    layers = [Layer(device, seed=100 * i + rank) for i in range(cfg["layers"])]
+    layers = [Layer(device, i, rank) for i in range(cfg["layers"])]
     rows = []
     for tokens in cfg["tokens"]:
         row = measure(tokens, layers, cfg["iters"], cfg["warmup"], rank)

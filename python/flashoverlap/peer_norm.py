@@ -310,7 +310,8 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     ``r = all_reduce(x) + residual; out = r * rsqrt(mean(r^2) + eps) * weight``; returns (out, r).
 
     x, residual: [tokens, hidden] (bf16 or fp16, hidden a multiple of 8 up to 16384), residual the
-    same on every rank (as in tensor parallelism); weight: [hidden]. residual_out: "full" (every
+    same on every rank (as in tensor parallelism); weight: [hidden], also the same on every rank
+    (each rank normalizes its slice of the tokens with its own weight and shares the rows). residual_out: "full" (every
     rank gets all of r) or "sharded" (each rank gets only its slice of the tokens,
     rows tokens*rank//world .. tokens*(rank+1)//world - 1: less traffic and memory). A sharded
     call also takes `residual` as that slice alone ([slice rows, hidden], what the previous
