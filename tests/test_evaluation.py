@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import csv
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from evaluation_scripts import ROOT, load as _load
 
@@ -15,8 +18,11 @@ def test_e1_tables_from_the_committed_results() -> None:
     text = "\n".join(lines)
     # The committed 2x H200 AllReduce CSV: 16 shapes, its geometric mean as the README states.
     assert "2 x h200, bfloat16, bench_gemm_ar_h200x2_bfloat16.csv" in text
-    ar = next(line for line in lines if "flashoverlap vs sequential cuBLAS + NCCL " in line)
+    h200 = lines[lines.index("  2 x h200, bfloat16, bench_gemm_ar_h200x2_bfloat16.csv:"):]
+    ar = next(line for line in h200 if "flashoverlap vs sequential cuBLAS + NCCL " in line)
     assert "16 shapes" in ar and "1.119x" in ar
+    # Each machine's CSV is a table of its own (2x H100 sorts before 2x H200).
+    assert "2 x h100, bfloat16, bench_gemm_ar_h100x2_bfloat16.csv" in text
     assert "AllReduce+RMSNorm:" in text
     peer = next(line for line in lines if "(peer backend) vs sequential + one-kernel" in line)
     assert "16 shapes" in peer and "1.183x" in peer
@@ -82,6 +88,20 @@ def test_gpu_scripts_import_and_document_their_command() -> None:
         assert callable(module.main)
 
 
+def test_weave_benchmark_replicates_norm_weights_across_ranks() -> None:
+    """bench_weave's tensor-parallel layer: GEMM weights of each rank's own, RMSNorm weights the
+    same on every rank (weights drawn per rank made every fused variant miss NCCL by 36% on 2
+    GPUs: the fused kernel normalizes each rank's token slice with that rank's weight)."""
+    torch = pytest.importorskip("torch")
+    weave = _load("bench_weave")
+    cpu = torch.device("cpu")
+    small = {"qkv": (24, 16), "o_proj": (16, 8), "gate_up": (32, 16), "down": (16, 8)}
+    r0, r1, next_layer = (weave.Layer(cpu, i, r, small, 16) for i, r in ((0, 0), (0, 1), (1, 0)))
+    assert all(torch.equal(a, b) for a, b in zip(r0.norms, r1.norms))
+    assert not torch.equal(r0.w["down"], r1.w["down"])
+    assert not torch.equal(r0.norms[0], next_layer.norms[0])
+
+
 def test_two_gpu_runner_names_its_parts(tmp_path: Path) -> None:
     """evaluation/run_two_gpu.sh: usage without parts, an unknown part refused before anything
     runs (exit 2), and every part it lists in its usage has a command."""
@@ -110,3 +130,20 @@ def test_two_gpu_test_halves_cover_the_suite_once() -> None:
     every = {p.name for p in (ROOT / "tests" / "gpu").glob("test_*.py")}
     assert halves[0] and halves[1] and not halves[0] & halves[1]
     assert halves[0] | halves[1] == every
+
+
+def test_multi_gpu_only_selects_the_tests_that_need_two_gpus() -> None:
+    """`pytest --multi-gpu-only` (run_two_gpu.sh part tests2) keeps exactly the tests marked
+    gpus(n >= 2), so that a short 2-GPU lease runs nothing one GPU could run."""
+    pytest.importorskip("torch")
+
+    def collect(*extra: str) -> set[str]:
+        run = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu/test_token_weave.py", "tests/gpu/test_nn_layers.py",
+                              "--collect-only", "-q", "-p", "no:cacheprovider", *extra],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout + run.stderr
+        return {line.split("::", 1)[1] for line in run.stdout.splitlines() if "::" in line}
+
+    every, multi = collect(), collect("--multi-gpu-only")
+    assert multi == {"test_block_two_gpus", "test_two_gpus[auto]", "test_two_gpus[overlap]"}
+    assert multi < every
