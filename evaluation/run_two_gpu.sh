@@ -33,8 +33,9 @@
 # The 2x H200 curves ship in the package (NCCL 2.28.9): `tune` is needed
 # only under another NCCL version. With ~30 minutes of 2-GPU time (a machine
 # start takes a few): ar rs a2a arn norm coll first in one call, then e2 e2ce
-# e1 a2a16 argather collgather normcfg arns4 weave, then testsa, then testsb. The push backend (unmeasured
-# on 2 GPUs so far) is timed inside ar, rs, a2a, arn and e1; e2push checks its model.
+# e1 a2a16 argather collgather normcfg arns4 weave, then tests2 (the 2-GPU tests: ~250 s on 2x H100;
+# testsa / testsb, the whole suite, only where a one-GPU machine cannot run the rest). The push backend
+# (timed on 2 GPUs only in ar, on 2x H100) is timed inside ar, rs, a2a, arn and e1; e2push checks its model.
 # After `e2` (and `tune`), the predictor can be refitted on any machine:
 #   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
 # (the profile `tune` wrote in $FLASHOVERLAP_CACHE_DIR/profiles-v1/ to replay with it).
