@@ -61,10 +61,10 @@ class Layer:
         self.norms = [(torch.rand(hidden, generator=shared, device=device) + 0.5).bfloat16() for _ in range(2)]
 
     def attention(self, h: torch.Tensor) -> torch.Tensor:
-        return (h @ self.w["qkv"].T)[:, :GEMMS["o_proj"][1]] @ self.w["o_proj"].T
+        return (h @ self.w["qkv"].T)[:, :self.w["o_proj"].shape[1]] @ self.w["o_proj"].T
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.relu(h @ self.w["gate_up"].T)[:, :GEMMS["down"][1]] @ self.w["down"].T
+        return torch.relu(h @ self.w["gate_up"].T)[:, :self.w["down"].shape[1]] @ self.w["down"].T
 
 
 def _forward_whole(layers, h, res, reduce_norm):

@@ -59,8 +59,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.getoption("--multi-gpu-only"):
         return
-    keep = [item for item in items if _needed_gpus(item) >= 2]
-    dropped = [item for item in items if _needed_gpus(item) < 2]
+    keep, dropped = [], []
+    for item in items:
+        (keep if _needed_gpus(item) >= 2 else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = keep

@@ -100,6 +100,9 @@ def test_weave_benchmark_replicates_norm_weights_across_ranks() -> None:
     assert all(torch.equal(a, b) for a, b in zip(r0.norms, r1.norms))
     assert not torch.equal(r0.w["down"], r1.w["down"])
     assert not torch.equal(r0.norms[0], next_layer.norms[0])
+    # The layer's own shapes drive its forward (attention's and the MLP's slices included).
+    h = torch.randn(3, 16).bfloat16()
+    assert r0.attention(h).shape == (3, 16) and r0.mlp(h).shape == (3, 16)
 
 
 def test_two_gpu_runner_names_its_parts(tmp_path: Path) -> None:

@@ -311,13 +311,13 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
     x, residual: [tokens, hidden] (bf16 or fp16, hidden a multiple of 8 up to 16384), residual the
     same on every rank (as in tensor parallelism); weight: [hidden], also the same on every rank
-    (each rank normalizes its slice of the tokens with its own weight and shares the rows). residual_out: "full" (every
-    rank gets all of r) or "sharded" (each rank gets only its slice of the tokens,
-    rows tokens*rank//world .. tokens*(rank+1)//world - 1: less traffic and memory). A sharded
-    call also takes `residual` as that slice alone ([slice rows, hidden], what the previous
-    sharded call returned: the rows this rank reduces are all it reads), so that a model's
-    layers can keep the residual sharded from one fused call to the next (TokenWeave's layout);
-    `out` is every token's row either way. ctas: CTAs of the kernel (default 16), the SMs it
+    (each rank normalizes its slice of the tokens with its own weight and shares the rows).
+    residual_out: "full" (every rank gets all of r) or "sharded" (each rank gets only its slice
+    of the tokens, rows tokens*rank//world .. tokens*(rank+1)//world - 1: less traffic and
+    memory). A sharded call also takes `residual` as that slice alone ([slice rows, hidden],
+    what the previous sharded call returned: the rows this rank reduces are all it reads), so
+    that a model's layers can keep the residual sharded from one fused call to the next
+    (TokenWeave's layout); `out` is every token's row either way. ctas: CTAs of the kernel (default 16), the SMs it
     takes from concurrent work.
 
     Every rank of the group calls it with the same shapes. The first call for a group, and the
