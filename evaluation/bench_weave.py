@@ -201,10 +201,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name in ("fused", "weave", "weave_even", "weave_shard", "compute"):
         xs = [r[f"{name}_x"] for r in rows]
         lines.append(f"# {name}: {statistics.geometric_mean(xs):.3f}x geometric mean over nccl, {min(xs):.3f}x worst")
+    state = bench.gpu_state()
+    warning = bench.slowdown_warning(state)
+    if warning:
+        lines.append(f"# {warning}")
     print("\n".join(lines[len(head) + len(rows):]), flush=True)
     if args.out:
         bench.write_outputs(args.out, lines, rows, {"device": data["device"], "nccl": data["nccl"],
-                                                    "world": world, **cfg})
+                                                    "world": world, "gpu_state": state, **cfg})
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -28,7 +28,8 @@
 #   collgather  bench_collectives.py with the same                [32]
 #   weave  bench_weave.py: 2 decoder layers woven over two token halves vs NCCL / fused, 1K-16K tokens [not yet run]
 # Each part writes OUTDIR/<part>.log (its output) and its result files
-# under OUTDIR, and prints one line: part, exit code, seconds. NVLink
+# under OUTDIR, and prints one line: part, exit code, seconds (and a warning
+# where a GPU's clock slowdown is active when the part ends). NVLink
 # multicast stays off in everything started here.
 # The 2x H200 curves ship in the package (NCCL 2.28.9): `tune` is needed
 # only under another NCCL version. With ~30 minutes of 2-GPU time (a machine
@@ -105,7 +106,10 @@ for part in "$@"; do
   echo "\$ $cmd" > "$out/$part.log"
   bash -c "$cmd" >> "$out/$part.log" 2>&1
   rc=$?
-  echo "$part rc=$rc $(( $(date +%s) - start ))s"
+  # A throttled GPU (thermal or hardware slowdown) makes every time of the part meaningless.
+  warn="$(python -c 'from flashoverlap import bench; print(bench.slowdown_warning(bench.gpu_state()) or "")' 2>/dev/null)"
+  [ -z "$warn" ] || echo "# $warn" >> "$out/$part.log"
+  echo "$part rc=$rc $(( $(date +%s) - start ))s${warn:+ $warn}"
   [ $rc -eq 0 ] || status=1
 done
 exit $status

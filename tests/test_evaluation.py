@@ -150,3 +150,26 @@ def test_multi_gpu_only_selects_the_tests_that_need_two_gpus() -> None:
     every, multi = collect(), collect("--multi-gpu-only")
     assert multi == {"test_block_two_gpus", "test_two_gpus[auto]", "test_two_gpus[overlap]"}
     assert multi < every
+
+
+def test_gpu_state_names_only_real_slowdowns(monkeypatch) -> None:
+    """A throttled GPU is named with its reasons (a power cap alone is normal under load and is
+    not among them); a missing nvidia-smi gives no record, not an error."""
+    from flashoverlap import bench
+
+    text = ("0, 84, 690.5, 345, 1980, Active, Active, Not Active, Not Active\n"
+            "1, 45, 120.0, 1980, 1980, Not Active, Not Active, Not Active, Not Active\n")
+    gpus = bench.parse_gpu_state(text)
+    assert [g["slowdowns"] for g in gpus] == [["hw_slowdown", "hw_thermal_slowdown"], []]
+    warning = bench.slowdown_warning(gpus)
+    assert warning and "GPU 0 hw_slowdown+hw_thermal_slowdown (84 C, SM 345 of 1980 MHz)" in warning
+    assert "GPU 1" not in warning
+    assert bench.slowdown_warning(gpus[1:]) is None and bench.slowdown_warning(None) is None
+    with pytest.raises(ValueError, match="unexpected line"):
+        bench.parse_gpu_state("0, 84, 690.5\n")
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(bench.subprocess, "run", missing)
+    assert bench.gpu_state() is None

@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -464,6 +465,54 @@ LEGEND = ("speedup = seq / fo, where seq = cuBLAS then NCCL and fo = flashoverla
           "err = max relative error vs fp32")
 
 
+# nvidia-smi's reasons that cut the SM clock far below what a loaded GPU normally runs at (a
+# power cap is normal under load and is only recorded). A 2x H100 host ran everything 4-9x slow
+# on 2026-11-25 after its first minute: without this record such a run reads as a slow library.
+SLOWDOWNS = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown")
+_STATE_FIELDS = ("index", "temperature.gpu", "power.draw", "clocks.sm", "clocks.max.sm")
+
+
+def parse_gpu_state(text: str) -> list[dict]:
+    """nvidia-smi's csv (noheader, nounits) of _STATE_FIELDS then the SLOWDOWNS reasons, one GPU
+    per line, as dicts with the slowdowns active listed."""
+    gpus = []
+    for line in text.strip().splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(_STATE_FIELDS) + len(SLOWDOWNS):
+            raise ValueError(f"nvidia-smi: unexpected line {line!r}")
+        state = dict(zip(_STATE_FIELDS, cells))
+        state["slowdowns"] = [s for s, v in zip(SLOWDOWNS, cells[len(_STATE_FIELDS):]) if v == "Active"]
+        gpus.append(state)
+    return gpus
+
+
+def gpu_state(timeout_s: float = 10.0) -> Optional[list[dict]]:
+    """Each GPU's temperature, power, SM clock and active slowdown reasons, from nvidia-smi (None
+    where it is missing or fails: the record is evidence, never a reason to stop a run)."""
+    # Drivers before 535 name the reasons clocks_throttle_reasons.
+    for prefix in ("clocks_event_reasons", "clocks_throttle_reasons"):
+        fields = _STATE_FIELDS + tuple(f"{prefix}.{s}" for s in SLOWDOWNS)
+        try:
+            done = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if done.returncode == 0:
+            try:
+                return parse_gpu_state(done.stdout)
+            except ValueError:
+                return None
+    return None
+
+
+def slowdown_warning(gpus: Optional[Sequence[dict]]) -> Optional[str]:
+    """One line naming every GPU with a clock slowdown active (None: none, or no record)."""
+    hit = [f"GPU {g['index']} {'+'.join(g['slowdowns'])} ({g['temperature.gpu']} C, SM {g['clocks.sm']} of "
+           f"{g['clocks.max.sm']} MHz)" for g in gpus or () if g["slowdowns"]]
+    return ("WARNING: clock slowdown active at the end of the run, its times are not the hardware's: "
+            + "; ".join(hit)) if hit else None
+
+
 def environment(world: int) -> dict:
     import flashoverlap
     from flashoverlap import _core
@@ -482,6 +531,8 @@ def environment(world: int) -> dict:
                                                              "FLASHOVERLAP_BACKEND", "FLASHOVERLAP_CE_ALLREDUCE"]},
         "method": f"median of CUDA-event-timed iterations after warm-up, variants interleaved, pooled over {ROUNDS} "
                   "rounds across all shapes, max over ranks; random inputs rotated across buffers",
+        # Sampled when the results are written, right after the timed loops.
+        "gpu_state": gpu_state(),
     }
 
 
