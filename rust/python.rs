@@ -1303,6 +1303,7 @@ fn all_to_all_tables<'py>(
         &recv_splits,
         phases.as_deref(),
         &opts,
+        dev.sms,
         dev.major,
     )
     .map_err(to_py)?;

@@ -36,8 +36,8 @@ use crate::plan::all_to_all::{
 };
 use crate::plan::predictor::Segments;
 use crate::plan::{
-    best_all_to_all_groups, call_us, plan_gemm_all_to_all, AllToAllPlan, AllToAllShape,
-    CollectiveKind, Timeline,
+    best_all_to_all_groups, call_us, default_raster_bands, plan_gemm_all_to_all, AllToAllPlan,
+    AllToAllShape, CollectiveKind, OutputTiles, Timeline,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,12 +64,14 @@ impl Options {
 /// SEGMENT_ROWS; known from the split matrix): the natural layout, one band
 /// grid over x's rows; None: each destination padded to whole bands. The
 /// push backend stores whole tiles into the peer's slot: padded only.
+/// Each group is rastered for the CTAs the GEMM gets on `sms` SMs.
 pub fn plan_for(
     args: &GemmArgs,
     send_splits: &[u64],
     recv_splits: &[u64],
     recv_phases: Option<&[u64]>,
     opts: &Options,
+    sms: u32,
     major: i32,
 ) -> Result<(GemmKernel, AllToAllPlan)> {
     match opts.backend {
@@ -104,7 +106,15 @@ pub fn plan_for(
         opts.groups,
         layout,
     )?;
-    Ok((kernel, plan))
+    let ctas = sms.saturating_sub(opts.reserved()).max(1);
+    let bands = match u32::try_from(plan.send_buffer_rows) {
+        Ok(rows) if rows > 0 => default_raster_bands(
+            &OutputTiles::new(rows, args.n, gemm::tile_shape(kernel))?,
+            ctas,
+        ),
+        _ => 1,
+    };
+    Ok((kernel, plan.rastered(bands)))
 }
 
 /// What the predictor picks for a routing: the fastest group count, whether
@@ -272,6 +282,7 @@ pub fn gemm_all_to_all(
         recv_splits,
         recv_phases,
         opts,
+        comm.device.sms,
         comm.device.major,
     )?;
     let positions = plan.tile_order.len() as u64;
@@ -563,7 +574,8 @@ mod tests {
         let planned: Vec<_> = (0..2)
             .map(|r| {
                 let a = args(matrix[r].iter().sum::<u64>() as u32);
-                let (kernel, plan) = plan_for(&a, &matrix[r], &recv(r), None, &push, 9).unwrap();
+                let (kernel, plan) =
+                    plan_for(&a, &matrix[r], &recv(r), None, &push, 132, 9).unwrap();
                 let table = tables(&plan, kernel, Some((r as u32, &matrix[r][..])));
                 (a, plan, table)
             })
@@ -609,12 +621,12 @@ mod tests {
     fn push_needs_two_hopper_ranks_and_the_sm90_kernel() {
         let a = args(100);
         let push = opts(Backend::Push, None);
-        assert!(plan_for(&a, &[50, 50], &[10, 10], None, &push, 9).is_ok());
+        assert!(plan_for(&a, &[50, 50], &[10, 10], None, &push, 132, 9).is_ok());
         // Its tiles land whole in the peer's slot: no natural layout.
-        let e = plan_for(&a, &[50, 50], &[10, 10], Some(&[0, 50]), &push, 9).unwrap_err();
+        let e = plan_for(&a, &[50, 50], &[10, 10], Some(&[0, 50]), &push, 132, 9).unwrap_err();
         assert!(e.to_string().contains("recv_phases"), "{e}");
         let nccl = opts(Backend::Nccl, None);
-        let (_, plan) = plan_for(&a, &[50, 50], &[10, 10], Some(&[0, 50]), &nccl, 9).unwrap();
+        let (_, plan) = plan_for(&a, &[50, 50], &[10, 10], Some(&[0, 50]), &nccl, 132, 9).unwrap();
         assert_eq!(
             (plan.send_phases.clone(), plan.send_buffer_rows),
             (vec![0, 50], 128)
@@ -624,8 +636,16 @@ mod tests {
             (&[50, 50], &[10, 10], 8, None),
             (&[50, 50], &[10, 10], 9, Some(GemmKernel::Sm80)),
         ] {
-            let e =
-                plan_for(&a, sends, recvs, None, &opts(Backend::Push, kernel), major).unwrap_err();
+            let e = plan_for(
+                &a,
+                sends,
+                recvs,
+                None,
+                &opts(Backend::Push, kernel),
+                132,
+                major,
+            )
+            .unwrap_err();
             assert!(e.to_string().contains("backend: 'push'"), "{e}");
         }
         let e = plan_for(
@@ -634,6 +654,7 @@ mod tests {
             &[10, 10],
             None,
             &opts(Backend::Peer, None),
+            132,
             9,
         )
         .unwrap_err();
