@@ -361,6 +361,21 @@ def test_bundled_gemm_profiles_load_for_their_gpu(gpu):
     assert _core.profile_counts()[1] == len(data["gemm"])
 
 
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_bundled_two_gpu_curves_for_their_gpu(gpu):
+    """Each GPU with a bundled 2-GPU profile has every curve the planner reads at world 2: NCCL's
+    three collectives overlapped (capped at the reserved SMs' 24 CTAs) and alone, and the copy
+    engines' AllReduce and ReduceScatter with sums on 4 and 8 CTAs."""
+    name = profiles.file_name(profiles.make_key(gpu, SMS, 2, "2.28.9", "bfloat16"))
+    data = profiles.read(profiles.bundled_dir() / name)
+    assert data is not None and data["meta"]["complete"], name
+    nccl = {(c["collective"], c["overlapped"]) for c in data["collectives"] if profiles.backend_of(c) == "nccl"}
+    assert nccl == {(c, o) for c in ("all_reduce", "reduce_scatter", "all_to_all") for o in (True, False)}
+    assert all(c["max_ctas"] == 24 for c in data["collectives"] if profiles.backend_of(c) == "nccl" and c["overlapped"])
+    ce = sorted((c["collective"], c["ctas"]) for c in data["collectives"] if profiles.backend_of(c) == "copy_engine")
+    assert ce == [("all_reduce", 4), ("all_reduce", 8), ("reduce_scatter", 4), ("reduce_scatter", 8)]
+
+
 def _widths(n128_us, n256_us, mode="overlap", shape=(4096, 8192, 3584), **kw):
     """The tile width the planner takes for `shape` at world 2 (NCCL's 108 CTAs) once the profile
     times each width there (None: not timed)."""
