@@ -595,3 +595,29 @@ def test_copy_engine_all_reduce_mode_changes_the_two_rank_model() -> None:
     assert auto[0] == full[0] and gather[0] != auto[0]  # 2 ranks: auto is the one exchange
     # 4 ranks: auto gathers; one exchange would move twice the bytes, so it is predicted slower.
     assert auto[1] == gather[1] and full[1] > auto[1]
+
+
+def test_auto_takes_push_only_where_it_can_run() -> None:
+    """"push" joins auto's candidates for GEMM + AllReduce and ReduceScatter on 2 Hopper ranks of
+    one node (not the All-to-All, the fused norm, the sm80 kernel, other world sizes or GPUs)."""
+    from flashoverlap.planning import auto_backends
+
+    assert auto_backends("gemm_all_reduce", 2) == ["nccl", "copy_engine", "push"]
+    assert auto_backends("gemm_reduce_scatter", 2, kernel="sm90_n128") == ["nccl", "copy_engine", "push"]
+    for op, kw in (("gemm_all_to_all", {}), ("gemm_all_reduce", {"fused_norm": True}),
+                   ("gemm_all_reduce", {"kernel": "sm80"}), ("gemm_all_reduce", {"major": 8})):
+        assert auto_backends(op, 2, **kw) == ["nccl", "copy_engine"], (op, kw)
+    assert auto_backends("gemm_all_reduce", 4) == ["nccl", "copy_engine"]
+    assert auto_backends("gemm_all_reduce", 2, one_node=False) == ["nccl"]
+    assert auto_backends("gemm_all_reduce", 16) == ["nccl"]
+    assert auto_backends("gemm_reduce_scatter", 2, nccl=False) == ["copy_engine", "push"]
+
+
+@pytest.mark.parametrize("m,k", [(16384, 1024), (8192, 4096), (2048, 14336)])
+def test_auto_reduce_scatter_plan_is_the_fastest_named_backend(m: int, k: int) -> None:
+    """plan_gemm_reduce_scatter(backend="auto") on 2 Hopper GPUs predicts the least of NCCL, the
+    copy engines and push (test_profiles checks the same of GEMM + AllReduce)."""
+    from flashoverlap import plan_gemm_reduce_scatter
+
+    rs = {b: plan_gemm_reduce_scatter(m, 8192, k, 2, backend=b)["predicted_us"] for b in ("nccl", "copy_engine", "push")}
+    assert plan_gemm_reduce_scatter(m, 8192, k, 2, backend="auto")["predicted_us"] == pytest.approx(min(rs.values()))

@@ -42,7 +42,8 @@ def reserved_sms() -> int | None:
 
 def backend() -> str:
     """FLASHOVERLAP_BACKEND: what moves the bytes of the overlapped collectives when an op is not
-    told: "auto" (default: per shape, whichever the predictor times faster; NCCL alone off one
+    told: "auto" (default: per shape, whichever the predictor times fastest among NCCL, the copy
+    engines and, for GEMM + AllReduce / ReduceScatter on 2 Hopper ranks, push; NCCL alone off one
     node), "nccl" or "copy_engine"."""
     v = os.environ.get("FLASHOVERLAP_BACKEND", "").strip().lower() or "auto"
     if v not in BACKENDS:

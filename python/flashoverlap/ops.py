@@ -17,6 +17,7 @@ from . import _core, _env, _nvrtc
 from ._validation import (check_device, check_eps, check_gemm_operands, check_groups, check_split_matrix,
                           check_splits, check_tensor, dtype_name)
 from .communicator import Communicator, GroupLike, resolve_group, communicator_by_name, get_communicator
+from .planning import PUSH_AUTO_OPS, auto_backends
 
 _MODES = ("auto", "overlap", "sequential")
 
@@ -69,10 +70,17 @@ def _gemm_fake(x: torch.Tensor, weight: torch.Tensor, kernel: Optional[str] = No
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _allowed_backends(comm: Communicator) -> list[str]:
-    """The backends a communicator can run: NCCL where it has NCCL, the copy engines where every
-    rank is on one node."""
-    return [b for b, ok in (("nccl", comm.nccl), ("copy_engine", comm.one_node)) if ok]
+def _allowed_backends(comm: Communicator, op: Optional[str] = None, options: Optional[tuple] = None) -> list[str]:
+    """The backends "auto" may run on a communicator: NCCL where it has NCCL, the copy engines where
+    every rank is on one node, and for `op` (with its options tuple) push where
+    planning.auto_backends allows it."""
+    kernel, fused_norm = None, False
+    if options is not None and op in PUSH_AUTO_OPS:
+        kernel = options[4]
+        fused_norm = op == "gemm_all_reduce" and bool(options[8])
+    major = torch.cuda.get_device_capability(comm.device)[0] if op in PUSH_AUTO_OPS else 0
+    return auto_backends(op or "", comm.world_size, one_node=comm.one_node, nccl=comm.nccl, major=major,
+                         kernel=kernel, fused_norm=fused_norm)
 
 
 def _resolve_backend(comm: Communicator, backend: Optional[str]) -> str:
@@ -109,7 +117,7 @@ def _auto_backend(comm: Communicator, op: str, m: int, n: int, k: int, dtype: st
     if hit is None:
         props = torch.cuda.get_device_properties(comm.device)
         hit = _core.choose_backend(op, m, n, k, comm.world_size, dtype, props.multi_processor_count, props.major,
-                                   options, _allowed_backends(comm), matrix)
+                                   options, _allowed_backends(comm, op, options), matrix)
     _BACKEND_CHOICES[key] = hit
     while len(_BACKEND_CHOICES) > 256:
         _BACKEND_CHOICES.popitem(last=False)
@@ -615,10 +623,10 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
       engines, and a sum on the few SMs the GEMM leaves free; every rank on one node), "nccl"
       (ncclAllReduce), "push" (2 ranks of one node, Hopper: the GEMM's epilogue stores every tile
       into the other rank's memory too, over NVLink while it computes, and each group is summed
-      on the 4-16 SMs the GEMM leaves free as both ranks' tiles land: no copy engine, no NCCL;
-      by argument only, "auto" does not pick it yet: its 2-GPU timings are not in the model), or
-      "auto" (per shape, whichever the predictor times faster; NCCL alone off
-      one node; :func:`backend_of` says which); default:
+      on the 4-16 SMs the GEMM leaves free as both ranks' tiles land: no copy engine, no NCCL),
+      or "auto" (per shape, whichever of :func:`flashoverlap.planning.auto_backends` the
+      predictor times fastest: NCCL, the copy engines on one node, push on 2 Hopper ranks; NCCL
+      alone off one node; :func:`backend_of` says which); default:
       FLASHOVERLAP_BACKEND, else "auto". The first call of a larger output with the copy engines
       grows the peer buffers, collectively. Where the plan falls back to running the GEMM then
       the AllReduce, the AllReduce is the group's own (NCCL) whatever the backend.
@@ -747,9 +755,9 @@ def gemm_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: tor
     with that rank's residual and norm_weight, so "peer" needs both the same on every rank (as
     tensor parallelism has them); the other backends use each rank's own. Its buffers hold three [M, N] areas per rank (made
     and grown collectively, outside CUDA graph capture, and kept until
-    :func:`destroy_peer_groups`); "auto" never picks it yet (its timings on two GPUs are still
-    unmeasured). "push" (2 ranks, Hopper) runs as for :func:`gemm_all_reduce`, each group's norm
-    after its sum. Returns (out, residual_out)."""
+    :func:`destroy_peer_groups`); "auto" never picks it. "push" (2 ranks, Hopper) runs as for
+    :func:`gemm_all_reduce`, each group's norm after its sum, when asked for ("auto" here chooses
+    between NCCL and the copy engines). Returns (out, residual_out)."""
     # Every argument is checked before the communicator is looked up (or created, collectively).
     check_gemm_operands(x, weight, devices=False)
     _check_norm_operands(x, weight, residual, norm_weight, eps)

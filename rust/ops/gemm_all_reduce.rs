@@ -194,11 +194,13 @@ fn hardware_for(
             overlap_comm,
             overlap_fixed_us,
             overlap_group_us: match (backend, kind) {
+                (Backend::Push, CollectiveKind::AllReduce) if fused_norm => PUSH_NORM_GROUP_US,
+                (Backend::Push, CollectiveKind::AllReduce) => PUSH_ALL_REDUCE_GROUP_US,
+                (Backend::Push, CollectiveKind::ReduceScatter) => PUSH_REDUCE_SCATTER_GROUP_US,
+                (Backend::Push, CollectiveKind::AllToAll) => COPY_ENGINE_ALL_TO_ALL_GROUP_US,
                 (Backend::CopyEngine, CollectiveKind::AllToAll) => COPY_ENGINE_ALL_TO_ALL_GROUP_US,
                 (Backend::Nccl, CollectiveKind::AllToAll) if world > 1 => NCCL_ALL_TO_ALL_GROUP_US,
-                (Backend::CopyEngine | Backend::Push, CollectiveKind::AllReduce)
-                    if world > 1 && !fused_norm =>
-                {
+                (Backend::CopyEngine, CollectiveKind::AllReduce) if world > 1 && !fused_norm => {
                     COPY_ENGINE_ALL_REDUCE_GROUP_US
                 }
                 (Backend::Nccl, CollectiveKind::AllReduce | CollectiveKind::ReduceScatter)
@@ -281,11 +283,22 @@ fn peer_gbps(reserved: u32) -> f64 {
     (20.0 * f64::from(reserved.max(1))).min(360.0)
 }
 
-/// The push backend's constants, NOT measured on two GPUs yet (estimates
-/// until `run_two_gpu.sh ar` times it): per group two stream waits and the
-/// sum's launch, per call the wait for the peer's free flag and the join.
+/// The push backend's costs beyond its sums' rate, fitted to every
+/// partition E2 measured on 2x H100 (`e2_predictive_search_push_h100x2.csv`,
+/// 309 partitions of 32 cases; `evaluation/e2_replay.py` replays them): per
+/// call 35 us (the wait for the peer's free flag, the join, and what the
+/// GEMM loses storing half its tiles over NVLink), per group the latency of
+/// two stream waits and the sum's launch plus what each group adds beyond
+/// it: 11 us for an AllReduce, 9 for a ReduceScatter, 7 with the fused norm
+/// (whose own launch is modelled apart), 20 for an All-to-All's landing
+/// copies (as the copy engines'). The first estimates (10 us per call,
+/// nothing per group) were 9-18% optimistic; these give 3.6% (AllReduce
+/// 2.8%, ReduceScatter 3.1%, norm 4.7%) and 6.1% for the All-to-All.
 const PUSH_GROUP_LATENCY_US: f64 = 6.0;
-const PUSH_FIXED_US: f64 = 10.0;
+const PUSH_FIXED_US: f64 = 35.0;
+const PUSH_ALL_REDUCE_GROUP_US: f64 = 11.0;
+const PUSH_REDUCE_SCATTER_GROUP_US: f64 = 9.0;
+const PUSH_NORM_GROUP_US: f64 = 7.0;
 
 /// The push backend's rate on H200 in GB/s of bus traffic (on 2 ranks: an
 /// AllReduce's group bytes, half a ReduceScatter's): its bytes cross NVLink
