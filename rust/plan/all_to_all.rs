@@ -680,12 +680,12 @@ mod tests {
             // Slot row -> (x row of the sender, times written).
             let mut slot = vec![(0u64, 0u32); end as usize];
             let mut pushed = vec![0u32; groups as usize];
-            for p in 0..rows.len() {
-                let row = rows[p] as i32;
+            for (p, &stored) in rows.iter().enumerate() {
+                let row = stored as i32;
                 let g = plan.tile_group[p] as usize;
                 let e = plan.groups[g].exchanges[peer];
                 if row >= 0 {
-                    prop_assert_eq!(rows[p], plan.store_rows[p]);
+                    prop_assert_eq!(stored, plan.store_rows[p]);
                     continue;
                 }
                 pushed[g] += 1;
