@@ -26,17 +26,19 @@
 #   a2a16  bench_gemm_a2a.py with FLASHOVERLAP_NCCL_MAX_CTAS=16 (NCCL rounds P2P channels up to a power of two: 24 -> 32 CTAs, more than the 24 SMs the GEMM leaves; suspected of forced A2A groups costing ~45 us each) [36]
 #   argather  bench_gemm_ar.py with FLASHOVERLAP_CE_ALLREDUCE=gather (the copy engines' AllReduce as ReduceScatter + AllGather on 2 ranks) [40]
 #   collgather  bench_collectives.py with the same                [32]
-#   weave  bench_weave.py: 2 decoder layers woven over two token halves vs NCCL / fused, 1K-16K tokens [not yet run]
+#   weave  bench_weave.py: 2 decoder layers woven over two token halves vs NCCL / fused, 1K-16K tokens [~60 on 2x H100 at 3 token counts]
 # Each part writes OUTDIR/<part>.log (its output) and its result files
 # under OUTDIR, and prints one line: part, exit code, seconds (and a warning
 # where a GPU's clock slowdown is active when the part ends). NVLink
 # multicast stays off in everything started here.
-# The 2x H200 curves ship in the package (NCCL 2.28.9): `tune` is needed
-# only under another NCCL version. With ~30 minutes of 2-GPU time (a machine
-# start takes a few): ar rs a2a arn norm coll first in one call, then e2 e2ce
-# e1 a2a16 argather collgather normcfg arns4 weave, then tests2 (the 2-GPU tests: ~250 s on 2x H100;
-# testsa / testsb, the whole suite, only where a one-GPU machine cannot run the rest). The push backend
-# (timed on 2 GPUs only in ar, on 2x H100) is timed inside ar, rs, a2a, arn and e1; e2push checks its model.
+# The 2x H200 and 2x H100 curves ship in the package (NCCL 2.28.9): `tune` is
+# needed only under another NCCL version or GPU. With ~30 minutes of 2-GPU time
+# (a machine start takes a few): ar rs a2a arn norm coll first in one call, then
+# e2 e2ce e2push e1 weave, then tests2 (the 2-GPU tests: ~220 s on 2x H100;
+# testsa / testsb, the whole suite, only where a one-GPU machine cannot run the
+# rest); a2a16 argather collgather normcfg arns4 where time is left. The push
+# backend (in auto for ar and rs since 72870cd; its constants fitted on 2x H100)
+# has no 2x H200 timing yet: ar, rs, a2a, arn, e1 and e2push give it one.
 # After `e2` (and `tune`), the predictor can be refitted on any machine:
 #   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
 # (the profile `tune` wrote in $FLASHOVERLAP_CACHE_DIR/profiles-v1/ to replay with it).
