@@ -513,6 +513,47 @@ def slowdown_warning(gpus: Optional[Sequence[dict]]) -> Optional[str]:
             + "; ".join(hit)) if hit else None
 
 
+# A Hopper GPU runs a bf16 8192^3 matmul at 700-780 TFLOP/s (H100 and H200 on the device
+# machines); below this floor its clocks are cut and no timing taken on it means anything.
+HOPPER_MATMUL_FLOOR_TFLOPS = 400.0
+
+
+def matmul_tflops(device: int, n: int = 8192, iters: int = 20) -> float:
+    """cuBLAS's bf16 n^3 matmul rate on one GPU (median of `iters` CUDA-event timings after
+    warm-up): a ten-second check that the GPU runs at its clocks before a benchmark spends minutes."""
+    with torch.cuda.device(device):
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn_like(a)
+        for _ in range(5):
+            a @ b
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(iters):
+            start.record()
+            a @ b
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    return 2 * n**3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def speed_warning(rates: Sequence[tuple[str, float]], floor: float = HOPPER_MATMUL_FLOOR_TFLOPS) -> Optional[str]:
+    """One line naming every Hopper GPU ((name, TFLOP/s) from matmul_tflops) below `floor`
+    (None: none; GPUs of other models are not judged, their rates unknown here)."""
+    slow = [f"GPU {i} ({name}) {tflops:.0f} TFLOP/s" for i, (name, tflops) in enumerate(rates)
+            if ("H100" in name or "H200" in name) and tflops < floor]
+    return (f"WARNING: bf16 matmul below {floor:.0f} TFLOP/s, the clocks are cut: " + "; ".join(slow)) if slow else None
+
+
+def check_gpus() -> Optional[str]:
+    """Prints each visible GPU's matmul rate and returns speed_warning's line, or
+    slowdown_warning's where nvidia-smi reports a slowdown the rate did not show."""
+    rates = [(torch.cuda.get_device_name(d), matmul_tflops(d)) for d in range(torch.cuda.device_count())]
+    for d, (name, tflops) in enumerate(rates):
+        print(f"GPU {d} {name}: bf16 8192^3 matmul {tflops:.0f} TFLOP/s", flush=True)
+    return speed_warning(rates) or slowdown_warning(gpu_state())
+
+
 def environment(world: int) -> dict:
     import flashoverlap
     from flashoverlap import _core
