@@ -57,6 +57,12 @@ impl Options {
             Backend::CopyEngine | Backend::Peer | Backend::Push => 0,
         })
     }
+
+    /// The CTAs the GEMM runs on a device of `sms` SMs: what the plan's
+    /// raster blocks, the launch and the predictor all count with.
+    fn ctas(&self, sms: u32) -> u32 {
+        sms.saturating_sub(self.reserved()).max(1)
+    }
 }
 
 /// The plan of a call: its kernel, and the exchanges of every group.
@@ -106,7 +112,7 @@ pub fn plan_for(
         opts.groups,
         layout,
     )?;
-    let ctas = sms.saturating_sub(opts.reserved()).max(1);
+    let ctas = opts.ctas(sms);
     let bands = match u32::try_from(plan.send_buffer_rows) {
         Ok(rows) if rows > 0 => default_raster_bands(
             &OutputTiles::new(rows, args.n, gemm::tile_shape(kernel))?,
@@ -174,7 +180,7 @@ pub fn choose_groups(
         ))
     })?;
     let reserved = opts.reserved();
-    let ctas = sms.saturating_sub(reserved).max(1);
+    let ctas = opts.ctas(sms);
     let kernel = opts
         .kernel
         .unwrap_or_else(|| GemmKernel::default_for(major));
@@ -308,7 +314,7 @@ pub fn gemm_all_to_all(
         tile_count: positions as u32,
         ..Signals::default()
     };
-    let ctas = comm.device.sms.saturating_sub(opts.reserved()).max(1);
+    let ctas = opts.ctas(comm.device.sms);
     // No position: this rank computes no row (it may still receive some).
     let prepare = |signals: &Signals| {
         (positions > 0)
