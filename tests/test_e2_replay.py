@@ -40,29 +40,38 @@ def test_the_cli_prints_both_summaries(capsys) -> None:
     assert "recorded: mean |error|" in out and "replayed: mean |error|" in out
 
 
-@pytest.mark.parametrize("name,bound,pick_mean,pick_min", [("e2_predictive_search_h200x2", 0.05, 0.99, 0.95),
-                                                            ("e2_predictive_search_ce_h200x2", 0.05, 0.99, 0.93)])
+@pytest.mark.parametrize("name,bound,pick_mean,pick_min", [
+    ("e2_predictive_search_h200x2_20261124", 0.05, 0.99, 0.95),
+    ("e2_predictive_search_ce_h200x2_20261124", 0.05, 0.99, 0.93),
+    ("e2_predictive_search_h200x2", 0.045, 0.99, 0.95),
+    ("e2_predictive_search_ce_h200x2", 0.05, 0.985, 0.93)])
 def test_predictions_match_the_committed_two_gpu_measurements(name: str, bound: float, pick_mean: float,
                                                               pick_min: float) -> None:
-    # The 2x H200 runs of 2026-11-24 (after the refit to the 2026-11-23 runs) on NCCL and on the
-    # copy engines, with the bundled 2-GPU curves, AllReduce, ReduceScatter and AllReduce + RMSNorm:
-    # NCCL replays at 4.74%, picks 0.992 of the best on average and 0.950 at worst (issue 5's E2
-    # bars: 5%, 0.99, 0.95); copy engines 4.80%, 0.991 and 0.935. The bounds keep a model change
-    # from undoing that.
+    # Two 2x H200 runs on NCCL and on the copy engines, with the bundled 2-GPU curves, AllReduce,
+    # ReduceScatter and AllReduce + RMSNorm: 2026-11-24 (after the refit to the 2026-11-23 runs) and
+    # 2026-11-26 (after the A2A raster fix and push in auto). With NCCL_GROUP_US at 6 us: NCCL
+    # replays at 4.5% / 4.2%, picking 0.992 / 0.993 of the best on average and 0.950 / 0.962 at
+    # worst (issue 5's E2 bars: 5%, 0.99, 0.95); copy engines 4.8% / 4.7%, 0.991 / 0.989 and
+    # 0.935 / 0.933. The bounds keep a model change from undoing that.
     result = replay.replay(str(replay.os.path.join(replay.HERE, "results", f"{name}.csv")))
     s = replay.summary(result["cases"], 0)
     assert len(result["cases"]) >= 20, result["skipped"]
     assert s["mean"] <= bound and s["pick_mean"] >= pick_mean and s["pick_min"] >= pick_min, s
 
 
-@pytest.mark.parametrize("name,bound,pick_mean,pick_min", [("e2_predictive_search_h200x2", 0.06, 0.99, 0.95),
-                                                            ("e2_predictive_search_ce_h200x2", 0.09, 0.98, 0.92)])
+@pytest.mark.parametrize("name,bound,pick_mean,pick_min", [
+    ("e2_predictive_search_h200x2_20261124", 0.06, 0.99, 0.95),
+    ("e2_predictive_search_ce_h200x2_20261124", 0.09, 0.98, 0.92),
+    ("e2_predictive_search_h200x2", 0.075, 0.99, 0.945),
+    ("e2_predictive_search_ce_h200x2", 0.125, 0.965, 0.89)])
 def test_all_to_all_predictions_match_the_committed_two_gpu_measurements(name: str, bound: float, pick_mean: float,
                                                                           pick_min: float) -> None:
-    # GEMM + All-to-All, 8 shapes x 8 group counts each (2x H200, 2026-11-24). NCCL: recorded 5.2%,
+    # GEMM + All-to-All, 8 shapes x 8 group counts each (2x H200). 2026-11-24, NCCL: recorded 5.2%,
     # the predicted-best measured count at 0.982 / 0.913 of the best (the wave-aligned counts 11 and
     # 43 ran 13-20% slower than predicted); with NCCL_ALL_TO_ALL_GROUP_US (5 us a group) 5.8% and
-    # 0.993 / 0.960. Copy engines (20 us a group): 7.8%, 0.986 / 0.928.
+    # 0.993 / 0.960. Copy engines (20 us a group): 7.8%, 0.986 / 0.928. 2026-11-26 (groups rastered
+    # since f7afbcb): NCCL 7.1%, 0.992 / 0.949; copy engines 12.1%, 0.968 / 0.898 (the model now
+    # pessimistic: the rastered groups run faster than it says; not refitted yet).
     cases = replay.replay_all_to_all(str(replay.os.path.join(replay.HERE, "results", f"{name}.csv")))
     assert len(cases) == 8 and all(len(c["rows"]) == 8 for c in cases.values())
     s = replay.summary_all_to_all(cases)

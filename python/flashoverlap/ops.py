@@ -74,13 +74,13 @@ def _allowed_backends(comm: Communicator, op: Optional[str] = None, options: Opt
     """The backends "auto" may run on a communicator: NCCL where it has NCCL, the copy engines where
     every rank is on one node, and for `op` (with its options tuple) push where
     planning.auto_backends allows it."""
-    kernel, fused_norm = None, False
+    kernel = None
     if options is not None and op in PUSH_AUTO_OPS:
-        kernel = options[4]
-        fused_norm = op == "gemm_all_reduce" and bool(options[8])
+        # The options tuples of _auto_backend's callers: the All-to-All's is (groups, reserved, kernel, backend).
+        kernel = options[2] if op == "gemm_all_to_all" else options[4]
     major = torch.cuda.get_device_capability(comm.device)[0] if op in PUSH_AUTO_OPS else 0
     return auto_backends(op or "", comm.world_size, one_node=comm.one_node, nccl=comm.nccl, major=major,
-                         kernel=kernel, fused_norm=fused_norm)
+                         kernel=kernel)
 
 
 def _resolve_backend(comm: Communicator, backend: Optional[str]) -> str:
@@ -756,8 +756,8 @@ def gemm_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: tor
     tensor parallelism has them); the other backends use each rank's own. Its buffers hold three [M, N] areas per rank (made
     and grown collectively, outside CUDA graph capture, and kept until
     :func:`destroy_peer_groups`); "auto" never picks it. "push" (2 ranks, Hopper) runs as for
-    :func:`gemm_all_reduce`, each group's norm after its sum, when asked for ("auto" here chooses
-    between NCCL and the copy engines). Returns (out, residual_out)."""
+    :func:`gemm_all_reduce`, each group's norm after its sum; "auto" chooses among NCCL, the copy
+    engines and push as for :func:`gemm_all_reduce`. Returns (out, residual_out)."""
     # Every argument is checked before the communicator is looked up (or created, collectively).
     check_gemm_operands(x, weight, devices=False)
     _check_norm_operands(x, weight, residual, norm_weight, eps)
@@ -796,9 +796,9 @@ def gemm_all_to_all(x: torch.Tensor, weight: torch.Tensor, input_split_sizes, ou
       from which every rank sizes the slots alike), "nccl" (send/receive per peer), "push" (2 ranks
       of one node, Hopper, needs split_matrix: the GEMM's epilogue stores the tiles of the other
       rank's rows straight into its staging slot, over NVLink while it computes, and each rank
-      copies what landed into its output; by argument only, not yet timed on 2 GPUs), or "auto"
-      (default, FLASHOVERLAP_BACKEND: with split_matrix and every rank on one node, whichever of
-      NCCL and the copy engines the predictor times faster for the routing; else NCCL). Without NCCL (a communicator made with nccl=False) and
+      copies what landed into its output), or "auto" (default, FLASHOVERLAP_BACKEND: with
+      split_matrix and every rank on one node, whichever of NCCL, the copy engines and, on 2
+      Hopper ranks, push the predictor times fastest for the routing; else NCCL). Without NCCL (a communicator made with nccl=False) and
       without split_matrix: torch.matmul then all_to_all_single.
     Splits are checked (one entry per rank, ints >= 0, input summing to T). Capturable in CUDA
     graphs once the op has run with the same split sizes outside capture (its tables are made then

@@ -11,22 +11,23 @@ from ._validation import check_split_matrix, dtype_name
 from .communicator import MAX_PEER_WORLD
 
 
-# Where backend "auto" may take "push": GEMM + AllReduce and ReduceScatter on 2 Hopper ranks of one
-# node. With its costs fitted to E2 on 2x H100, replaying that machine's benchmarks picks it at
-# K = 1024, where it beat both other backends by 5-16%. Not the All-to-All (0.93x of sequential
-# on 2x H100, measured) nor the fused norm (not replayed yet): there "push" runs when asked for.
-PUSH_AUTO_OPS = ("gemm_all_reduce", "gemm_reduce_scatter")
+# Where backend "auto" may take "push": the GEMM ops on 2 Hopper ranks of one node. With its costs
+# fitted to E2 on 2x H100, replaying that machine's benchmarks picked it at K = 1024, where it beat
+# both other backends by 5-16%. On 2x H200 (2026-11-26, push asked for by name) it ran the
+# All-to-All at 1.121x of sequential against auto's 1.019x and the fused norm at 1.130x against
+# 1.066x; replaying auto's pick among the three over those runs gives the same (only the
+# GEMM-bound shapes stay on NCCL or the copy engines), so there it joined auto too.
+PUSH_AUTO_OPS = ("gemm_all_reduce", "gemm_reduce_scatter", "gemm_all_to_all")
 
 
 def auto_backends(op: str, world_size: int, *, one_node: bool = True, nccl: bool = True, major: int = 9,
-                  kernel: Optional[str] = None, fused_norm: bool = False) -> list[str]:
+                  kernel: Optional[str] = None) -> list[str]:
     """The backends "auto" chooses among for `op` by predicted time: NCCL where the communicator has
     it, the copy engines where every rank is on one node (up to MAX_PEER_WORLD GPUs), and "push"
     where PUSH_AUTO_OPS says (never with the sm80 kernel, which cannot push)."""
     one_node = one_node and world_size <= MAX_PEER_WORLD
     allowed = [b for b, ok in (("nccl", nccl), ("copy_engine", one_node)) if ok]
-    if (op in PUSH_AUTO_OPS and not fused_norm and world_size == 2 and one_node and major == 9
-            and kernel != "sm80"):
+    if op in PUSH_AUTO_OPS and world_size == 2 and one_node and major == 9 and kernel != "sm80":
         allowed.append("push")
     return allowed
 
@@ -41,8 +42,7 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
     ``sms`` multiprocessors (default: an H200). raster_bands: row bands per L2 raster block of the
     tile order inside each group (default: the planner's choice). backend: "nccl", "copy_engine",
     "push" (2 GPUs, Hopper) or "auto" (whichever of ``auto_backends`` the predictor times fastest for the
-    shape: the copy engines up to 8 GPUs, taken to be one node; push on 2 Hopper GPUs without the fused
-    norm). order: "banded"
+    shape: the copy engines up to 8 GPUs, taken to be one node; push on 2 Hopper GPUs). order: "banded"
     (groups of whole row bands, reduced in place), "swizzled" (groups of whole waves in one raster
     over the output, reduced in a staging buffer and un-reordered) or "auto" (the faster
     prediction). fused_norm: the plan of gemm_all_reduce_rmsnorm instead (a fused add + RMSNorm
@@ -66,8 +66,7 @@ def plan_gemm_all_reduce(m: int, n: int, k: int, world_size: int, *, dtype: torc
     _check_ints(m=m, n=n, k=k, world_size=world_size, sms=sms, bands_per_group=bands_per_group,
                 reserved_sms=reserved_sms, max_groups=max_groups, raster_bands=raster_bands)
     if backend == "auto":
-        allowed = auto_backends("gemm_all_reduce", world_size, major=compute_capability[0], kernel=kernel,
-                                fused_norm=fused_norm)
+        allowed = auto_backends("gemm_all_reduce", world_size, major=compute_capability[0], kernel=kernel)
         options = (mode, bands_per_group, reserved_sms, max_groups, kernel, raster_bands, "auto", order, fused_norm)
         backend = _core.choose_backend("gemm_all_reduce", m, n, k, world_size, dtype_name(dtype), sms,
                                        compute_capability[0], options, allowed)
