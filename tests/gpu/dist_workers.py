@@ -354,7 +354,7 @@ def backends_agree(rank: int, world: int, seed: int, shapes: list) -> dict:
             chosen = flashoverlap.backend_of(x, w, op=op) if m % world == 0 or op == "gemm_all_reduce" else None
             every = [None] * world
             dist.all_gather_object(every, chosen)
-            if len(set(every)) != 1 or chosen not in ("nccl", "copy_engine", None):
+            if len(set(every)) != 1 or chosen not in ("nccl", "copy_engine", "push", None):
                 failures.append(f"{m}x{n}x{k} {op}: ranks chose backends {every}")
             chosen_by.setdefault(op, []).append(chosen)
         poison((m, n), torch.bfloat16, device)
