@@ -141,8 +141,11 @@ pub const NCCL_ALL_TO_ALL_GROUP_US: f64 = 5.0;
 /// shapes ran 5-10% above the model with NCCL, and with the copy engines
 /// (HBM and power shared with the transfers). Fitted by replaying those runs
 /// (evaluation/e2_replay.py): NCCL mean error 5.4% -> 3.6%, copy engines
-/// (with copy_engine_gbps's sum rates) 6.0% -> 4.9%. One rank alone has no such traffic;
-/// the peer backend (its norm on few SMs) was not measured so and keeps 1.0.
+/// (with copy_engine_gbps's sum rates) 6.0% -> 4.9%. One rank alone has no such traffic.
+/// The peer backend's fused kernel reads the peer's partials over NVLink
+/// beside the GEMM too: with 1.0 its 2x H200 benchmark ran 1-8% above the
+/// model even after its rate was fitted (see [`peer_gbps`]), with 1.05 within
+/// about 4% either way, so it pays the same.
 pub const GEMM_BESIDE_TRAFFIC: f64 = 1.05;
 
 /// The predictor's machine: measured constants on H200 (with the rate of
@@ -218,11 +221,7 @@ fn hardware_for(
                 }
                 _ => 0.0,
             },
-            overlap_gemm_slowdown: if world > 1 && backend != Backend::Peer {
-                GEMM_BESIDE_TRAFFIC
-            } else {
-                1.0
-            },
+            overlap_gemm_slowdown: if world > 1 { GEMM_BESIDE_TRAFFIC } else { 1.0 },
             fused_norm_bytes_per_us_per_sm: if fused_norm {
                 crate::plan::predictor::H200_FUSED_NORM_PER_SM
             } else {
@@ -283,12 +282,21 @@ fn copy_engine_gbps(kind: CollectiveKind, reserved: u32, world: u32) -> f64 {
 }
 
 /// The peer backend's fused kernel on H200 in GB/s of AllReduce bus
-/// traffic, NOT yet measured on two GPUs (issue 6's CTA sweep will): each
-/// CTA is taken to move ~20 GB/s (it keeps 32 KB of NVLink loads in flight,
-/// ~1.5 us per round trip), at most the ~360 GB/s the links gave NCCL; the
-/// model's 12 us per group stands for its launch and two cross-GPU barriers.
+/// traffic on `reserved` CTAs: a rate that saturates, cap * r / (r + half).
+/// The first estimate (20 GB/s a CTA up to 360) was 5-22% optimistic on 2x
+/// H200 wherever the planner gave the kernel 8 or 16 CTAs
+/// (bench_gemm_ar_rmsnorm_h200x2_bfloat16.csv, 2026-11-26) and right at 32,
+/// where the comm-bound K = 1024 shapes put it near 310 GB/s. The shape of the
+/// curve is the stand-alone kernel's CTA sweep (bench_all_reduce_rmsnorm_h200x2:
+/// 84 / 142 / 208 / 258 GB/s at 8 / 16 / 32 / 64 CTAs, its input copy
+/// included), scaled to that 310 at 32: 129 / 212 / 310 / 406 GB/s. The 12 us
+/// per group stands for its launch and two cross-GPU barriers.
+const PEER_CAP_GBPS: f64 = 580.0;
+const PEER_HALF_CTAS: f64 = 28.0;
+
 fn peer_gbps(reserved: u32) -> f64 {
-    (20.0 * f64::from(reserved.max(1))).min(360.0)
+    let r = f64::from(reserved.max(1));
+    PEER_CAP_GBPS * r / (r + PEER_HALF_CTAS)
 }
 
 /// The push backend's costs beyond its sums' rate, fitted to every
@@ -1175,14 +1183,9 @@ mod tests {
             };
             let slowdown =
                 |world| hardware_for(&machine, kernel, kind, world).overlap_gemm_slowdown;
-            let beside = if backend == Backend::Peer {
-                1.0
-            } else {
-                GEMM_BESIDE_TRAFFIC
-            };
             assert_eq!(
                 (slowdown(1), slowdown(2), slowdown(8)),
-                (1.0, beside, beside)
+                (1.0, GEMM_BESIDE_TRAFFIC, GEMM_BESIDE_TRAFFIC)
             );
         }
     }
@@ -1201,8 +1204,14 @@ mod tests {
         };
         let (_, plan) = plan_for(&a, 2, &fused, 132, 9).unwrap();
         assert!(PEER_RESERVED_SMS.contains(&plan.request.reserved_sms));
-        // More CTAs move more, up to the links.
-        assert!(peer_gbps(8) < peer_gbps(16) && peer_gbps(132) == 360.0);
+        // More CTAs move more, each less than the one before; 32 near the
+        // ~310 GB/s measured there, never the 580 GB/s cap.
+        assert!(peer_gbps(8) < peer_gbps(16) && peer_gbps(16) < peer_gbps(32));
+        assert!(
+            peer_gbps(8) / 8.0 > peer_gbps(16) / 16.0
+                && peer_gbps(16) / 16.0 > peer_gbps(32) / 32.0
+        );
+        assert!((peer_gbps(32) - 310.0).abs() < 5.0 && peer_gbps(132) < PEER_CAP_GBPS);
     }
 
     /// Pushed, the sums may take 16 SMs where they bound the call (a short
