@@ -39,8 +39,8 @@
 # e2 e2ce e2push e1 weave, then tests2 (the 2-GPU tests: ~220 s on 2x H100;
 # testsa / testsb, the whole suite, only where a one-GPU machine cannot run the
 # rest); a2a16 argather collgather normcfg arns4 where time is left. The push
-# backend (in auto for ar and rs since 72870cd; its constants fitted on 2x H100)
-# has no 2x H200 timing yet: ar, rs, a2a, arn, e1 and e2push give it one.
+# backend (in auto for every GEMM op on 2 Hopper ranks; its constants fitted on
+# 2x H100 and 2x H200) is timed by ar, rs, a2a, arn, e1 and e2push.
 # After `e2` (and `tune`), the predictor can be refitted on any machine:
 #   python evaluation/e2_replay.py OUTDIR/e2_predictive_search_h200x2.csv
 # (the profile `tune` wrote in $FLASHOVERLAP_CACHE_DIR/profiles-v1/ to replay with it).

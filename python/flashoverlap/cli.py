@@ -45,7 +45,7 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="auto", choices=["auto", "overlap", "sequential"])
     p.add_argument("--bands-per-group", type=int, default=None)
     p.add_argument("--backend", default="nccl", choices=["nccl", "copy_engine", "push", "auto"],
-                   help="push: 2 ranks of one Hopper node, its model estimated (not yet timed on 2 GPUs)")
+                   help="push: 2 ranks of one Hopper node (its model fitted on 2x H100 and 2x H200); auto: the fastest predicted")
     p.add_argument("--order", default="auto", choices=["auto", "banded", "swizzled"])
     p.add_argument("--fused-norm", action="store_true",
                    help="the plan of gemm_all_reduce_rmsnorm (a fused add + RMSNorm after each group)")
