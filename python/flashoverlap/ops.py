@@ -668,7 +668,7 @@ def _call_backend(comm: Communicator, op: str, m: int, n: int, k: int, dtype: st
 def backend_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
                op: str = "gemm_all_reduce", mode: str = "auto", bands_per_group: Optional[int] = None,
                kernel: Optional[str] = None, backend: Optional[str] = None, order: Optional[str] = None) -> str:
-    """The backend ("nccl" or "copy_engine") that ``gemm_all_reduce`` (op="gemm_all_reduce") or
+    """The backend ("nccl", "copy_engine" or "push") that ``gemm_all_reduce`` (op="gemm_all_reduce") or
     ``gemm_reduce_scatter`` (op="gemm_reduce_scatter") runs for these arguments: "auto" is decided
     per shape by the predictor, like the op does."""
     if op not in ("gemm_all_reduce", "gemm_reduce_scatter"):
