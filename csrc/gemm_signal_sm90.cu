@@ -38,6 +38,20 @@
 // PEER_FLAG_STRIDE]) gets a system-scope release add, which the peer's
 // reduction waits for. With push_flags null, tma_peer is never touched.
 //
+// Combined stores (`ready_flags` non-null, the push ReduceScatter on 2
+// ranks): the peer pushes its partial of this rank's shard into this rank's
+// slot, which tma_recv maps, laid out like the output tma_c maps. A local
+// tile (store row >= 0) then waits until its group's ready flag reaches
+// ready_counts[group] (every pushed tile of the group landed), TMA-loads the
+// peer's partial of its rows into the epilogue buffer, and the consumers add
+// it to their fp32 accumulators before rounding: the tile leaves the SM as
+// the finished sum, with no reduction pass after the GEMM. The tile order
+// puts each group's pushed tiles well before its local ones (on both ranks),
+// so the wait is normally over before it starts; a tile waits only for tiles
+// that come earlier in the peer's order, and signals its own pushes before
+// any wait of its CTA, so the two GEMMs cannot wait on each other. A wait
+// longer than timeout_ns (0: forever) sets *timed_out and goes on.
+//
 // Compile-time constants: FO_BF16 (1: bf16, 0: fp16), FO_BN (128 or 256: the
 // tile's N; BM is 128, 64 rows per consumer warpgroup), FO_STAGES.
 #include "ptx.cuh"
@@ -86,7 +100,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                         const __grid_constant__ fo::TensorMap tma_c, int M, int N, int K, const int* __restrict__ tile_order,
                         const int* __restrict__ tile_group, unsigned* __restrict__ counters, int num_tiles,
                         int staged, const int* __restrict__ row_table,
-                        const __grid_constant__ fo::TensorMap tma_peer, unsigned* __restrict__ push_flags) {
+                        const __grid_constant__ fo::TensorMap tma_peer, unsigned* __restrict__ push_flags,
+                        const __grid_constant__ fo::TensorMap tma_recv, const unsigned* __restrict__ ready_flags,
+                        const unsigned* __restrict__ ready_counts, unsigned long long timeout_ns,
+                        unsigned* __restrict__ timed_out) {
   // Stages first (1024-byte aligned, as 128-byte swizzling requires), the
   // epilogue buffer, then the full/empty barrier pair of every stage.
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -97,6 +114,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
   auto a_stage = [&](int s) { return base + s * STAGE_BYTES; };
   auto b_stage = [&](int s) { return base + s * STAGE_BYTES + A_STAGE_BYTES; };
+  // Completes when a combined chunk's peer partial is in the epilogue buffer.
+  const unsigned recv_bar = bars + 16 * STAGES;
+  // Whether position p's tile adds the peer's partial before it is stored.
+  auto combined = [&](int p) { return ready_flags != nullptr && row_table[2 * p + 1] >= 0; };
 
   const int warpgroup = threadIdx.x / 128;
   const int tiles_n = (N + BN - 1) / BN;
@@ -107,10 +128,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fo::prefetch_tensor_map(&tma_b);
     fo::prefetch_tensor_map(&tma_c);
     if (push_flags != nullptr) fo::prefetch_tensor_map(&tma_peer);
+    if (ready_flags != nullptr) fo::prefetch_tensor_map(&tma_recv);
     for (int s = 0; s < STAGES; ++s) {
       fo::mbar_init(full(s), 1);   // the producer's arrive; TMA completes the bytes
       fo::mbar_init(empty(s), 8);  // one arrive per consumer warp
     }
+    fo::mbar_init(recv_bar, 1);
     fo::mbar_init_fence();
   }
   __syncthreads();
@@ -141,6 +164,32 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     } else if (threadIdx.x / 32 == 1) {
       // Store warp: lane 0 issues the TMA stores of each filled buffer.
       const int lane = threadIdx.x % 32;
+      int waited = -1;  // the last group whose ready flag this CTA saw complete
+      // Lane 0: loads the peer's partial of chunk ch of the (combined) tile
+      // at position p into the emptied epilogue buffer, after its group's
+      // pushes have all landed.
+      auto fetch = [&](int p, int ch) {
+        const int group = tile_group[p];
+        if (group != waited) {
+          const unsigned* flag = ready_flags + group * PEER_FLAG_STRIDE;
+          const unsigned long long start = timeout_ns ? fo::now_ns() : 0;
+          while (fo::load_acquire_sys(flag) < ready_counts[group]) {
+            if (timeout_ns && fo::now_ns() - start > timeout_ns) {
+              atomicExch(timed_out, 1u);
+              break;
+            }
+          }
+          // The peer's TMA stores, acquired here, are read by TMA next.
+          fo::fence_async_global();
+          waited = group;
+        }
+        const int tile = tile_order ? tile_order[p] : p;
+        fo::mbar_arrive_expect_tx(recv_bar, EPI_BYTES);
+        for (int box = 0; box < EPI_BOXES; ++box)
+          fo::tma_load_2d(epi + box * BOX_BYTES, &tma_recv, recv_bar, (tile % tiles_n) * BN + ch * EPI_COLS + box * 64,
+                          row_table[2 * p + 1]);
+      };
+      if (lane == 0 && blockIdx.x < num_tiles && combined(blockIdx.x)) fetch(blockIdx.x, 0);
       for (int pos = blockIdx.x; pos < num_tiles; pos += gridDim.x) {
         const int tile = tile_order ? tile_order[pos] : pos;
         const int stored = staged ? pos * BM : row_table ? row_table[2 * pos + 1] : (tile / tiles_n) * BM;
@@ -166,12 +215,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           // taker and is skipped.
           const bool last = pos + gridDim.x >= num_tiles && ch == CHUNKS - 1;
           if (!last) fo::named_arrive(BAR_EPI_FREE, EPI_THREADS);
-          if (lane == 0 && ch == CHUNKS - 1 && counters != nullptr) {
+          if (lane == 0 && ch == CHUNKS - 1 && (counters != nullptr || pushed)) {
             // The tile's outputs are in global memory before its signal.
             fo::bulk_wait_all();
             fo::fence_async_global();
-            fo::signal_add(counters + tile_group[pos], 1u);
+            if (counters != nullptr) fo::signal_add(counters + tile_group[pos], 1u);
             if (pushed) fo::signal_add_sys(push_flags + tile_group[pos] * PEER_FLAG_STRIDE, 1u);
+          }
+          // The next chunk's peer partial, into the buffer just emptied (its
+          // consumers wait for it), only after this tile's signals.
+          if (lane == 0 && !last) {
+            const int next = ch + 1 < CHUNKS ? pos : pos + gridDim.x;
+            if (combined(next)) fetch(next, ch + 1 < CHUNKS ? ch + 1 : 0);
           }
         }
       }
@@ -183,6 +238,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     int stage = 0, fills = 0;
     unsigned phase = 0;
+    unsigned recv_phase = 0;
     float acc[ACC];
     // The consumers never need the tile's coordinates: the loads and the
     // stores are addressed by the other warps.
@@ -222,9 +278,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       // 128-byte swizzle a row's 16-byte unit u sits at u ^ (row % 8), and
       // row % 8 == g here.
       const int g = lane / 4, t = lane % 4;
+      const bool combine = combined(pos);
 #pragma unroll
       for (int ch = 0; ch < CHUNKS; ++ch) {
         if (fills++ > 0) fo::named_barrier(BAR_EPI_FREE, EPI_THREADS);
+        if (combine) {
+          // The buffer holds the peer's partial, in the layout written below.
+          fo::mbar_wait(recv_bar, recv_phase);
+          recv_phase ^= 1;
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = consumer * 64 + warp * 16 + g + h * 8;
@@ -232,7 +294,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           for (int j = 0; j < EPI_COLS / 8; ++j) {
             const int a = ch * (EPI_COLS / 8) + j;
             const unsigned dst = epi + (j / 8) * BOX_BYTES + row * 128 + (((j % 8) ^ g) * 16) + 4 * t;
-            fo::st_shared_u32(dst, fo::pack2(acc[4 * a + 2 * h], acc[4 * a + 2 * h + 1]));
+            float lo = acc[4 * a + 2 * h], hi = acc[4 * a + 2 * h + 1];
+            if (combine) {
+              const unsigned peer = fo::ld_shared_u32(dst);
+              lo += fo::low(peer);
+              hi += fo::high(peer);
+            }
+            fo::st_shared_u32(dst, fo::pack2(lo, hi));
           }
         }
         fo::fence_async_shared();

@@ -83,4 +83,16 @@ __device__ __forceinline__ void signal_add_sys(unsigned* counter, unsigned v) {
   asm volatile("red.release.sys.global.add.u32 [%0], %1;\n" ::"l"(counter), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ unsigned load_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
 }  // namespace fo

@@ -1211,21 +1211,8 @@ impl PyPeerMemory {
         let _keep = driver::KeepCurrent::new();
         let local = self.live()?;
         driver::bind(self.device).map_err(to_py)?;
-        let mut word = 0u32;
-        // SAFETY: the buffer is larger than its header, whose words `index` is
-        // checked to be among; out pointer valid.
-        crate::cuda::driver::check(
-            unsafe {
-                cudarc::driver::sys::cuMemcpyDtoH_v2(
-                    (&mut word as *mut u32).cast(),
-                    local.ptr + 4 * index,
-                    4,
-                )
-            },
-            "cuMemcpyDtoH",
-        )
-        .map_err(to_py)?;
-        Ok(word)
+        // The buffer is larger than its header, whose words `index` is checked to be among.
+        crate::cuda::memory::read_u32(local.ptr + 4 * index).map_err(to_py)
     }
 
     /// Unmaps the peers' buffers and frees this one (every rank's kernels

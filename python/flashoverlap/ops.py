@@ -320,7 +320,8 @@ def _gemm_reduce_scatter_impl(x: torch.Tensor, weight: torch.Tensor, group_name:
         # GEMM stores into, both from torch's allocator on this stream: the op's last use of them
         # is ordered before whatever this stream runs after it.
         out = torch.empty((plan["out_rows"], n), dtype=x.dtype, device=x.device)
-        send = torch.empty((plan["send_rows"], n), dtype=x.dtype, device=x.device)
+        # Push sums in the GEMM's epilogue: its tiles go to out or to the peer, never to a send buffer.
+        send = out if backend == "push" else torch.empty((plan["send_rows"], n), dtype=x.dtype, device=x.device)
         schedule = _core.gemm_reduce_scatter(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(),
                                              send.data_ptr(), m, n, k, dtype, stream, options)
         if schedule == "overlap":
@@ -706,8 +707,9 @@ def gemm_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: GroupLike 
     backend: as for :func:`gemm_all_reduce`. With the copy engines each group's chunks go straight
     into their owners' staging slots and each rank sums its own on the SMs the GEMM leaves free;
     with "push" (2 Hopper ranks) the GEMM stores the tiles of the other rank's shard straight into
-    its slot (over NVLink, as it computes them) and the same sums follow; with NCCL, one
-    ncclReduceScatter per group (24 SMs left free for it)."""
+    its slot (over NVLink, as it computes them), and computes its own shard's tiles later, adding
+    what the peer pushed before storing them: no sum after the GEMM and every SM computing; with
+    NCCL, one ncclReduceScatter per group (24 SMs left free for it)."""
     comm = _checked_rs_call(x, weight, group, communicator, mode, bands_per_group, kernel, backend)
     return torch.ops.flashoverlap.gemm_reduce_scatter(x, weight, comm.name, mode, bands_per_group, kernel, backend)
 

@@ -8,6 +8,8 @@
 //!   word 8 + q                         taken[q]: rank q took back (reset) the
 //!                                      free[R] word in its buffer for its call:
 //!                                      R may hand it back (push backend)
+//!   word 16                            timed out: a GEMM's wait for pushed
+//!                                      tiles gave up (FLASHOVERLAP_PEER_TIMEOUT_S)
 //!   word 64 + g * 8 + q                ready[g][q]: rank q copied group g into
 //!                                      R's slot for q
 //!   word 64 + 8192 + g * 8 + q         gathered[g][q]: rank q copied its sum of
@@ -33,8 +35,8 @@ pub const IPC_HANDLE_BYTES: usize = 64;
 const FREE_WORDS: usize = 64;
 const FLAG_BYTES: u64 = 128 * 1024;
 const _: () = assert!(
-    2 * MAX_PEER_WORLD <= FREE_WORDS,
-    "free and taken flags share the first words"
+    2 * MAX_PEER_WORLD < FREE_WORDS,
+    "free and taken flags and the timed-out word share the first words"
 );
 const _: () = assert!(
     ((FREE_WORDS + 2 * MAX_PEER_GROUPS * MAX_PEER_WORLD) * 4) as u64 <= FLAG_BYTES,
@@ -79,6 +81,12 @@ impl PeerLayout {
     pub fn taken_flag(&self, base: u64, from: usize) -> u64 {
         debug_assert!(from < self.world);
         base + 4 * (MAX_PEER_WORLD + from) as u64
+    }
+
+    /// The word a GEMM on `base`'s rank sets when its wait for pushed tiles
+    /// timed out (never reset: the buffers are unusable after it).
+    pub fn timed_out_flag(&self, base: u64) -> u64 {
+        base + 4 * (2 * MAX_PEER_WORLD) as u64
     }
 
     /// The word rank `from` sets in `base`'s buffer once it copied group `group` there.

@@ -190,8 +190,8 @@ impl GemmKernel {
                     ("FO_STAGES", stages.to_string()),
                 ],
                 // The stages, the epilogue buffer, then a full and an empty
-                // mbarrier per stage.
-                dynamic_smem: stages * (bm + bn) * bk * 2 + SM90_EPILOGUE + stages * 16,
+                // mbarrier per stage and the combined stores' one.
+                dynamic_smem: stages * (bm + bn) * bk * 2 + SM90_EPILOGUE + stages * 16 + 8,
             },
         }
     }

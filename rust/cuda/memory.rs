@@ -45,6 +45,18 @@ impl DeviceBuffer {
     }
 }
 
+/// Reads one 32-bit word of device memory, synchronously (the bound
+/// context's device, or one mapped into it).
+pub fn read_u32(ptr: sys::CUdeviceptr) -> Result<u32> {
+    let mut word = 0u32;
+    // SAFETY: valid out pointer for 4 bytes; the caller names a device word.
+    check(
+        unsafe { sys::cuMemcpyDtoH_v2((&mut word as *mut u32).cast(), ptr, 4) },
+        "cuMemcpyDtoH",
+    )?;
+    Ok(word)
+}
+
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // SAFETY: ptr came from cuMemAlloc; an error at teardown has no one to report to.

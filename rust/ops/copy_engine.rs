@@ -612,6 +612,87 @@ pub fn enqueue_pushed<'g>(
     comm.reduce_join.order(reduces, caller)
 }
 
+/// FLASHOVERLAP_PEER_TIMEOUT_S in ns (0: unset, waits are unbounded), as
+/// the peer norm reads it (python/flashoverlap/peer_norm.py).
+pub fn peer_timeout_ns() -> Result<u64> {
+    let raw = std::env::var("FLASHOVERLAP_PEER_TIMEOUT_S").unwrap_or_default();
+    let raw = raw.trim();
+    if raw.is_empty() {
+        return Ok(0);
+    }
+    match raw.parse::<f64>() {
+        Ok(s) if s.is_finite() && s >= 0.0 => Ok(((s * 1e9) as u64).max(1)),
+        _ => Err(Error::Invalid(format!(
+            "FLASHOVERLAP_PEER_TIMEOUT_S: expected seconds, got {raw:?}"
+        ))),
+    }
+}
+
+/// The push backend's ReduceScatter with combined stores (2 ranks): the
+/// GEMM pushes the tiles of the peer's shard into the peer's slot and adds
+/// what the peer pushed into its own tiles before storing them
+/// (csrc/gemm_signal_sm90.cu), so nothing follows it but the flags'
+/// upkeep, all on the caller's stream:
+///
+/// Caller S: wait(free) set(taken at peer) GEMM (pushes, waits, sums) reset(ready) wait(taken) set(free at peer)
+///
+/// `prepare_gemm(push, push_flags, recv, ready_flags, timed_out)` makes the
+/// launch before anything is enqueued. With a bounded wait
+/// ([`peer_timeout_ns`]) a wait that timed out in an earlier call is
+/// reported here (outside graph capture).
+pub fn enqueue_combined<'g>(
+    comm: &Communicator,
+    peer: &PeerBuffers,
+    groups: usize,
+    caller: RawStream,
+    prepare_gemm: impl FnOnce(u64, u64, u64, u64, u64) -> Result<Prepared<'g>>,
+) -> Result<()> {
+    let layout = peer.layout;
+    let me = peer.rank;
+    let other = match peer.peers().collect::<Vec<_>>()[..] {
+        [p] => p,
+        _ => {
+            return Err(Error::Invalid(format!(
+                "backend: 'push' runs on exactly 2 ranks, this communicator has {}",
+                layout.world
+            )))
+        }
+    };
+    let timed_out = layout.timed_out_flag(peer.bases[me]);
+    if peer_timeout_ns()? > 0
+        && !stream::is_capturing(caller)?
+        && crate::cuda::memory::read_u32(timed_out)? != 0
+    {
+        return Err(Error::Invalid(
+            "push: a GEMM's wait for the peer's tiles timed out (FLASHOVERLAP_PEER_TIMEOUT_S); the ranks did not \
+             call the op together. The communicator's peer buffers are unusable."
+                .into(),
+        ));
+    }
+    let gemm = prepare_gemm(
+        layout.slot(peer.bases[other], other, me),
+        layout.ready_flag(peer.bases[other], 0, me),
+        layout.slot(peer.bases[me], me, other),
+        layout.ready_flag(peer.bases[me], 0, other),
+        timed_out,
+    )?;
+    let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+    let free = layout.free_flag(peer.bases[me], other);
+    stream::wait_geq(caller, free, 1)?;
+    stream::write(caller, free, 0)?;
+    stream::write(caller, layout.taken_flag(peer.bases[other], me), 1)?;
+    gemm.enqueue(caller)?;
+    // The GEMM waited for every pushed tile of every group: its ready flags
+    // are consumed.
+    for g in 0..groups {
+        stream::write(caller, layout.ready_flag(peer.bases[me], g, other), 0)?;
+    }
+    let taken = layout.taken_flag(peer.bases[me], other);
+    stream::wait_geq(caller, taken, 1)?;
+    stream::write(caller, taken, 0)?;
+    stream::write(caller, layout.free_flag(peer.bases[other], me), 1)
+}
+
 /// Enqueues an overlapped op's GEMM (`prepare_gemm(signals)`, None where
 /// this rank computes no tile) and its groups on one node: moved by the copy
 /// engines ([`enqueue`]), or with `pushed = Some(push_rows)` by the GEMM

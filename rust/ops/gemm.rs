@@ -85,6 +85,17 @@ pub struct Signals {
     /// With a row table: rows of the peer's slot (the tiles whose store row
     /// r is negative go to its row -r - 1 and not to `store`); 0 otherwise.
     pub push_rows: u32,
+    /// Combined stores (with a row table and a push): the tiles stored
+    /// locally first add the peer's partial of their rows from `recv` (this
+    /// rank's slot, laid out like `store`), once group g's ready flag
+    /// (`ready_flags` + g * PEER_FLAG_STRIDE words) reaches `ready_counts[g]`
+    /// (u32 per group). A wait longer than `timeout_ns` (0: none) sets the
+    /// word at `timed_out` and goes on. 0: no combining.
+    pub recv: u64,
+    pub ready_flags: u64,
+    pub ready_counts: u64,
+    pub timeout_ns: u64,
+    pub timed_out: u64,
 }
 
 /// Words between two groups' ready flags in a peer buffer, as the sm_90
@@ -187,6 +198,11 @@ enum Operands {
         out: sys::CUtensorMap,
         peer: sys::CUtensorMap,
         push_flags: u64,
+        recv: sys::CUtensorMap,
+        ready_flags: u64,
+        ready_counts: u64,
+        timeout_ns: u64,
+        timed_out: u64,
     },
 }
 
@@ -228,6 +244,11 @@ impl Prepared<'_> {
                 out,
                 peer,
                 push_flags,
+                recv,
+                ready_flags,
+                ready_counts,
+                timeout_ns,
+                timed_out,
             } => {
                 // The sm_90 kernel takes the store map in place of C's pointer.
                 let mut p: Vec<*mut c_void> = vec![
@@ -238,6 +259,11 @@ impl Prepared<'_> {
                 p.extend(&tail[1..]);
                 p.push((peer as *mut sys::CUtensorMap).cast());
                 p.push((push_flags as *mut u64).cast());
+                p.push((recv as *mut sys::CUtensorMap).cast());
+                p.push((ready_flags as *mut u64).cast());
+                p.push((ready_counts as *mut u64).cast());
+                p.push((timeout_ns as *mut u64).cast());
+                p.push((timed_out as *mut u64).cast());
                 p
             }
         };
@@ -267,12 +293,25 @@ pub fn prepare<'a>(
         }
         args.tiles(gemm.which)
     };
+    let combined = signals.recv != 0;
     if (signals.push != 0) != (signals.push_flags != 0)
-        || (signals.push != 0 && signals.counters == 0)
+        || (signals.push != 0 && signals.counters == 0 && !combined)
         || (signals.push != 0 && signals.row_table != 0 && signals.push_rows == 0)
     {
         return Err(Error::Invalid(
             "internal: a pushed launch needs its slot, its flags and the group counters".into(),
+        ));
+    }
+    if combined
+        && (signals.push == 0
+            || signals.row_table == 0
+            || signals.ready_flags == 0
+            || signals.ready_counts == 0
+            || signals.timed_out == 0)
+    {
+        return Err(Error::Invalid(
+            "internal: combined stores need a push, a row table, the ready flags and their counts"
+                .into(),
         ));
     }
     let tail = Tail {
@@ -327,6 +366,12 @@ pub fn prepare<'a>(
                     )?,
                 },
                 push_flags: signals.push_flags,
+                // Read only when combining; any valid map otherwise.
+                recv: store_map(if combined { signals.recv } else { c })?,
+                ready_flags: signals.ready_flags,
+                ready_counts: signals.ready_counts,
+                timeout_ns: signals.timeout_ns,
+                timed_out: signals.timed_out,
             }
         }
     };

@@ -195,6 +195,12 @@ fn hardware_for(
                 40.0,
             ),
             Backend::Peer => (CollectiveModel::analytic(12.0, peer_gbps(reserved)), 0.0),
+            // A ReduceScatter sums in the GEMM's epilogue: what its groups
+            // wait for is the links.
+            Backend::Push if kind == CollectiveKind::ReduceScatter => (
+                CollectiveModel::analytic(PUSH_GROUP_LATENCY_US, PUSH_LINK_GBPS),
+                PUSH_COMBINED_FIXED_US,
+            ),
             Backend::Push => (
                 CollectiveModel::analytic(PUSH_GROUP_LATENCY_US, push_gbps(kind, reserved)),
                 PUSH_FIXED_US,
@@ -207,7 +213,7 @@ fn hardware_for(
             overlap_group_us: match (backend, kind) {
                 (Backend::Push, CollectiveKind::AllReduce) if fused_norm => PUSH_NORM_GROUP_US,
                 (Backend::Push, CollectiveKind::AllReduce) => PUSH_ALL_REDUCE_GROUP_US,
-                (Backend::Push, CollectiveKind::ReduceScatter) => PUSH_REDUCE_SCATTER_GROUP_US,
+                (Backend::Push, CollectiveKind::ReduceScatter) => PUSH_COMBINED_GROUP_US,
                 (Backend::Push, CollectiveKind::AllToAll) => COPY_ENGINE_ALL_TO_ALL_GROUP_US,
                 (Backend::CopyEngine, CollectiveKind::AllToAll) => COPY_ENGINE_ALL_TO_ALL_GROUP_US,
                 (Backend::Nccl, CollectiveKind::AllToAll) if world > 1 => NCCL_ALL_TO_ALL_GROUP_US,
@@ -319,8 +325,12 @@ fn peer_gbps(reserved: u32) -> f64 {
 const PUSH_GROUP_LATENCY_US: f64 = 6.0;
 const PUSH_FIXED_US: f64 = 25.0;
 const PUSH_ALL_REDUCE_GROUP_US: f64 = 11.0;
-const PUSH_REDUCE_SCATTER_GROUP_US: f64 = 9.0;
 const PUSH_NORM_GROUP_US: f64 = 7.0;
+/// The ReduceScatter with combined stores (sums in the GEMM's epilogue):
+/// per call the grant handshake and the flags' resets on the caller's
+/// stream, per group one reset (estimates, not yet fitted).
+const PUSH_COMBINED_FIXED_US: f64 = 10.0;
+const PUSH_COMBINED_GROUP_US: f64 = 1.0;
 
 /// The push backend's rate on H200 in GB/s of bus traffic (on 2 ranks: an
 /// AllReduce's group bytes, half a ReduceScatter's): its bytes cross NVLink

@@ -65,8 +65,13 @@ pub fn plan_for(
     if opts.backend == Backend::Push {
         check_push(world, major, opts.kernel)?;
     }
+    // Push: the sums happen in the GEMM's epilogue, so every SM computes.
+    let reserved = match opts.backend {
+        Backend::Push => Some(opts.reserved_sms.unwrap_or(0)),
+        _ => opts.reserved_sms,
+    };
     fastest_reservation(
-        opts.reserved_sms,
+        reserved,
         opts.backend,
         false,
         sms,
@@ -129,6 +134,7 @@ fn plan_with(
         bands_per_group: opts.bands_per_group,
         max_groups: opts.max_groups,
         mode: opts.mode,
+        combined: opts.backend == Backend::Push,
     };
     Ok(plan_gemm_reduce_scatter(&req, &hw)?)
 }
@@ -138,9 +144,12 @@ struct Prepared {
     kernel: GemmKernel,
     tile_order: DeviceBuffer,
     tile_group: DeviceBuffer,
-    /// (row of x read, row of the send buffer written) per position.
+    /// (row of x read, row of the send buffer written) per position; with
+    /// combined stores (push) the row of the output or of the peer's slot.
     row_table: DeviceBuffer,
     counters: CounterSlots,
+    /// Combined stores: the peer's pushed tiles per group.
+    ready_counts: Option<DeviceBuffer>,
 }
 
 fn prepare(
@@ -170,19 +179,29 @@ fn prepare(
             copy_engine::check_groups(&copy_engine::sums(exchanges(&plan, args, 0, 0)))?;
             comm.ensure_group_events(plan.groups.len())?;
         }
+        let combined = opts.backend == Backend::Push;
+        let tables = if combined {
+            combined_tables(&plan, comm.rank as u32)
+        } else {
+            Tables {
+                tile_order: plan.tile_order.clone(),
+                tile_group: plan.tile_group.clone(),
+                row_table: gemm::row_table(&plan.load_rows, &plan.store_rows),
+            }
+        };
+        let world = plan.request.world;
         Ok(Prepared {
             kernel,
-            tile_order: DeviceBuffer::from_u32(&plan.tile_order)?,
-            tile_group: DeviceBuffer::from_u32(&plan.tile_group)?,
-            row_table: DeviceBuffer::from_u32(&gemm::row_table(
-                &plan.load_rows,
-                &if opts.backend == Backend::Push {
-                    pushed_store_rows(&plan, comm.rank as u32)
-                } else {
-                    plan.store_rows.clone()
-                },
-            ))?,
+            tile_order: DeviceBuffer::from_u32(&tables.tile_order)?,
+            tile_group: DeviceBuffer::from_u32(&tables.tile_group)?,
+            row_table: DeviceBuffer::from_u32(&tables.row_table)?,
             counters: CounterSlots::new(plan.groups.len())?,
+            ready_counts: combined
+                .then(|| {
+                    let counts: Vec<u32> = plan.groups.iter().map(|g| g.tiles / world).collect();
+                    DeviceBuffer::from_u32(&counts)
+                })
+                .transpose()?,
             plan,
         })
     })
@@ -239,7 +258,41 @@ pub fn gemm_reduce_scatter(
     match opts.backend {
         Backend::Peer => return Err(Backend::peer_unsupported("gemm_reduce_scatter")),
         Backend::Nccl => enqueue_nccl(comm, plan, args, send, &signals, caller, launch)?,
-        Backend::CopyEngine | Backend::Push => {
+        Backend::Push => {
+            let groups = copy_engine::sums(exchanges(plan, args, send, args.out));
+            let peer = copy_engine::peer_buffers(comm, &groups)?;
+            let ready_counts = prepared.ready_counts.as_ref().ok_or_else(|| {
+                Error::Invalid("internal: a push plan without its ready counts".into())
+            })?;
+            let timeout_ns = copy_engine::peer_timeout_ns()?;
+            let out_rows = plan.out_rows() as u32;
+            copy_engine::enqueue_combined(
+                comm,
+                &peer,
+                plan.groups.len(),
+                caller,
+                |push, push_flags, recv, ready_flags, timed_out| {
+                    let combined = Signals {
+                        // Own tiles go to the output, pushed ones to the peer's
+                        // slot, both laid out like the output.
+                        store: args.out,
+                        store_rows: out_rows,
+                        counters: 0,
+                        push,
+                        push_flags,
+                        push_rows: out_rows,
+                        recv,
+                        ready_flags,
+                        ready_counts: ready_counts.ptr,
+                        timeout_ns,
+                        timed_out,
+                        ..signals
+                    };
+                    gemm::prepare(&kernel, args, &combined, plan.ctas)
+                },
+            )?;
+        }
+        Backend::CopyEngine => {
             let groups = copy_engine::sums(exchanges(plan, args, send, args.out));
             let peer = copy_engine::peer_buffers(comm, &groups)?;
             let reducer = copy_engine::load_reducer(comm, args.dtype, peer.layout.world)?;
@@ -251,14 +304,13 @@ pub fn gemm_reduce_scatter(
                 reduce_ctas: plan
                     .request
                     .reserved_sms
-                    .min(copy_engine::reduce_cta_cap(opts.backend == Backend::Push)),
+                    .min(copy_engine::reduce_cta_cap(false)),
             };
-            // Pushed tiles land in the peer's slot, laid out like its output.
             copy_engine::enqueue_gemm(
                 comm,
                 &call,
                 caller,
-                (opts.backend == Backend::Push).then(|| plan.out_rows() as u32),
+                None,
                 |signals| gemm::prepare(&kernel, args, signals, plan.ctas).map(Some),
                 |_, _| Ok(()),
             )?;
@@ -267,25 +319,38 @@ pub fn gemm_reduce_scatter(
     Ok(Schedule::Overlap)
 }
 
-/// The store rows of a pushed call on `rank`: the tiles of this rank's
-/// shard go to the send buffer as planned; those of another shard go to
-/// row -r - 1 (the kernel's "push" marking) for r their row in that shard's
-/// owner's slot, which is laid out like the output: band j at rows j * bm.
-pub fn pushed_store_rows(plan: &ReduceScatterPlan, rank: u32) -> Vec<u32> {
+/// The kernel's tables of one call.
+struct Tables {
+    tile_order: Vec<u32>,
+    tile_group: Vec<u32>,
+    row_table: Vec<u32>,
+}
+
+/// The tables of a combined-stores call on `rank`: positions in
+/// [`ReduceScatterPlan::combined_order`]; the tiles of this rank's shard
+/// go to its output rows (band j at rows j * bm), those of another shard to
+/// row -r - 1 (the kernel's "push" marking) for r the same row of that
+/// shard's owner's slot, which is laid out like the output.
+fn combined_tables(plan: &ReduceScatterPlan, rank: u32) -> Tables {
     let (bands, tiles_n, bm) = (plan.bands, plan.tiles_n, plan.request.tile.bm);
-    plan.tile_order
-        .iter()
-        .zip(&plan.store_rows)
-        .map(|(&tile, &row)| {
-            let band = tile / tiles_n;
-            let (shard, j) = (band / bands, band % bands);
-            if shard == rank {
-                row
-            } else {
-                pushed_row(u64::from(j * bm))
-            }
-        })
-        .collect()
+    let order = plan.combined_order(rank);
+    let store = |p: usize| {
+        let band = plan.tile_order[p] / tiles_n;
+        let (shard, j) = (band / bands, band % bands);
+        if shard == rank {
+            j * bm
+        } else {
+            pushed_row(u64::from(j * bm))
+        }
+    };
+    Tables {
+        tile_order: order.iter().map(|&p| plan.tile_order[p]).collect(),
+        tile_group: order.iter().map(|&p| plan.tile_group[p]).collect(),
+        row_table: order
+            .iter()
+            .flat_map(|&p| [plan.load_rows[p], store(p)])
+            .collect(),
+    }
 }
 
 /// Each group's ReduceScatter as a copy-engine exchange: rank p's part is
@@ -411,7 +476,7 @@ mod tests {
     }
 
     #[test]
-    fn pushed_tiles_go_to_their_shards_owner() {
+    fn combined_tiles_wait_only_for_earlier_pushes() {
         // A partial last band (M / world = 1000 rows: 8 bands of 128) and several groups.
         let args = GemmArgs {
             x: 0,
@@ -429,38 +494,54 @@ mod tests {
         };
         let (_, plan) = plan_for(&args, 2, &push, SMS, 9).unwrap();
         assert!(plan.groups.len() > 1);
+        assert_eq!(plan.ctas, SMS, "the sums need no SM of their own");
         let bm = plan.request.tile.bm;
-        for rank in 0..2u32 {
-            let rows = pushed_store_rows(&plan, rank);
+        let tables: Vec<Tables> = (0..2).map(|r| combined_tables(&plan, r)).collect();
+        // Per rank and group: (last pushed position, first own position).
+        let mut spans = vec![vec![(None, None); plan.groups.len()]; 2];
+        for (rank, t) in tables.iter().enumerate() {
+            let mut seen = t.tile_order.clone();
+            seen.sort_unstable();
+            let mut all = plan.tile_order.clone();
+            all.sort_unstable();
+            assert_eq!(seen, all, "every tile exactly once");
             let mut slot_tiles = std::collections::HashMap::new();
-            for (p, &row) in rows.iter().enumerate() {
-                let band = plan.tile_order[p] / plan.tiles_n;
+            for (p, &tile) in t.tile_order.iter().enumerate() {
+                let band = tile / plan.tiles_n;
                 let (shard, j) = (band / plan.bands, band % plan.bands);
-                let row = row as i32;
-                if shard == rank {
-                    assert_eq!(
-                        row as u32, plan.store_rows[p],
-                        "own tiles stay where planned"
-                    );
+                assert_eq!(t.row_table[2 * p], shard * plan.shard_rows + j * bm);
+                let row = t.row_table[2 * p + 1] as i32;
+                let g = t.tile_group[p] as usize;
+                assert!(plan.groups[g].bands.contains(&j));
+                let span = &mut spans[rank][g];
+                if shard == rank as u32 {
+                    assert_eq!(row as u32, j * bm, "own tiles go to their output rows");
+                    span.1 = span.1.or(Some(p));
                 } else {
                     // The peer's slot is laid out like its output: band j at rows j * bm.
-                    assert!(row < 0);
-                    assert_eq!((-row - 1) as u32, j * bm);
+                    assert_eq!(-row - 1, (j * bm) as i32);
                     *slot_tiles.entry(j).or_insert(0) += 1;
+                    span.0 = Some(p);
                 }
             }
-            // Every band of the peer's shard, once per column of tiles.
             assert_eq!(slot_tiles.len() as u32, plan.bands);
             assert!(slot_tiles.values().all(|&c| c == plan.tiles_n));
-            // Each group pushes half its tiles, as the peer's wait expects.
-            for (g, group) in plan.groups.iter().enumerate() {
-                let pushed = group
-                    .positions
-                    .clone()
-                    .filter(|&p| (rows[p as usize] as i32) < 0)
-                    .count();
-                assert_eq!(pushed as u32, group.tiles / 2, "group {g}");
+        }
+        for g in 0..plan.groups.len() {
+            for rank in 0..2 {
+                // This rank's own tiles of g come after every tile the peer
+                // pushes for g (and the peer's own after this rank's).
+                let (first_own, peer_last_push) = (spans[rank][g].1, spans[1 - rank][g].0);
+                assert!(first_own.unwrap() > peer_last_push.unwrap(), "group {g}");
+                // One group of lead: the next group's pushes come first too.
+                if let Some(next) = spans[1 - rank].get(g + 1) {
+                    assert!(first_own.unwrap() > next.0.unwrap(), "group {g}");
+                }
             }
+            let pushed = tables[0].tile_group.iter().zip(&tables[0].row_table.chunks(2).collect::<Vec<_>>())
+                .filter(|(&tg, r)| tg as usize == g && (r[1] as i32) < 0)
+                .count();
+            assert_eq!(pushed as u32, plan.groups[g].tiles / 2, "the peer's wait count of group {g}");
         }
         // Only 2 ranks, only Hopper, only the sm_90 kernel.
         assert!(plan_for(&args, 4, &push, SMS, 9).is_err());

@@ -23,7 +23,8 @@ use super::error::PlanError;
 use super::gemm_all_reduce::{validate_common, ModeRequest, Schedule, AUTO_OVERLAP_MARGIN};
 use super::groups::GroupPartition;
 use super::predictor::{
-    best_partition, predict, predict_sequential, CollectiveKind, HardwareModel, Timeline,
+    best_partition, combined_parts, predict, predict_combined, predict_sequential,
+    CollectiveKind, HardwareModel, Timeline,
 };
 use super::tiles::{OutputTiles, TileShape};
 use super::waves::Waves;
@@ -41,6 +42,11 @@ pub struct ReduceScatterRequest {
     pub bands_per_group: Option<u32>,
     pub max_groups: u32,
     pub mode: ModeRequest,
+    /// Combined stores (the push backend): no collective follows the
+    /// groups; each rank's own tiles add the peers' pushed partials in the
+    /// GEMM's epilogue (`predict_combined`), and the tiles run in
+    /// [`ReduceScatterPlan::combined_order`].
+    pub combined: bool,
 }
 
 /// One wave group: local bands of every shard, and where its collective runs.
@@ -131,6 +137,12 @@ pub fn plan_gemm_reduce_scatter(
     let (k, world) = (req.k, req.world);
     let overlap = match (req.mode, req.bands_per_group) {
         (ModeRequest::Sequential, _) => None,
+        (mode, per) if req.combined => {
+            let best = best_combined(&virtual_tiles, k, overlap_ctas, hw, req, per)?;
+            let pays = best.1.overlap_us + hw.overlap_fixed_us
+                < AUTO_OVERLAP_MARGIN * best.1.sequential_us;
+            (mode == ModeRequest::Overlap || per.is_some() || pays).then_some(best)
+        }
         (_, Some(b)) => {
             let p = GroupPartition::uniform(&virtual_tiles, b)?;
             let t = predict(&virtual_tiles, k, overlap_ctas, &p, hw, world, elem)?;
@@ -212,7 +224,54 @@ pub fn plan_gemm_reduce_scatter(
     Ok(plan)
 }
 
+/// The uniform grouping a combined-stores call is predicted fastest with
+/// (`per` bands per group if given): the groups set how finely the own
+/// tiles wait for the peers' pushes.
+fn best_combined(
+    tiles: &OutputTiles,
+    k: u32,
+    ctas: u32,
+    hw: &HardwareModel,
+    req: &ReduceScatterRequest,
+    per: Option<u32>,
+) -> Result<(GroupPartition, Timeline), PlanError> {
+    let candidates: Vec<u32> = match per {
+        Some(b) => vec![b],
+        None => (1..=tiles.tiles_m)
+            .filter(|b| tiles.tiles_m.div_ceil(*b) <= req.max_groups.max(1))
+            .collect(),
+    };
+    let mut best: Option<(GroupPartition, Timeline)> = None;
+    for b in candidates {
+        let p = GroupPartition::uniform(tiles, b)?;
+        let t = predict_combined(tiles, k, ctas, &p, hw, req.world, req.elem_bytes)?;
+        if best.as_ref().map_or(true, |(_, bt)| t.overlap_us < bt.overlap_us) {
+            best = Some((p, t));
+        }
+    }
+    best.ok_or_else(|| PlanError::InvalidPartition("no grouping within max_groups".into()))
+}
+
 impl ReduceScatterPlan {
+    /// The positions of the plan in the order rank `rank` runs them with
+    /// combined stores: per group, the tiles of the other shards (pushed)
+    /// and of its own, in [`combined_parts`] order, each part in the plan's
+    /// order.
+    pub fn combined_order(&self, rank: u32) -> Vec<usize> {
+        let tiles_n = self.tiles_n;
+        let shard = |p: usize| self.tile_order[p] / tiles_n / self.bands;
+        let mut order = Vec::with_capacity(self.tile_order.len());
+        for (g, own) in combined_parts(self.groups.len()) {
+            let range = self.groups[g].positions.clone();
+            order.extend(
+                range
+                    .map(|p| p as usize)
+                    .filter(|&p| (shard(p) == rank) == own),
+            );
+        }
+        order
+    }
+
     /// What the call is predicted to take on the schedule chosen.
     pub fn predicted_us(&self) -> f64 {
         self.schedule
@@ -249,6 +308,7 @@ mod tests {
             bands_per_group: None,
             max_groups: 16,
             mode: ModeRequest::Overlap,
+            combined: false,
         }
     }
 

@@ -68,6 +68,12 @@ impl<'a> OverlapCost<'a> {
         f64::from(waves) * self.wave_us * self.hw.overlap_gemm_slowdown
     }
 
+    /// When the overlapped GEMM has stored position `position` (and every
+    /// position of the waves before it).
+    pub(super) fn position_done_us(&self, position: u32) -> f64 {
+        f64::from(self.waves.wave_of(position) + 1) * self.wave_us * self.hw.overlap_gemm_slowdown
+    }
+
     pub(super) fn gemm_us(&self) -> f64 {
         f64::from(self.waves.count()) * self.wave_us * self.hw.overlap_gemm_slowdown
     }

@@ -21,4 +21,7 @@ pub use hardware::{
     FUSED_NORM_ROWS_PER_CTA, H200_FUSED_NORM_PER_SM,
 };
 pub use search::{best_partition, best_staged_partition};
-pub use timeline::{predict, predict_sequential, predict_staged, GroupTiming, Timeline};
+pub use timeline::{
+    combined_parts, predict, predict_combined, predict_sequential, predict_staged, GroupTiming,
+    Timeline,
+};

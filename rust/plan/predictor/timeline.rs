@@ -97,6 +97,94 @@ pub fn predict_staged(
     Ok(replay(timings, &cost))
 }
 
+/// The combined-stores schedule of a ReduceScatter (the push backend): no
+/// collective after the GEMM. Each group's tiles of the peers' shards are
+/// pushed as they are computed, and its own tiles, computed later (in the
+/// order of [`combined_parts`]), add what the peers pushed before they are
+/// stored, waiting for it where it has not arrived. The pushes of group g
+/// cross the links from its first wave on, behind the previous group's, and
+/// have arrived when both the link time of its bytes (`overlap_comm`, as a
+/// ReduceScatter of the group) has passed and its last tile is done; an own
+/// tile waiting for them delays every later position by as much. Per group
+/// the timing reports its own tiles' end (gemm_done), its pushes' start and
+/// their arrival.
+pub fn predict_combined(
+    tiles: &OutputTiles,
+    k: u32,
+    ctas: u32,
+    partition: &GroupPartition,
+    hw: &HardwareModel,
+    world: u32,
+    elem_bytes: u32,
+) -> Result<Timeline, PlanError> {
+    let cost = OverlapCost::new(tiles, k, ctas, hw, world, elem_bytes)?;
+    partition.check_against(tiles)?;
+    let world = world.max(1);
+    // (own tiles, pushed tiles, the pushes' link time) per group.
+    let groups: Vec<(u32, u32, f64)> = partition
+        .groups
+        .iter()
+        .map(|g| {
+            let count = (g.bands.end - g.bands.start) * tiles.tiles_n;
+            (count / world, count - count / world, cost.comm_us(g.bands.clone()))
+        })
+        .collect();
+    let mut timings = vec![
+        GroupTiming {
+            gemm_done_us: 0.0,
+            comm_start_us: 0.0,
+            comm_end_us: 0.0,
+        };
+        groups.len()
+    ];
+    let (mut position, mut delay, mut link_free, mut end) = (0u32, 0.0f64, 0.0f64, 0.0f64);
+    for (g, own) in combined_parts(groups.len()) {
+        let (own_tiles, pushed_tiles, link_us) = groups[g];
+        let count = if own { own_tiles } else { pushed_tiles };
+        if count == 0 {
+            continue;
+        }
+        let (first, last) = (position, position + count - 1);
+        position += count;
+        let done = cost.position_done_us(last) + delay;
+        let t = &mut timings[g];
+        if own {
+            end = done.max(t.comm_end_us);
+            delay = end - cost.position_done_us(last);
+            t.gemm_done_us = end;
+        } else {
+            t.comm_start_us = (cost.position_done_us(first) + delay).max(link_free);
+            t.comm_end_us = done.max(t.comm_start_us + link_us);
+            link_free = t.comm_end_us;
+        }
+    }
+    Ok(Timeline {
+        gemm_us: cost.gemm_us(),
+        overlap_us: end + groups.len() as f64 * cost.group_us(),
+        sequential_us: cost.sequential_us(),
+        groups: timings,
+    })
+}
+
+/// The order of a combined-stores GEMM's parts, (group, own tiles?): every
+/// group's pushed tiles one group ahead of its own, P0 P1 O0 P2 O1 .. O(G-1),
+/// so that the peer's pushes of a group land while the next group's are
+/// computed. The same on every rank, which is what makes each wait one for
+/// tiles earlier in the peer's order.
+pub fn combined_parts(groups: usize) -> Vec<(usize, bool)> {
+    let mut parts = Vec::with_capacity(2 * groups);
+    for g in 0..groups {
+        parts.push((g, false));
+        if g > 0 {
+            parts.push((g - 1, true));
+        }
+    }
+    if groups > 0 {
+        parts.push((groups - 1, true));
+    }
+    parts
+}
+
 /// Runs the collectives one after another on the stream, each from when its
 /// group's GEMM is done: (gemm done, collective's own time) per group.
 fn replay(groups: impl Iterator<Item = (f64, f64)>, cost: &OverlapCost) -> Timeline {
