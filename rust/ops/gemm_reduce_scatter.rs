@@ -533,9 +533,16 @@ mod tests {
                 // pushes for g (and the peer's own after this rank's).
                 let (first_own, peer_last_push) = (spans[rank][g].1, spans[1 - rank][g].0);
                 assert!(first_own.unwrap() > peer_last_push.unwrap(), "group {g}");
-                // One group of lead: the next group's pushes come first too.
-                if let Some(next) = spans[1 - rank].get(g + 1) {
-                    assert!(first_own.unwrap() > next.0.unwrap(), "group {g}");
+                // One segment of lead: the first own tile of g comes with
+                // the next group's pushes, after every push of g.
+                if g + 1 < plan.groups.len() {
+                    let first_next_push = (0..tables[rank].tile_order.len())
+                        .find(|&p| {
+                            tables[rank].tile_group[p] as usize == g + 1
+                                && (tables[rank].row_table[2 * p + 1] as i32) < 0
+                        })
+                        .unwrap();
+                    assert!(first_own.unwrap() > first_next_push, "group {g}");
                 }
             }
             let pushed = tables[0].tile_group.iter().zip(&tables[0].row_table.chunks(2).collect::<Vec<_>>())

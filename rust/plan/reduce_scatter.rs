@@ -23,7 +23,7 @@ use super::error::PlanError;
 use super::gemm_all_reduce::{validate_common, ModeRequest, Schedule, AUTO_OVERLAP_MARGIN};
 use super::groups::GroupPartition;
 use super::predictor::{
-    best_partition, combined_parts, predict, predict_combined, predict_sequential,
+    best_partition, combined_segments, predict, predict_combined, predict_sequential,
     CollectiveKind, HardwareModel, Timeline,
 };
 use super::tiles::{OutputTiles, TileShape};
@@ -254,20 +254,35 @@ fn best_combined(
 
 impl ReduceScatterPlan {
     /// The positions of the plan in the order rank `rank` runs them with
-    /// combined stores: per group, the tiles of the other shards (pushed)
-    /// and of its own, in [`combined_parts`] order, each part in the plan's
-    /// order.
+    /// combined stores: segment by segment ([`combined_segments`]), the
+    /// group's tiles of the other shards (pushed) merged evenly with the
+    /// previous group's of its own, each part in the plan's order.
     pub fn combined_order(&self, rank: u32) -> Vec<usize> {
-        let tiles_n = self.tiles_n;
-        let shard = |p: usize| self.tile_order[p] / tiles_n / self.bands;
-        let mut order = Vec::with_capacity(self.tile_order.len());
-        for (g, own) in combined_parts(self.groups.len()) {
-            let range = self.groups[g].positions.clone();
-            order.extend(
-                range
+        let shard = |p: usize| self.tile_order[p] / self.tiles_n / self.bands;
+        let part = |g: Option<usize>, own: bool| -> Vec<usize> {
+            g.map_or_else(Vec::new, |g| {
+                self.groups[g]
+                    .positions
+                    .clone()
                     .map(|p| p as usize)
-                    .filter(|&p| (shard(p) == rank) == own),
-            );
+                    .filter(|&p| (shard(p) == rank) == own)
+                    .collect()
+            })
+        };
+        let mut order = Vec::with_capacity(self.tile_order.len());
+        for (pushed, own) in combined_segments(self.groups.len()) {
+            let (a, b) = (part(pushed, false), part(own, true));
+            let (mut i, mut j) = (0, 0);
+            while i < a.len() || j < b.len() {
+                // The part further behind its share of the segment goes next.
+                if j == b.len() || (i < a.len() && i * b.len() <= j * a.len()) {
+                    order.push(a[i]);
+                    i += 1;
+                } else {
+                    order.push(b[j]);
+                    j += 1;
+                }
+            }
         }
         order
     }

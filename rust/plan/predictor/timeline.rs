@@ -98,16 +98,17 @@ pub fn predict_staged(
 }
 
 /// The combined-stores schedule of a ReduceScatter (the push backend): no
-/// collective after the GEMM. Each group's tiles of the peers' shards are
-/// pushed as they are computed, and its own tiles, computed later (in the
-/// order of [`combined_parts`]), add what the peers pushed before they are
-/// stored, waiting for it where it has not arrived. The pushes of group g
-/// cross the links from its first wave on, behind the previous group's, and
-/// have arrived when both the link time of its bytes (`overlap_comm`, as a
-/// ReduceScatter of the group) has passed and its last tile is done; an own
-/// tile waiting for them delays every later position by as much. Per group
-/// the timing reports its own tiles' end (gemm_done), its pushes' start and
-/// their arrival.
+/// collective after the GEMM. The tiles run in the segments of
+/// [`combined_segments`]: segment s computes group s's tiles of the peers'
+/// shards, pushed as they are stored, interleaved with group s - 1's own
+/// tiles, which add what the peers pushed before they are stored. Group g's
+/// pushes cross the links from its segment's first stored tile on, behind
+/// the previous group's, and have arrived when both the link time of its
+/// bytes (`overlap_comm`, as a ReduceScatter of the group) has passed and
+/// its segment is done; a segment whose own tiles wait for them ends when
+/// they arrive and delays every later segment by as much. Per group the
+/// timing reports when its own tiles are done (gemm_done), its pushes'
+/// start and their arrival.
 pub fn predict_combined(
     tiles: &OutputTiles,
     k: u32,
@@ -129,32 +130,31 @@ pub fn predict_combined(
             (count / world, count - count / world, cost.comm_us(g.bands.clone()))
         })
         .collect();
-    let mut timings = vec![
-        GroupTiming {
-            gemm_done_us: 0.0,
-            comm_start_us: 0.0,
-            comm_end_us: 0.0,
-        };
-        groups.len()
-    ];
+    let zero = GroupTiming {
+        gemm_done_us: 0.0,
+        comm_start_us: 0.0,
+        comm_end_us: 0.0,
+    };
+    let mut timings = vec![zero; groups.len()];
     let (mut position, mut delay, mut link_free, mut end) = (0u32, 0.0f64, 0.0f64, 0.0f64);
-    for (g, own) in combined_parts(groups.len()) {
-        let (own_tiles, pushed_tiles, link_us) = groups[g];
-        let count = if own { own_tiles } else { pushed_tiles };
+    for (pushed, own) in combined_segments(groups.len()) {
+        let count = pushed.map_or(0, |g| groups[g].1) + own.map_or(0, |g| groups[g].0);
         if count == 0 {
             continue;
         }
         let (first, last) = (position, position + count - 1);
         position += count;
-        let done = cost.position_done_us(last) + delay;
-        let t = &mut timings[g];
-        if own {
-            end = done.max(t.comm_end_us);
+        let begin = cost.position_done_us(first) + delay;
+        end = cost.position_done_us(last) + delay;
+        if let Some(g) = own {
+            end = end.max(timings[g].comm_end_us);
             delay = end - cost.position_done_us(last);
-            t.gemm_done_us = end;
-        } else {
-            t.comm_start_us = (cost.position_done_us(first) + delay).max(link_free);
-            t.comm_end_us = done.max(t.comm_start_us + link_us);
+            timings[g].gemm_done_us = end;
+        }
+        if let Some(g) = pushed {
+            let t = &mut timings[g];
+            t.comm_start_us = begin.max(link_free);
+            t.comm_end_us = end.max(t.comm_start_us + groups[g].2);
             link_free = t.comm_end_us;
         }
     }
@@ -166,23 +166,18 @@ pub fn predict_combined(
     })
 }
 
-/// The order of a combined-stores GEMM's parts, (group, own tiles?): every
-/// group's pushed tiles one group ahead of its own, P0 P1 O0 P2 O1 .. O(G-1),
-/// so that the peer's pushes of a group land while the next group's are
-/// computed. The same on every rank, which is what makes each wait one for
-/// tiles earlier in the peer's order.
-pub fn combined_parts(groups: usize) -> Vec<(usize, bool)> {
-    let mut parts = Vec::with_capacity(2 * groups);
-    for g in 0..groups {
-        parts.push((g, false));
-        if g > 0 {
-            parts.push((g - 1, true));
-        }
-    }
-    if groups > 0 {
-        parts.push((groups - 1, true));
-    }
-    parts
+/// The segments of a combined-stores GEMM, (group whose tiles of the
+/// peers' shards it pushes, group whose own tiles it computes): (0, -),
+/// (1, 0), .., (G-1, G-2), (-, G-1). Own tiles come one segment after the
+/// pushes they add, so that those land while the segment between computes;
+/// interleaving each segment's two parts keeps the links busy throughout.
+/// The same on every rank, which is what makes each wait one for tiles
+/// earlier in the peer's order.
+pub fn combined_segments(groups: usize) -> Vec<(Option<usize>, Option<usize>)> {
+    (0..=groups)
+        .filter(|_| groups > 0)
+        .map(|s| ((s < groups).then_some(s), s.checked_sub(1)))
+        .collect()
 }
 
 /// Runs the collectives one after another on the stream, each from when its
