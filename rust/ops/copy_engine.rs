@@ -141,6 +141,21 @@ pub fn sums(exchanges: Vec<Exchange>) -> Vec<Group> {
     exchanges.into_iter().map(Group::Sum).collect()
 }
 
+/// Whether the copy engines' ReduceScatter on 2 Hopper ranks sums in the
+/// GEMM's epilogue (combined stores): yes unless FLASHOVERLAP_CE_REDUCE_SCATTER
+/// is "sum" (the reduction kernel after each group's copies, as on other
+/// GPUs and world sizes). Read once per process; every rank must set it alike.
+pub fn combines_reduce_scatter() -> bool {
+    static MODE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| {
+        std::env::var("FLASHOVERLAP_CE_REDUCE_SCATTER")
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase()
+            != "sum"
+    })
+}
+
 /// Whether an AllReduce over `world` ranks runs as ReduceScatter +
 /// AllGather. On 2 ranks both move the same bytes over the link and one
 /// exchange is what was measured (2x H200); beyond, sending the whole group
@@ -628,24 +643,53 @@ pub fn peer_timeout_ns() -> Result<u64> {
     }
 }
 
-/// The push backend's ReduceScatter with combined stores (2 ranks): the
-/// GEMM pushes the tiles of the peer's shard into the peer's slot and adds
-/// what the peer pushed into its own tiles before storing them
-/// (csrc/gemm_signal_sm90.cu), so nothing follows it but the flags'
-/// upkeep, all on the caller's stream:
+/// Where a combined-stores GEMM sends and finds the partials (addresses
+/// as mapped here): the peer's slot for this rank and its ready flags for
+/// this rank (group 0's; PEER_FLAG_STRIDE words apart), this rank's slot for
+/// the peer and its ready flags for the peer, and the timed-out word.
+#[derive(Debug, Clone, Copy)]
+pub struct Targets {
+    pub peer_slot: u64,
+    pub peer_ready: u64,
+    pub recv: u64,
+    pub ready: u64,
+    pub timed_out: u64,
+}
+
+/// One group's copy into the peer's slot: once the GEMM's counter at
+/// `counter` reaches `tiles`, `bytes` from `src` to `slot_offset` in the slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotCopy {
+    pub counter: u64,
+    pub tiles: u32,
+    pub src: u64,
+    pub slot_offset: u64,
+    pub bytes: u64,
+}
+
+/// A ReduceScatter with combined stores on 2 ranks: the GEMM computes the
+/// tiles of the peer's shard first and adds what the peer sent into its own
+/// tiles before storing them (csrc/gemm_signal_sm90.cu), so no sum follows
+/// it. The peer's tiles travel either from the GEMM's epilogue (push:
+/// `copies` None; it stores them into the peer's slot and counts them in the
+/// peer's ready flags) or by copy engine (`copies`: it stores them locally
+/// and counts them in local counters; per group a second stream waits for
+/// the count, copies the group into the peer's slot and sets the peer's
+/// ready flag to 1):
 ///
-/// Caller S: wait(free) set(taken at peer) GEMM (pushes, waits, sums) reset(ready) wait(taken) set(free at peer)
+/// Caller S:  wait(free) set(taken at peer) [fork] GEMM (waits for ready, sums) [join] reset(ready) wait(taken) set(free at peer)
+/// Comm C:                                        wait(c0) copy(g0 -> peer) set(ready g0 at peer) ...
 ///
-/// `prepare_gemm(push, push_flags, recv, ready_flags, timed_out)` makes the
-/// launch before anything is enqueued. With a bounded wait
-/// ([`peer_timeout_ns`]) a wait that timed out in an earlier call is
-/// reported here (outside graph capture).
+/// `prepare_gemm(targets)` makes the launch before anything is enqueued.
+/// With a bounded wait ([`peer_timeout_ns`]) a wait that timed out in an
+/// earlier call is reported here (outside graph capture).
 pub fn enqueue_combined<'g>(
     comm: &Communicator,
     peer: &PeerBuffers,
     groups: usize,
+    copies: Option<&[SlotCopy]>,
     caller: RawStream,
-    prepare_gemm: impl FnOnce(u64, u64, u64, u64, u64) -> Result<Prepared<'g>>,
+    prepare_gemm: impl FnOnce(Targets) -> Result<Prepared<'g>>,
 ) -> Result<()> {
     let layout = peer.layout;
     let me = peer.rank;
@@ -653,7 +697,7 @@ pub fn enqueue_combined<'g>(
         [p] => p,
         _ => {
             return Err(Error::Invalid(format!(
-                "backend: 'push' runs on exactly 2 ranks, this communicator has {}",
+                "internal: combined stores run on exactly 2 ranks, this communicator has {}",
                 layout.world
             )))
         }
@@ -664,26 +708,40 @@ pub fn enqueue_combined<'g>(
         && crate::cuda::memory::read_u32(timed_out)? != 0
     {
         return Err(Error::Invalid(
-            "push: a GEMM's wait for the peer's tiles timed out (FLASHOVERLAP_PEER_TIMEOUT_S); the ranks did not \
-             call the op together. The communicator's peer buffers are unusable."
+            "gemm_reduce_scatter: a GEMM's wait for the peer's tiles timed out (FLASHOVERLAP_PEER_TIMEOUT_S); \
+             the ranks did not call the op together. The communicator's peer buffers are unusable."
                 .into(),
         ));
     }
-    let gemm = prepare_gemm(
-        layout.slot(peer.bases[other], other, me),
-        layout.ready_flag(peer.bases[other], 0, me),
-        layout.slot(peer.bases[me], me, other),
-        layout.ready_flag(peer.bases[me], 0, other),
+    let slot = layout.slot(peer.bases[other], other, me);
+    let gemm = prepare_gemm(Targets {
+        peer_slot: slot,
+        peer_ready: layout.ready_flag(peer.bases[other], 0, me),
+        recv: layout.slot(peer.bases[me], me, other),
+        ready: layout.ready_flag(peer.bases[me], 0, other),
         timed_out,
-    )?;
+    })?;
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     let free = layout.free_flag(peer.bases[me], other);
     stream::wait_geq(caller, free, 1)?;
     stream::write(caller, free, 0)?;
     stream::write(caller, layout.taken_flag(peer.bases[other], me), 1)?;
-    gemm.enqueue(caller)?;
-    // The GEMM waited for every pushed tile of every group: its ready flags
-    // are consumed.
+    match copies {
+        None => gemm.enqueue(caller)?,
+        Some(copies) => {
+            let copier = comm.stream.0;
+            comm.fork.order(caller, copier)?;
+            gemm.enqueue(caller)?;
+            for (g, c) in copies.iter().enumerate() {
+                stream::wait_geq(copier, c.counter, c.tiles)?;
+                stream::write(copier, c.counter, 0)?;
+                stream::copy(copier, slot + c.slot_offset, c.src, c.bytes as usize)?;
+                stream::write(copier, layout.ready_flag(peer.bases[other], g, me), 1)?;
+            }
+            comm.join.order(copier, caller)?;
+        }
+    }
+    // The GEMM waited for every group's ready flag: they are consumed.
     for g in 0..groups {
         stream::write(caller, layout.ready_flag(peer.bases[me], g, other), 0)?;
     }

@@ -163,6 +163,7 @@ fn hardware_for(
         backend,
         reserved,
         fused_norm,
+        combined,
     } = *machine;
     if major == 9 && sms == 132 {
         // bf16 on H200, random data, all SMs (evaluation/results/gemm_kernel_h200.txt):
@@ -180,6 +181,11 @@ fn hardware_for(
             // communication-bound shapes.
             // An AllReduce as ReduceScatter + AllGather pays a second
             // exchange's latency per group (estimated, not measured).
+            // Sums in the GEMM's epilogue: a group costs its copy.
+            Backend::CopyEngine if combined => (
+                CollectiveModel::analytic(CE_COMBINED_LATENCY_US, CE_COMBINED_GBPS),
+                CE_COMBINED_FIXED_US,
+            ),
             Backend::CopyEngine => (
                 CollectiveModel::analytic(
                     match kind {
@@ -214,6 +220,9 @@ fn hardware_for(
                 (Backend::Push, CollectiveKind::AllReduce) if fused_norm => PUSH_NORM_GROUP_US,
                 (Backend::Push, CollectiveKind::AllReduce) => PUSH_ALL_REDUCE_GROUP_US,
                 (Backend::Push, CollectiveKind::ReduceScatter) => PUSH_COMBINED_GROUP_US,
+                (Backend::CopyEngine, CollectiveKind::ReduceScatter) if combined => {
+                    CE_COMBINED_GROUP_US
+                }
                 (Backend::Push, CollectiveKind::AllToAll) => COPY_ENGINE_ALL_TO_ALL_GROUP_US,
                 (Backend::CopyEngine, CollectiveKind::AllToAll) => COPY_ENGINE_ALL_TO_ALL_GROUP_US,
                 (Backend::Nccl, CollectiveKind::AllToAll) if world > 1 => NCCL_ALL_TO_ALL_GROUP_US,
@@ -331,6 +340,13 @@ const PUSH_NORM_GROUP_US: f64 = 7.0;
 /// stream, per group one reset (estimates, not yet fitted).
 const PUSH_COMBINED_FIXED_US: f64 = 10.0;
 const PUSH_COMBINED_GROUP_US: f64 = 1.0;
+/// The copy engines' ReduceScatter with combined stores (2 ranks): per
+/// group a stream wait, a copy into the peer's slot and a flag write, at
+/// the copies' rate beside a GEMM (estimates, not yet fitted).
+const CE_COMBINED_LATENCY_US: f64 = 10.0;
+const CE_COMBINED_GBPS: f64 = 300.0;
+const CE_COMBINED_FIXED_US: f64 = 15.0;
+const CE_COMBINED_GROUP_US: f64 = 2.0;
 
 /// The push backend's rate on H200 in GB/s of bus traffic (on 2 ranks: an
 /// AllReduce's group bytes, half a ReduceScatter's): its bytes cross NVLink
@@ -363,6 +379,9 @@ pub(crate) struct Machine {
     pub backend: Backend,
     pub reserved: u32,
     pub fused_norm: bool,
+    /// A ReduceScatter whose sums happen in the GEMM's epilogue
+    /// (plan/reduce_scatter.rs: combined stores).
+    pub combined: bool,
 }
 
 impl Machine {
@@ -567,6 +586,7 @@ pub fn plan_for(
                 backend: opts.backend,
                 reserved,
                 fused_norm: opts.fused_norm,
+                combined: false,
             };
             fastest_kernel(
                 kernel_candidates(opts.kernel, args, &machine),
@@ -1190,6 +1210,7 @@ mod tests {
                 backend,
                 reserved: 8,
                 fused_norm: backend == Backend::Peer,
+                combined: false,
             };
             let slowdown =
                 |world| hardware_for(&machine, kernel, kind, world).overlap_gemm_slowdown;

@@ -199,6 +199,7 @@ pub fn choose_groups(
         backend: opts.backend,
         reserved,
         fused_norm: false,
+        combined: false,
     };
     let world = matrix.len() as u32;
     let hw = machine.model(&args, world, kernel, CollectiveKind::AllToAll);

@@ -19,7 +19,7 @@
 //! library GEMM and then `reduce_scatter`.
 
 use super::copy_engine::{self, Exchange};
-use super::gemm::{self, CounterSlots, GemmArgs, Signals};
+use super::gemm::{self, CounterSlots, GemmArgs, Signals, PEER_FLAG_STRIDE};
 use super::gemm_all_reduce::{
     check_push, fastest_kernel, fastest_reservation, kernel_candidates, Backend, Machine,
 };
@@ -65,10 +65,11 @@ pub fn plan_for(
     if opts.backend == Backend::Push {
         check_push(world, major, opts.kernel)?;
     }
-    // Push: the sums happen in the GEMM's epilogue, so every SM computes.
-    let reserved = match opts.backend {
-        Backend::Push => Some(opts.reserved_sms.unwrap_or(0)),
-        _ => opts.reserved_sms,
+    // Combined stores: the sums happen in the GEMM's epilogue, so every SM computes.
+    let reserved = if combines(opts, world, major) {
+        Some(opts.reserved_sms.unwrap_or(0))
+    } else {
+        opts.reserved_sms
     };
     fastest_reservation(
         reserved,
@@ -78,6 +79,22 @@ pub fn plan_for(
         |reserved| plan_reserving(args, world, opts, sms, major, reserved),
         |p: &ReduceScatterPlan| p.timeline.overlap_us,
     )
+}
+
+/// Whether a call sums in the GEMM's epilogue (combined stores: 2 ranks,
+/// the sm_90 kernel): always with push, with the copy engines unless
+/// [`copy_engine::combines_reduce_scatter`] says otherwise.
+fn combines(opts: &Options, world: u32, major: i32) -> bool {
+    match opts.backend {
+        Backend::Push => true,
+        Backend::CopyEngine => {
+            world == 2
+                && major == 9
+                && opts.kernel != Some(GemmKernel::Sm80)
+                && copy_engine::combines_reduce_scatter()
+        }
+        _ => false,
+    }
 }
 
 /// The predicted time of the call [`plan_for`] plans (for "auto" backend choice).
@@ -105,6 +122,7 @@ fn plan_reserving(
         backend: opts.backend,
         reserved,
         fused_norm: false,
+        combined: combines(opts, world, major),
     };
     fastest_kernel(
         kernel_candidates(opts.kernel, args, &machine),
@@ -134,7 +152,7 @@ fn plan_with(
         bands_per_group: opts.bands_per_group,
         max_groups: opts.max_groups,
         mode: opts.mode,
-        combined: opts.backend == Backend::Push,
+        combined: machine.combined,
     };
     Ok(plan_gemm_reduce_scatter(&req, &hw)?)
 }
@@ -147,8 +165,11 @@ struct Prepared {
     /// (row of x read, row of the send buffer written) per position; with
     /// combined stores (push) the row of the output or of the peer's slot.
     row_table: DeviceBuffer,
+    /// Per group; with combined stores on the copy engines, the count of
+    /// the tiles of the peer's shard, PEER_FLAG_STRIDE words apart.
     counters: CounterSlots,
-    /// Combined stores: the peer's pushed tiles per group.
+    /// Combined stores: what each group's ready flag reaches once the
+    /// peer's partial of it is here (its pushed tiles, or 1: its copy).
     ready_counts: Option<DeviceBuffer>,
 }
 
@@ -179,7 +200,7 @@ fn prepare(
             copy_engine::check_groups(&copy_engine::sums(exchanges(&plan, args, 0, 0)))?;
             comm.ensure_group_events(plan.groups.len())?;
         }
-        let combined = opts.backend == Backend::Push;
+        let combined = plan.request.combined;
         let tables = if combined {
             combined_tables(&plan, comm.rank as u32)
         } else {
@@ -195,10 +216,17 @@ fn prepare(
             tile_order: DeviceBuffer::from_u32(&tables.tile_order)?,
             tile_group: DeviceBuffer::from_u32(&tables.tile_group)?,
             row_table: DeviceBuffer::from_u32(&tables.row_table)?,
-            counters: CounterSlots::new(plan.groups.len())?,
+            counters: CounterSlots::new(plan.groups.len() * PEER_FLAG_STRIDE as usize)?,
             ready_counts: combined
                 .then(|| {
-                    let counts: Vec<u32> = plan.groups.iter().map(|g| g.tiles / world).collect();
+                    let counts: Vec<u32> = plan
+                        .groups
+                        .iter()
+                        .map(|g| match opts.backend {
+                            Backend::Push => g.tiles / world,
+                            _ => 1,
+                        })
+                        .collect();
                     DeviceBuffer::from_u32(&counts)
                 })
                 .transpose()?,
@@ -258,41 +286,10 @@ pub fn gemm_reduce_scatter(
     match opts.backend {
         Backend::Peer => return Err(Backend::peer_unsupported("gemm_reduce_scatter")),
         Backend::Nccl => enqueue_nccl(comm, plan, args, send, &signals, caller, launch)?,
-        Backend::Push => {
-            let groups = copy_engine::sums(exchanges(plan, args, send, args.out));
-            let peer = copy_engine::peer_buffers(comm, &groups)?;
-            let ready_counts = prepared.ready_counts.as_ref().ok_or_else(|| {
-                Error::Invalid("internal: a push plan without its ready counts".into())
-            })?;
-            let timeout_ns = copy_engine::peer_timeout_ns()?;
-            let out_rows = plan.out_rows() as u32;
-            copy_engine::enqueue_combined(
-                comm,
-                &peer,
-                plan.groups.len(),
-                caller,
-                |push, push_flags, recv, ready_flags, timed_out| {
-                    let combined = Signals {
-                        // Own tiles go to the output, pushed ones to the peer's
-                        // slot, both laid out like the output.
-                        store: args.out,
-                        store_rows: out_rows,
-                        counters: 0,
-                        push,
-                        push_flags,
-                        push_rows: out_rows,
-                        recv,
-                        ready_flags,
-                        ready_counts: ready_counts.ptr,
-                        timeout_ns,
-                        timed_out,
-                        ..signals
-                    };
-                    gemm::prepare(&kernel, args, &combined, plan.ctas)
-                },
-            )?;
+        _ if plan.request.combined => {
+            enqueue_combined(comm, &prepared, &kernel, args, send, opts.backend, &signals, caller)?
         }
-        Backend::CopyEngine => {
+        Backend::CopyEngine | Backend::Push => {
             let groups = copy_engine::sums(exchanges(plan, args, send, args.out));
             let peer = copy_engine::peer_buffers(comm, &groups)?;
             let reducer = copy_engine::load_reducer(comm, args.dtype, peer.layout.world)?;
@@ -317,6 +314,76 @@ pub fn gemm_reduce_scatter(
         }
     }
     Ok(Schedule::Overlap)
+}
+
+/// A call with combined stores (2 ranks): the GEMM stores its own tiles,
+/// summed with the peer's partial, into the output, and the peer's tiles
+/// into the peer's slot (push) or into `send`, laid out like the output,
+/// whence each group's copy takes them (copy engines).
+#[allow(clippy::too_many_arguments)]
+fn enqueue_combined(
+    comm: &Communicator,
+    prepared: &Prepared,
+    kernel: &gemm::LoadedGemm,
+    args: &GemmArgs,
+    send: u64,
+    backend: Backend,
+    signals: &Signals,
+    caller: RawStream,
+) -> Result<()> {
+    let plan = &prepared.plan;
+    let groups = copy_engine::sums(exchanges(plan, args, send, args.out));
+    let peer = copy_engine::peer_buffers(comm, &groups)?;
+    let ready_counts = prepared.ready_counts.as_ref().ok_or_else(|| {
+        Error::Invalid("internal: a combined plan without its ready counts".into())
+    })?;
+    let timeout_ns = copy_engine::peer_timeout_ns()?;
+    let out_rows = plan.out_rows() as u32;
+    let row_bytes = u64::from(args.n) * args.dtype.bytes() as u64;
+    let world = plan.request.world;
+    // The counter of group g's tiles of the peer's shard (copy engines).
+    let counter = |g: usize| signals.counters + g as u64 * PEER_FLAG_STRIDE * 4;
+    let copies: Vec<copy_engine::SlotCopy> = plan
+        .groups
+        .iter()
+        .enumerate()
+        .map(|(g, group)| copy_engine::SlotCopy {
+            counter: counter(g),
+            tiles: group.tiles / world,
+            src: send + group.recv_row * row_bytes,
+            slot_offset: group.recv_row * row_bytes,
+            bytes: (group.bands.end - group.bands.start) as u64
+                * u64::from(plan.request.tile.bm)
+                * row_bytes,
+        })
+        .collect();
+    let pushed = backend == Backend::Push;
+    copy_engine::enqueue_combined(
+        comm,
+        &peer,
+        plan.groups.len(),
+        (!pushed).then_some(&copies[..]),
+        caller,
+        |t| {
+            let combined = Signals {
+                // Own tiles go to the output, the peer's to its slot (push)
+                // or to `send` (copy engines), all laid out like the output.
+                store: args.out,
+                store_rows: out_rows,
+                counters: 0,
+                push: if pushed { t.peer_slot } else { send },
+                push_flags: if pushed { t.peer_ready } else { counter(0) },
+                push_rows: out_rows,
+                recv: t.recv,
+                ready_flags: t.ready,
+                ready_counts: ready_counts.ptr,
+                timeout_ns,
+                timed_out: t.timed_out,
+                ..*signals
+            };
+            gemm::prepare(kernel, args, &combined, plan.ctas)
+        },
+    )
 }
 
 /// The kernel's tables of one call.
