@@ -600,17 +600,14 @@ mod tests {
                 // pushes for g (and the peer's own after this rank's).
                 let (first_own, peer_last_push) = (spans[rank][g].1, spans[1 - rank][g].0);
                 assert!(first_own.unwrap() > peer_last_push.unwrap(), "group {g}");
-                // One segment of lead: the first own tile of g comes with
-                // the next group's pushes, after every push of g.
-                if g + 1 < plan.groups.len() {
-                    let first_next_push = (0..tables[rank].tile_order.len())
-                        .find(|&p| {
-                            tables[rank].tile_group[p] as usize == g + 1
-                                && (tables[rank].row_table[2 * p + 1] as i32) < 0
-                        })
-                        .unwrap();
-                    assert!(first_own.unwrap() > first_next_push, "group {g}");
-                }
+                // The plan's lead: a wave or more between the peer's last
+                // tile of g and this rank's first.
+                assert!(plan.combined_lead >= plan.ctas);
+                assert!(
+                    first_own.unwrap() >= peer_last_push.unwrap() + 1 + plan.combined_lead as usize
+                        || spans[rank].iter().all(|s| s.0.unwrap() < first_own.unwrap()),
+                    "group {g}"
+                );
             }
             let pushed = tables[0].tile_group.iter().zip(&tables[0].row_table.chunks(2).collect::<Vec<_>>())
                 .filter(|(&tg, r)| tg as usize == g && (r[1] as i32) < 0)

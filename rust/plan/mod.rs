@@ -26,7 +26,7 @@ pub use gemm_all_reduce::{
 pub use groups::{Collective, CollectiveSlice, GroupPartition, Partition, WaveGroup};
 pub use order::{default_raster_bands, OrderKind, TileOrder};
 pub use predictor::{
-    best_all_to_all_groups, best_partition, best_staged_partition, call_us, combined_segments,
+    best_all_to_all_groups, best_partition, best_staged_partition, call_us, combined_sequence,
     predict, predict_combined,
     predict_all_to_all, predict_sequential, predict_staged, AllToAllShape, CollectiveKind,
     CollectiveModel, Curve, GroupTiming, HardwareModel, Timeline, CURVE_CAPACITY,

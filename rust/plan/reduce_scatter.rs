@@ -23,7 +23,7 @@ use super::error::PlanError;
 use super::gemm_all_reduce::{validate_common, ModeRequest, Schedule, AUTO_OVERLAP_MARGIN};
 use super::groups::GroupPartition;
 use super::predictor::{
-    best_partition, combined_segments, predict, predict_combined, predict_sequential,
+    best_partition, combined_sequence, predict, predict_combined, predict_sequential,
     CollectiveKind, HardwareModel, Timeline,
 };
 use super::tiles::{OutputTiles, TileShape};
@@ -85,6 +85,9 @@ pub struct ReduceScatterPlan {
     pub timeline: Timeline,
     /// The hardware's per-call cost of overlapping (`overlap_fixed_us`).
     pub overlap_fixed_us: f64,
+    /// Combined stores: the positions between a group's last tile of the
+    /// other shards and its first own tile ([`combined_sequence`]).
+    pub combined_lead: u32,
 }
 
 impl ReduceScatterRequest {
@@ -135,13 +138,15 @@ pub fn plan_gemm_reduce_scatter(
     let elem = req.elem_bytes;
     let overlap_ctas = hw.sms - req.reserved_sms;
     let (k, world) = (req.k, req.world);
+    let mut combined_lead = 0;
     let overlap = match (req.mode, req.bands_per_group) {
         (ModeRequest::Sequential, _) => None,
         (mode, per) if req.combined => {
-            let best = best_combined(&virtual_tiles, k, overlap_ctas, hw, req, per)?;
-            let pays = best.1.overlap_us + hw.overlap_fixed_us
-                < AUTO_OVERLAP_MARGIN * best.1.sequential_us;
-            (mode == ModeRequest::Overlap || per.is_some() || pays).then_some(best)
+            let (p, t, lead) = best_combined(&virtual_tiles, k, overlap_ctas, hw, req, per)?;
+            combined_lead = lead;
+            let pays =
+                t.overlap_us + hw.overlap_fixed_us < AUTO_OVERLAP_MARGIN * t.sequential_us;
+            (mode == ModeRequest::Overlap || per.is_some() || pays).then_some((p, t))
         }
         (_, Some(b)) => {
             let p = GroupPartition::uniform(&virtual_tiles, b)?;
@@ -193,6 +198,7 @@ pub fn plan_gemm_reduce_scatter(
             Schedule::Overlap => hw.overlap_fixed_us,
             Schedule::Sequential => 0.0,
         },
+        combined_lead,
     };
     let bm = tile.bm;
     for (g, group) in (0u32..).zip(&partition.groups) {
@@ -224,9 +230,10 @@ pub fn plan_gemm_reduce_scatter(
     Ok(plan)
 }
 
-/// The uniform grouping a combined-stores call is predicted fastest with
-/// (`per` bands per group if given): the groups set how finely the own
-/// tiles wait for the peers' pushes.
+/// The uniform grouping and lead a combined-stores call is predicted
+/// fastest with (`per` bands per group if given): the groups set how finely
+/// the own tiles wait for the peers' partials, the lead (one or two waves)
+/// how long those have to cross the link before the first own tile.
 fn best_combined(
     tiles: &OutputTiles,
     k: u32,
@@ -234,19 +241,28 @@ fn best_combined(
     hw: &HardwareModel,
     req: &ReduceScatterRequest,
     per: Option<u32>,
-) -> Result<(GroupPartition, Timeline), PlanError> {
+) -> Result<(GroupPartition, Timeline, u32), PlanError> {
+    let bands = tiles.tiles_m;
     let candidates: Vec<u32> = match per {
         Some(b) => vec![b],
-        None => (1..=tiles.tiles_m)
-            .filter(|b| tiles.tiles_m.div_ceil(*b) <= req.max_groups.max(1))
-            .collect(),
+        None => {
+            // Powers of two and about a wave of the peers' tiles per group.
+            let wave = ctas.div_ceil(tiles.tiles_n.div_ceil(req.world).max(1));
+            let mut c: Vec<u32> = (0..8).map(|i| 1u32 << i).chain([wave, bands]).collect();
+            c.retain(|&b| b <= bands && bands.div_ceil(b) <= req.max_groups.max(1));
+            c.sort_unstable();
+            c.dedup();
+            c
+        }
     };
-    let mut best: Option<(GroupPartition, Timeline)> = None;
+    let mut best: Option<(GroupPartition, Timeline, u32)> = None;
     for b in candidates {
         let p = GroupPartition::uniform(tiles, b)?;
-        let t = predict_combined(tiles, k, ctas, &p, hw, req.world, req.elem_bytes)?;
-        if best.as_ref().map_or(true, |(_, bt)| t.overlap_us < bt.overlap_us) {
-            best = Some((p, t));
+        for lead in [ctas, 2 * ctas] {
+            let t = predict_combined(tiles, k, ctas, &p, hw, req.world, req.elem_bytes, lead)?;
+            if best.as_ref().map_or(true, |(_, bt, _)| t.overlap_us < bt.overlap_us) {
+                best = Some((p.clone(), t, lead));
+            }
         }
     }
     best.ok_or_else(|| PlanError::InvalidPartition("no grouping within max_groups".into()))
@@ -254,37 +270,34 @@ fn best_combined(
 
 impl ReduceScatterPlan {
     /// The positions of the plan in the order rank `rank` runs them with
-    /// combined stores: segment by segment ([`combined_segments`]), the
-    /// group's tiles of the other shards (pushed) merged evenly with the
-    /// previous group's of its own, each part in the plan's order.
+    /// combined stores ([`combined_sequence`] with the plan's lead): per
+    /// group its tiles of the other shards (pushed) and of its own, each
+    /// part in the plan's order.
     pub fn combined_order(&self, rank: u32) -> Vec<usize> {
         let shard = |p: usize| self.tile_order[p] / self.tiles_n / self.bands;
-        let part = |g: Option<usize>, own: bool| -> Vec<usize> {
-            g.map_or_else(Vec::new, |g| {
-                self.groups[g]
+        let parts: Vec<[Vec<usize>; 2]> = self
+            .groups
+            .iter()
+            .map(|g| {
+                let (own, pushed): (Vec<usize>, Vec<usize>) = g
                     .positions
                     .clone()
                     .map(|p| p as usize)
-                    .filter(|&p| (shard(p) == rank) == own)
-                    .collect()
+                    .partition(|&p| shard(p) == rank);
+                [pushed, own]
             })
-        };
-        let mut order = Vec::with_capacity(self.tile_order.len());
-        for (pushed, own) in combined_segments(self.groups.len()) {
-            let (a, b) = (part(pushed, false), part(own, true));
-            let (mut i, mut j) = (0, 0);
-            while i < a.len() || j < b.len() {
-                // The part further behind its share of the segment goes next.
-                if j == b.len() || (i < a.len() && i * b.len() <= j * a.len()) {
-                    order.push(a[i]);
-                    i += 1;
-                } else {
-                    order.push(b[j]);
-                    j += 1;
-                }
-            }
-        }
-        order
+            .collect();
+        let counts: Vec<(u32, u32)> =
+            parts.iter().map(|[p, o]| (p.len() as u32, o.len() as u32)).collect();
+        let mut next = vec![[0usize; 2]; parts.len()];
+        combined_sequence(&counts, self.combined_lead)
+            .into_iter()
+            .map(|(g, own)| {
+                let (g, i) = (g as usize, usize::from(own));
+                next[g][i] += 1;
+                parts[g][i][next[g][i] - 1]
+            })
+            .collect()
     }
 
     /// What the call is predicted to take on the schedule chosen.
@@ -403,11 +416,19 @@ mod tests {
             world in world(),
             per in prop::option::of(1u32..8),
             mode in prop::sample::select(vec![ModeRequest::Auto, ModeRequest::Overlap, ModeRequest::Sequential]),
+            combined in any::<bool>(),
         ) {
-            let req = ReduceScatterRequest { bands_per_group: per, mode, ..request(shard * world, n8 * 8, k, world) };
+            let req = ReduceScatterRequest { bands_per_group: per, mode, combined, ..request(shard * world, n8 * 8, k, world) };
             let plan = plan_gemm_reduce_scatter(&req, &HardwareModel::h200()).unwrap();
             prop_assert!(plan.groups.len() as u32 <= req.max_groups.max(plan.bands));
             assert_stores_land_in_place(&plan);
+            if combined && plan.schedule == Schedule::Overlap {
+                for rank in 0..world {
+                    let mut order = plan.combined_order(rank);
+                    order.sort_unstable();
+                    prop_assert!(order.iter().enumerate().all(|(i, &p)| i == p));
+                }
+            }
             // (A forced grouping overlaps whatever the prediction, as for AllReduce.)
             if plan.schedule == Schedule::Overlap && mode == ModeRequest::Auto && per.is_none() {
                 prop_assert!(plan.timeline.overlap_us < plan.timeline.sequential_us);

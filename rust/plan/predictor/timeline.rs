@@ -97,18 +97,18 @@ pub fn predict_staged(
     Ok(replay(timings, &cost))
 }
 
-/// The combined-stores schedule of a ReduceScatter (the push backend): no
-/// collective after the GEMM. The tiles run in the segments of
-/// [`combined_segments`]: segment s computes group s's tiles of the peers'
-/// shards, pushed as they are stored, interleaved with group s - 1's own
-/// tiles, which add what the peers pushed before they are stored. Group g's
-/// pushes cross the links from its segment's first stored tile on, behind
-/// the previous group's, and have arrived when both the link time of its
-/// bytes (`overlap_comm`, as a ReduceScatter of the group) has passed and
-/// its segment is done; a segment whose own tiles wait for them ends when
-/// they arrive and delays every later segment by as much. Per group the
-/// timing reports when its own tiles are done (gemm_done), its pushes'
-/// start and their arrival.
+/// The combined-stores schedule of a ReduceScatter (push or copy engines,
+/// 2 ranks): no collective after the GEMM. The tiles run in
+/// [`combined_sequence`] order with `lead` positions between a group's
+/// last tile of the peers' shards and its first own tile. Group g's partial
+/// for the peer crosses the link behind the previous group's from its first
+/// tile on and has arrived when both the link time of its bytes
+/// (`overlap_comm`, as a ReduceScatter of the group) has passed and its
+/// last tile is stored; an own tile done before its group's partial arrived
+/// waits, and delays every later position by as much. Per group the timing
+/// reports when its last own tile is stored (gemm_done), the start of its
+/// transfer and its arrival.
+#[allow(clippy::too_many_arguments)]
 pub fn predict_combined(
     tiles: &OutputTiles,
     k: u32,
@@ -117,67 +117,103 @@ pub fn predict_combined(
     hw: &HardwareModel,
     world: u32,
     elem_bytes: u32,
+    lead: u32,
 ) -> Result<Timeline, PlanError> {
     let cost = OverlapCost::new(tiles, k, ctas, hw, world, elem_bytes)?;
     partition.check_against(tiles)?;
     let world = world.max(1);
-    // (own tiles, pushed tiles, the pushes' link time) per group.
-    let groups: Vec<(u32, u32, f64)> = partition
+    // (tiles of the peers' shards, own tiles) per group, and the link time.
+    let counts: Vec<(u32, u32)> = partition
         .groups
         .iter()
         .map(|g| {
             let count = (g.bands.end - g.bands.start) * tiles.tiles_n;
-            (count / world, count - count / world, cost.comm_us(g.bands.clone()))
+            (count - count / world, count / world)
         })
         .collect();
+    let link_us: Vec<f64> = partition.groups.iter().map(|g| cost.comm_us(g.bands.clone())).collect();
     let zero = GroupTiming {
-        gemm_done_us: 0.0,
-        comm_start_us: 0.0,
+        gemm_done_us: -1.0,
+        comm_start_us: -1.0,
         comm_end_us: 0.0,
     };
-    let mut timings = vec![zero; groups.len()];
-    let (mut position, mut delay, mut link_free, mut end) = (0u32, 0.0f64, 0.0f64, 0.0f64);
-    for (pushed, own) in combined_segments(groups.len()) {
-        let count = pushed.map_or(0, |g| groups[g].1) + own.map_or(0, |g| groups[g].0);
-        if count == 0 {
-            continue;
+    let mut timings = vec![zero; counts.len()];
+    let mut left: Vec<u32> = counts.iter().map(|c| c.0).collect();
+    let (mut delay, mut link_free, mut end) = (0.0f64, 0.0f64, 0.0f64);
+    for (q, (g, own)) in (0u32..).zip(combined_sequence(&counts, lead)) {
+        let g = g as usize;
+        let mut done = cost.position_done_us(q) + delay;
+        let t = &mut timings[g];
+        if own {
+            if t.comm_end_us > done {
+                delay += t.comm_end_us - done;
+                done = t.comm_end_us;
+            }
+            t.gemm_done_us = t.gemm_done_us.max(done);
+        } else {
+            if t.comm_start_us < 0.0 {
+                t.comm_start_us = done.max(link_free);
+            }
+            left[g] -= 1;
+            if left[g] == 0 {
+                t.comm_end_us = done.max(t.comm_start_us + link_us[g]);
+                link_free = t.comm_end_us;
+            }
         }
-        let (first, last) = (position, position + count - 1);
-        position += count;
-        let begin = cost.position_done_us(first) + delay;
-        end = cost.position_done_us(last) + delay;
-        if let Some(g) = own {
-            end = end.max(timings[g].comm_end_us);
-            delay = end - cost.position_done_us(last);
-            timings[g].gemm_done_us = end;
-        }
-        if let Some(g) = pushed {
-            let t = &mut timings[g];
-            t.comm_start_us = begin.max(link_free);
-            t.comm_end_us = end.max(t.comm_start_us + groups[g].2);
-            link_free = t.comm_end_us;
-        }
+        end = end.max(done);
     }
     Ok(Timeline {
         gemm_us: cost.gemm_us(),
-        overlap_us: end + groups.len() as f64 * cost.group_us(),
+        overlap_us: end + counts.len() as f64 * cost.group_us(),
         sequential_us: cost.sequential_us(),
         groups: timings,
     })
 }
 
-/// The segments of a combined-stores GEMM, (group whose tiles of the
-/// peers' shards it pushes, group whose own tiles it computes): (0, -),
-/// (1, 0), .., (G-1, G-2), (-, G-1). Own tiles come one segment after the
-/// pushes they add, so that those land while the segment between computes;
-/// interleaving each segment's two parts keeps the links busy throughout.
-/// The same on every rank, which is what makes each wait one for tiles
-/// earlier in the peer's order.
-pub fn combined_segments(groups: usize) -> Vec<(Option<usize>, Option<usize>)> {
-    (0..=groups)
-        .filter(|_| groups > 0)
-        .map(|s| ((s < groups).then_some(s), s.checked_sub(1)))
-        .collect()
+/// The order of a combined-stores GEMM's tiles, (group, own tile?) per
+/// position, from each group's (tiles of the peers' shards, own tiles):
+/// the peers' tiles group by group, and merged evenly among them each
+/// group's own tiles, none before `lead` positions after the group's last
+/// tile of the peers' shards, so that the partials they add have crossed
+/// the link by then (the own tiles wait for them); what is left after the
+/// last peers' tile follows in group order. The same on every rank, which
+/// is what makes each wait one for tiles earlier in the peer's order.
+pub fn combined_sequence(counts: &[(u32, u32)], lead: u32) -> Vec<(u32, bool)> {
+    let (total_pushed, total_own) = counts
+        .iter()
+        .fold((0u64, 0u64), |(a, b), c| (a + u64::from(c.0), b + u64::from(c.1)));
+    let mut order = Vec::with_capacity((total_pushed + total_own) as usize);
+    // Where each group's last tile of the peers' shards ended (its position + 1).
+    let mut pushed_end: Vec<Option<u64>> = vec![None; counts.len()];
+    let (mut p, mut p_taken, mut o, mut o_taken) = (0usize, 0u32, 0usize, 0u32);
+    let (mut pushed_done, mut own_done) = (0u64, 0u64);
+    while order.len() < (total_pushed + total_own) as usize {
+        while p < counts.len() && p_taken == counts[p].0 {
+            pushed_end[p] = Some(order.len() as u64);
+            p += 1;
+            p_taken = 0;
+        }
+        while o < counts.len() && o_taken == counts[o].1 {
+            o += 1;
+            o_taken = 0;
+        }
+        let position = order.len() as u64;
+        let own_ready = o < counts.len()
+            && pushed_end[o].is_some_and(|e| position >= e + u64::from(lead));
+        // Own tiles that fell behind their share of the positions go next.
+        let own_turn = own_done * total_pushed <= pushed_done * total_own;
+        let take_own = p == counts.len() || (own_ready && own_turn);
+        if take_own {
+            order.push((o as u32, true));
+            o_taken += 1;
+            own_done += 1;
+        } else {
+            order.push((p as u32, false));
+            p_taken += 1;
+            pushed_done += 1;
+        }
+    }
+    order
 }
 
 /// Runs the collectives one after another on the stream, each from when its
@@ -248,6 +284,57 @@ mod tests {
             2,
         )
         .unwrap()
+    }
+
+    proptest! {
+        #[test]
+        fn combined_sequence_keeps_the_lead(
+            counts in prop::collection::vec((1u32..300, 1u32..300), 1..12),
+            lead in 0u32..400,
+        ) {
+            let order = combined_sequence(&counts, lead);
+            let total: u32 = counts.iter().map(|c| c.0 + c.1).sum();
+            prop_assert_eq!(order.len() as u32, total);
+            let mut last_pushed = vec![None; counts.len()];
+            let mut seen = vec![(0u32, 0u32); counts.len()];
+            for (q, &(g, own)) in order.iter().enumerate() {
+                let g = g as usize;
+                if own {
+                    seen[g].1 += 1;
+                    // Every tile of the group's partial came first, `lead` before
+                    // (unless nothing else was left to compute).
+                    prop_assert_eq!(seen[g].0, counts[g].0);
+                    let all_pushed = seen.iter().zip(&counts).all(|(s, c)| s.0 == c.0);
+                    prop_assert!(q >= last_pushed[g].unwrap() + 1 + lead as usize || all_pushed);
+                } else {
+                    // Groups' partials in order.
+                    prop_assert!(seen[..g].iter().zip(&counts).all(|(s, c)| s.0 == c.0));
+                    seen[g].0 += 1;
+                    last_pushed[g] = Some(q);
+                }
+            }
+            prop_assert!(seen.iter().zip(&counts).all(|(s, c)| *s == *c));
+        }
+    }
+
+    #[test]
+    fn a_combined_call_waits_where_the_link_is_slower_than_the_gemm() {
+        let tiles = shape(2048, 16384);
+        let p = GroupPartition::uniform(&tiles, 2).unwrap();
+        let run = |gbps: f64| {
+            let hw = HardwareModel {
+                overlap_comm: crate::plan::CollectiveModel::analytic(5.0, gbps),
+                ..HardwareModel::h200()
+            };
+            predict_combined(&tiles, 1024, 132, &p, &hw, 2, 2, 132).unwrap()
+        };
+        let (fast, slow) = (run(2000.0), run(50.0));
+        // A fast link hides the partials behind the GEMM; a slow one sets the pace.
+        assert!(fast.overlap_us < fast.gemm_us * 1.2);
+        assert!(slow.overlap_us > fast.overlap_us * 2.0);
+        for t in &slow.groups {
+            assert!(t.gemm_done_us >= t.comm_end_us);
+        }
     }
 
     #[test]
