@@ -242,6 +242,8 @@ fn hardware_for(
             } else {
                 0.0
             },
+            push_drain_stall: (backend == Backend::Push && kind == CollectiveKind::ReduceScatter)
+                .then_some(PUSH_DRAIN_STALL),
             ..h200
         }
     } else {
@@ -339,12 +341,17 @@ const PUSH_NORM_GROUP_US: f64 = 7.0;
 /// per call the grant handshake and the flags' resets on the caller's
 /// stream, per group one reset (estimates, not yet fitted).
 const PUSH_COMBINED_FIXED_US: f64 = 10.0;
+/// A pushed tile's CTA waits for its stores to drain before it refills the
+/// epilogue buffer: on 2x H200 the combined ReduceScatter ran 0.4-0.6 of its
+/// pushed bytes' link time above the GEMM alone (2048-16384 x 8192 x 4096,
+/// 2048 x 8192 x 14336; scratch probe of 2026-11-26).
+const PUSH_DRAIN_STALL: f64 = 0.5;
 const PUSH_COMBINED_GROUP_US: f64 = 1.0;
 /// The copy engines' ReduceScatter with combined stores (2 ranks): per
 /// group a stream wait, a copy into the peer's slot and a flag write, at
 /// the copies' rate beside a GEMM (estimates, not yet fitted).
 const CE_COMBINED_LATENCY_US: f64 = 10.0;
-const CE_COMBINED_GBPS: f64 = 300.0;
+const CE_COMBINED_GBPS: f64 = 240.0;
 const CE_COMBINED_FIXED_US: f64 = 15.0;
 const CE_COMBINED_GROUP_US: f64 = 2.0;
 

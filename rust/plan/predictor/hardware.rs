@@ -120,6 +120,12 @@ pub struct HardwareModel {
     /// follows each group's collective in gemm_all_reduce_rmsnorm (0: no
     /// norm follows). Capped at `FUSED_NORM_CAP` over the whole GPU.
     pub fused_norm_bytes_per_us_per_sm: f64,
+    /// A combined-stores ReduceScatter (`predict_combined`) whose partials
+    /// the GEMM pushes from its epilogue: Some(f), each pushed tile stalls its
+    /// CTA for f times the tile's time on the link (its stores drain before
+    /// the next fill), and a group's partial streams as its tiles finish.
+    /// None: partials are copied (copy engines) once their group is done.
+    pub push_drain_stall: Option<f64>,
 }
 
 /// The fused add + RMSNorm on H200 (evaluation/results/bench_add_rmsnorm_h200.txt):
@@ -175,6 +181,7 @@ impl HardwareModel {
             overlap_group_us: 0.0,
             unreorder_bytes_per_us_per_sm: H200_UNREORDER_PER_SM,
             fused_norm_bytes_per_us_per_sm: 0.0,
+            push_drain_stall: None,
         }
     }
 
@@ -193,6 +200,7 @@ impl HardwareModel {
             overlap_group_us: 0.0,
             unreorder_bytes_per_us_per_sm: H200_UNREORDER_PER_SM / 2.0,
             fused_norm_bytes_per_us_per_sm: 0.0,
+            push_drain_stall: None,
         }
     }
 

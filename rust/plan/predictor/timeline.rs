@@ -101,11 +101,14 @@ pub fn predict_staged(
 /// 2 ranks): no collective after the GEMM. The tiles run in
 /// [`combined_sequence`] order with `lead` positions between a group's
 /// last tile of the peers' shards and its first own tile. Group g's partial
-/// for the peer crosses the link behind the previous group's from its first
-/// tile on and has arrived when both the link time of its bytes
-/// (`overlap_comm`, as a ReduceScatter of the group) has passed and its
-/// last tile is stored; an own tile done before its group's partial arrived
-/// waits, and delays every later position by as much. Per group the timing
+/// for the peer crosses the link behind the previous group's, taking the
+/// link time of its bytes (`overlap_comm`, as a ReduceScatter of the group):
+/// pushed from the epilogue (`push_drain_stall`), from its first tile on,
+/// arriving no earlier than its last tile is stored, each pushed tile
+/// stalling its CTA (and, the waves being in step, every later position)
+/// for its share of the link; copied, from when its last tile is stored.
+/// An own tile done before its group's partial arrived waits, and delays
+/// every later position by as much. Per group the timing
 /// reports when its last own tile is stored (gemm_done), the start of its
 /// transfer and its arrival.
 #[allow(clippy::too_many_arguments)]
@@ -132,6 +135,7 @@ pub fn predict_combined(
         })
         .collect();
     let link_us: Vec<f64> = partition.groups.iter().map(|g| cost.comm_us(g.bands.clone())).collect();
+    let drain = hw.push_drain_stall;
     let zero = GroupTiming {
         gemm_done_us: -1.0,
         comm_start_us: -1.0,
@@ -151,11 +155,19 @@ pub fn predict_combined(
             }
             t.gemm_done_us = t.gemm_done_us.max(done);
         } else {
-            if t.comm_start_us < 0.0 {
+            if let Some(stall) = drain {
+                let wait = stall * link_us[g] / f64::from(counts[g].0);
+                delay += wait;
+                done += wait;
+            }
+            if t.comm_start_us < 0.0 && drain.is_some() {
                 t.comm_start_us = done.max(link_free);
             }
             left[g] -= 1;
             if left[g] == 0 {
+                if drain.is_none() {
+                    t.comm_start_us = done.max(link_free);
+                }
                 t.comm_end_us = done.max(t.comm_start_us + link_us[g]);
                 link_free = t.comm_end_us;
             }
