@@ -236,7 +236,12 @@ fn hardware_for(
                 }
                 _ => 0.0,
             },
-            overlap_gemm_slowdown: if world > 1 { GEMM_BESIDE_TRAFFIC } else { 1.0 },
+            overlap_gemm_slowdown: match (world, backend) {
+                (1, _) => 1.0,
+                // Only the copies' HBM traffic beside it: no SM moves a byte.
+                (_, Backend::CopyEngine) if combined => CE_COMBINED_GEMM_SLOWDOWN,
+                _ => GEMM_BESIDE_TRAFFIC,
+            },
             fused_norm_bytes_per_us_per_sm: if fused_norm {
                 crate::plan::predictor::H200_FUSED_NORM_PER_SM
             } else {
@@ -352,7 +357,8 @@ const PUSH_COMBINED_GROUP_US: f64 = 1.0;
 /// the copies' rate beside a GEMM (estimates, not yet fitted).
 const CE_COMBINED_LATENCY_US: f64 = 10.0;
 const CE_COMBINED_GBPS: f64 = 240.0;
-const CE_COMBINED_FIXED_US: f64 = 15.0;
+const CE_COMBINED_FIXED_US: f64 = 25.0;
+const CE_COMBINED_GEMM_SLOWDOWN: f64 = 1.02;
 const CE_COMBINED_GROUP_US: f64 = 2.0;
 
 /// The push backend's rate on H200 in GB/s of bus traffic (on 2 ranks: an

@@ -165,9 +165,12 @@ impl HardwareModel {
         Self {
             sms: 132,
             // Measured on H200: the sm80 mma.sync kernel 282-287 TFLOP/s
-            // (BK 64, 3 stages), cuBLAS 680-810.
+            // (BK 64, 3 stages); cuBLAS 525-694 on the 16 benchmark shapes
+            // (evaluation/results/gemm_kernel_h200.txt), 666-694 where K >=
+            // 3584: 720 made the sequential schedule 3-10% optimistic at
+            // K = 14336 (bench_gemm_rs_h200x2, 2026-11-26).
             gemm_tflops: 285.0,
-            sequential_gemm_tflops: 720.0,
+            sequential_gemm_tflops: 690.0,
             comm: H200_NCCL,
             overlap_comm: H200_NCCL,
             // Fitted to forced overlap with the TMA-store sm90 kernel on 2x
