@@ -53,7 +53,13 @@
 // longer than timeout_ns (0: forever) sets *timed_out and goes on.
 //
 // Compile-time constants: FO_BF16 (1: bf16, 0: fp16), FO_BN (128 or 256: the
-// tile's N; BM is 128, 64 rows per consumer warpgroup), FO_STAGES.
+// tile's N; BM is 128, 64 rows per consumer warpgroup), FO_STAGES, FO_COMBINE
+// (1: the combined stores above are compiled in; 0: ready_flags is ignored,
+// and the epilogue is exactly the plain one: the combining branch cost the
+// plain kernel 3-10% even untaken).
+#ifndef FO_COMBINE
+#define FO_COMBINE 0
+#endif
 #include "ptx.cuh"
 #include "ptx_sm90.cuh"
 
@@ -117,7 +123,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   // Completes when a combined chunk's peer partial is in the epilogue buffer.
   const unsigned recv_bar = bars + 16 * STAGES;
   // Whether position p's tile adds the peer's partial before it is stored.
-  auto combined = [&](int p) { return ready_flags != nullptr && row_table[2 * p + 1] >= 0; };
+  auto combined = [&](int p) { return FO_COMBINE && ready_flags != nullptr && row_table[2 * p + 1] >= 0; };
 
   const int warpgroup = threadIdx.x / 128;
   const int tiles_n = (N + BN - 1) / BN;
@@ -128,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fo::prefetch_tensor_map(&tma_b);
     fo::prefetch_tensor_map(&tma_c);
     if (push_flags != nullptr) fo::prefetch_tensor_map(&tma_peer);
-    if (ready_flags != nullptr) fo::prefetch_tensor_map(&tma_recv);
+    if (FO_COMBINE && ready_flags != nullptr) fo::prefetch_tensor_map(&tma_recv);
     for (int s = 0; s < STAGES; ++s) {
       fo::mbar_init(full(s), 1);   // the producer's arrive; TMA completes the bytes
       fo::mbar_init(empty(s), 8);  // one arrive per consumer warp
@@ -189,7 +195,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           fo::tma_load_2d(epi + box * BOX_BYTES, &tma_recv, recv_bar, (tile % tiles_n) * BN + ch * EPI_COLS + box * 64,
                           row_table[2 * p + 1]);
       };
+#if FO_COMBINE
       if (lane == 0 && blockIdx.x < num_tiles && combined(blockIdx.x)) fetch(blockIdx.x, 0);
+#endif
       for (int pos = blockIdx.x; pos < num_tiles; pos += gridDim.x) {
         const int tile = tile_order ? tile_order[pos] : pos;
         const int stored = staged ? pos * BM : row_table ? row_table[2 * pos + 1] : (tile / tiles_n) * BM;
@@ -222,12 +230,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             if (counters != nullptr) fo::signal_add(counters + tile_group[pos], 1u);
             if (pushed) fo::signal_add_sys(push_flags + tile_group[pos] * PEER_FLAG_STRIDE, 1u);
           }
+#if FO_COMBINE
           // The next chunk's peer partial, into the buffer just emptied (its
           // consumers wait for it), only after this tile's signals.
           if (lane == 0 && !last) {
             const int next = ch + 1 < CHUNKS ? pos : pos + gridDim.x;
             if (combined(next)) fetch(next, ch + 1 < CHUNKS ? ch + 1 : 0);
           }
+#endif
         }
       }
       if (lane == 0) fo::bulk_wait_all();
@@ -282,11 +292,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int ch = 0; ch < CHUNKS; ++ch) {
         if (fills++ > 0) fo::named_barrier(BAR_EPI_FREE, EPI_THREADS);
+#if FO_COMBINE
         if (combine) {
           // The buffer holds the peer's partial, in the layout written below.
           fo::mbar_wait(recv_bar, recv_phase);
           recv_phase ^= 1;
         }
+#endif
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = consumer * 64 + warp * 16 + g + h * 8;
@@ -295,11 +307,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             const int a = ch * (EPI_COLS / 8) + j;
             const unsigned dst = epi + (j / 8) * BOX_BYTES + row * 128 + (((j % 8) ^ g) * 16) + 4 * t;
             float lo = acc[4 * a + 2 * h], hi = acc[4 * a + 2 * h + 1];
+#if FO_COMBINE
             if (combine) {
               const unsigned peer = fo::ld_shared_u32(dst);
               lo += fo::low(peer);
               hi += fo::high(peer);
             }
+#endif
             fo::st_shared_u32(dst, fo::pack2(lo, hi));
           }
         }

@@ -166,6 +166,17 @@ impl GemmKernel {
         }
     }
 
+    /// The sm_90 kernel with combined stores compiled in (FO_COMBINE: the
+    /// push and copy-engine ReduceScatter on 2 ranks); other kernels as
+    /// [`GemmKernel::spec`].
+    pub fn spec_combined(self, dtype: Dtype) -> KernelSpec {
+        let mut spec = self.spec(dtype);
+        if matches!(self, GemmKernel::Sm90 { .. }) {
+            spec.defines.push(("FO_COMBINE", "1".to_string()));
+        }
+        spec
+    }
+
     pub fn spec(self, dtype: Dtype) -> KernelSpec {
         let (bm, bn, bk) = self.tile();
         let stages = self.stages();
@@ -370,7 +381,12 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
     let gemms = GemmKernel::ALL
         .into_iter()
         .filter(|k| k.runs_on(arch))
-        .flat_map(|k| [k.spec(Dtype::Bf16), k.spec(Dtype::F16)]);
+        .flat_map(|k| {
+            let combined = matches!(k, GemmKernel::Sm90 { .. });
+            [Dtype::Bf16, Dtype::F16].into_iter().flat_map(move |d| {
+                std::iter::once(k.spec(d)).chain(combined.then(|| k.spec_combined(d)))
+            })
+        });
     let major = if arch == "sm_90a" { 9 } else { 8 };
     let reduces = [2, 4, 8].into_iter().flat_map(move |r| {
         [

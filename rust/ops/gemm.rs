@@ -160,6 +160,13 @@ pub fn load(device: &DeviceInfo, dtype: Dtype, which: GemmKernel) -> Result<Load
     Ok(LoadedGemm { which, kernel })
 }
 
+/// [`load`] with combined stores compiled in (`Signals::recv`).
+pub fn load_combined(device: &DeviceInfo, dtype: Dtype, which: GemmKernel) -> Result<LoadedGemm> {
+    load(device, dtype, which)?;
+    let kernel = kernels::load(device, &which.spec_combined(dtype))?;
+    Ok(LoadedGemm { which, kernel })
+}
+
 /// Enqueues the persistent GEMM with `ctas` CTAs on `stream`.
 pub fn launch(
     gemm: &LoadedGemm,

@@ -271,7 +271,11 @@ pub fn gemm_reduce_scatter(
             plan.send_rows()
         )));
     }
-    let kernel = gemm::load(&comm.device, args.dtype, prepared.kernel)?;
+    let kernel = if plan.request.combined {
+        gemm::load_combined(&comm.device, args.dtype, prepared.kernel)?
+    } else {
+        gemm::load(&comm.device, args.dtype, prepared.kernel)?
+    };
     let signals = Signals {
         tile_order: prepared.tile_order.ptr,
         tile_group: prepared.tile_group.ptr,
