@@ -565,15 +565,7 @@ pub fn enqueue_pushed<'g>(
             "internal: the push backend needs the GEMM's counters (and a reduction to sum)".into(),
         ));
     };
-    let other = match peer.peers().collect::<Vec<_>>()[..] {
-        [p] => p,
-        _ => {
-            return Err(Error::Invalid(format!(
-                "backend: 'push' runs on exactly 2 ranks, this communicator has {}",
-                layout.world
-            )))
-        }
-    };
+    let other = only_peer(peer, "backend: 'push'")?;
     if call.groups.iter().any(|g| matches!(g, Group::Gather(_))) {
         return Err(Error::Invalid(
             "internal: the push backend sums an AllReduce's whole group on both ranks".into(),
@@ -643,6 +635,17 @@ pub fn peer_timeout_ns() -> Result<u64> {
     }
 }
 
+/// The one other rank of a 2-rank communicator (`what` runs on no other).
+fn only_peer(peer: &PeerBuffers, what: &str) -> Result<usize> {
+    match peer.peers().collect::<Vec<_>>()[..] {
+        [p] => Ok(p),
+        _ => Err(Error::Invalid(format!(
+            "{what} runs on exactly 2 ranks, this communicator has {}",
+            peer.layout.world
+        ))),
+    }
+}
+
 /// Where a combined-stores GEMM sends and finds the partials (addresses
 /// as mapped here): the peer's slot for this rank and its ready flags for
 /// this rank (group 0's; PEER_FLAG_STRIDE words apart), this rank's slot for
@@ -693,15 +696,7 @@ pub fn enqueue_combined<'g>(
 ) -> Result<()> {
     let layout = peer.layout;
     let me = peer.rank;
-    let other = match peer.peers().collect::<Vec<_>>()[..] {
-        [p] => p,
-        _ => {
-            return Err(Error::Invalid(format!(
-                "internal: combined stores run on exactly 2 ranks, this communicator has {}",
-                layout.world
-            )))
-        }
-    };
+    let other = only_peer(peer, "internal: combined stores")?;
     let timed_out = layout.timed_out_flag(peer.bases[me]);
     if peer_timeout_ns()? > 0
         && !stream::is_capturing(caller)?
