@@ -349,7 +349,7 @@ const PUSH_COMBINED_FIXED_US: f64 = 10.0;
 /// A pushed tile's CTA waits for its stores to drain before it refills the
 /// epilogue buffer: on 2x H200 the combined ReduceScatter ran 0.4-0.6 of its
 /// pushed bytes' link time above the GEMM alone (2048-16384 x 8192 x 4096,
-/// 2048 x 8192 x 14336; scratch probe of 2026-11-26).
+/// 2048 x 8192 x 14336; a one-off probe of forced groupings on 2026-11-26).
 const PUSH_DRAIN_STALL: f64 = 0.5;
 const PUSH_COMBINED_GROUP_US: f64 = 1.0;
 /// The copy engines' ReduceScatter with combined stores (2 ranks): per
