@@ -178,8 +178,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const int group = tile_group[p];
         if (group != waited) {
           const unsigned* flag = ready_flags + group * PEER_FLAG_STRIDE;
+          const unsigned expected = ready_counts[group];
           const unsigned long long start = timeout_ns ? fo::now_ns() : 0;
-          while (fo::load_acquire_sys(flag) < ready_counts[group]) {
+          while (fo::load_acquire_sys(flag) < expected) {
             if (timeout_ns && fo::now_ns() - start > timeout_ns) {
               atomicExch(timed_out, 1u);
               break;

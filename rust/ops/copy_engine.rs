@@ -148,11 +148,10 @@ pub fn sums(exchanges: Vec<Exchange>) -> Vec<Group> {
 pub fn combines_reduce_scatter() -> bool {
     static MODE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| {
-        std::env::var("FLASHOVERLAP_CE_REDUCE_SCATTER")
+        !std::env::var("FLASHOVERLAP_CE_REDUCE_SCATTER")
             .unwrap_or_default()
             .trim()
-            .to_ascii_lowercase()
-            != "sum"
+            .eq_ignore_ascii_case("sum")
     })
 }
 
@@ -577,15 +576,8 @@ pub fn enqueue_pushed<'g>(
     // ([`Exchange::slot_offset`]), so the slot is laid out like it.
     let slot = layout.slot(peer.bases[other], other, me);
     let gemm = prepare_gemm(slot, layout.ready_flag(peer.bases[other], 0, me))?;
-    // The GEMM writes into the peer's slot for this rank from its first
-    // tile. Taking the grant is acknowledged: the peer hands the next one
-    // only after that, or a peer that waits for no push from this rank could
-    // grant again before this reset and the two grants would merge into one
-    // (a hang one call later).
-    let free = layout.free_flag(peer.bases[me], other);
-    stream::wait_geq(caller, free, 1)?;
-    stream::write(caller, free, 0)?;
-    stream::write(caller, layout.taken_flag(peer.bases[other], me), 1)?;
+    // The GEMM writes into the peer's slot for this rank from its first tile.
+    take_grant(peer, other, caller)?;
     comm.fork.order(caller, reduces)?;
     if let Some(gemm) = gemm {
         gemm.enqueue(caller)?;
@@ -610,13 +602,33 @@ pub fn enqueue_pushed<'g>(
         }
         after(g, reduces)?;
     }
-    // Every pushed tile of this call is consumed and the peer took the
-    // previous grant: it may push again.
-    let taken = layout.taken_flag(peer.bases[me], other);
-    stream::wait_geq(reduces, taken, 1)?;
-    stream::write(reduces, taken, 0)?;
-    stream::write(reduces, layout.free_flag(peer.bases[other], me), 1)?;
+    // Every pushed tile of this call is consumed.
+    hand_back_grant(peer, other, reduces)?;
     comm.reduce_join.order(reduces, caller)
+}
+
+/// Waits on `stream` for the grant to write into `other`'s slot for this
+/// rank (its free flag here) and acknowledges taking it. The peer hands the
+/// next grant only after that acknowledgement, or a peer that waits for no
+/// push from this rank could grant again before this reset and the two
+/// grants would merge into one (a hang one call later).
+fn take_grant(peer: &PeerBuffers, other: usize, stream: RawStream) -> Result<()> {
+    let (layout, me) = (peer.layout, peer.rank);
+    let free = layout.free_flag(peer.bases[me], other);
+    stream::wait_geq(stream, free, 1)?;
+    stream::write(stream, free, 0)?;
+    stream::write(stream, layout.taken_flag(peer.bases[other], me), 1)
+}
+
+/// Once this rank consumed everything `other` wrote into its slot this call
+/// (enqueued on `stream` before) and `other` took its previous grant, hands
+/// it the next one.
+fn hand_back_grant(peer: &PeerBuffers, other: usize, stream: RawStream) -> Result<()> {
+    let (layout, me) = (peer.layout, peer.rank);
+    let taken = layout.taken_flag(peer.bases[me], other);
+    stream::wait_geq(stream, taken, 1)?;
+    stream::write(stream, taken, 0)?;
+    stream::write(stream, layout.free_flag(peer.bases[other], me), 1)
 }
 
 /// FLASHOVERLAP_PEER_TIMEOUT_S in ns (0: unset, waits are unbounded), as
@@ -649,7 +661,8 @@ fn only_peer(peer: &PeerBuffers, what: &str) -> Result<usize> {
 /// Where a combined-stores GEMM sends and finds the partials (addresses
 /// as mapped here): the peer's slot for this rank and its ready flags for
 /// this rank (group 0's; PEER_FLAG_STRIDE words apart), this rank's slot for
-/// the peer and its ready flags for the peer, and the timed-out word.
+/// the peer and its ready flags for the peer, the timed-out word and the
+/// wait's bound ([`peer_timeout_ns`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Targets {
     pub peer_slot: u64,
@@ -657,6 +670,7 @@ pub struct Targets {
     pub recv: u64,
     pub ready: u64,
     pub timed_out: u64,
+    pub timeout_ns: u64,
 }
 
 /// One group's copy into the peer's slot: once the GEMM's counter at
@@ -698,7 +712,8 @@ pub fn enqueue_combined<'g>(
     let me = peer.rank;
     let other = only_peer(peer, "internal: combined stores")?;
     let timed_out = layout.timed_out_flag(peer.bases[me]);
-    if peer_timeout_ns()? > 0
+    let timeout_ns = peer_timeout_ns()?;
+    if timeout_ns > 0
         && !stream::is_capturing(caller)?
         && crate::cuda::memory::read_u32(timed_out)? != 0
     {
@@ -715,12 +730,10 @@ pub fn enqueue_combined<'g>(
         recv: layout.slot(peer.bases[me], me, other),
         ready: layout.ready_flag(peer.bases[me], 0, other),
         timed_out,
+        timeout_ns,
     })?;
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
-    let free = layout.free_flag(peer.bases[me], other);
-    stream::wait_geq(caller, free, 1)?;
-    stream::write(caller, free, 0)?;
-    stream::write(caller, layout.taken_flag(peer.bases[other], me), 1)?;
+    take_grant(peer, other, caller)?;
     match copies {
         None => gemm.enqueue(caller)?,
         Some(copies) => {
@@ -740,10 +753,7 @@ pub fn enqueue_combined<'g>(
     for g in 0..groups {
         stream::write(caller, layout.ready_flag(peer.bases[me], g, other), 0)?;
     }
-    let taken = layout.taken_flag(peer.bases[me], other);
-    stream::wait_geq(caller, taken, 1)?;
-    stream::write(caller, taken, 0)?;
-    stream::write(caller, layout.free_flag(peer.bases[other], me), 1)
+    hand_back_grant(peer, other, caller)
 }
 
 /// Enqueues an overlapped op's GEMM (`prepare_gemm(signals)`, None where

@@ -148,6 +148,19 @@ pub struct LoadedGemm {
 
 /// Loads `which` for `dtype`; a kernel the device cannot run is a clear error.
 pub fn load(device: &DeviceInfo, dtype: Dtype, which: GemmKernel) -> Result<LoadedGemm> {
+    load_spec(device, which, which.spec(dtype))
+}
+
+/// [`load`] with combined stores compiled in (`Signals::recv`).
+pub fn load_combined(device: &DeviceInfo, dtype: Dtype, which: GemmKernel) -> Result<LoadedGemm> {
+    load_spec(device, which, which.spec_combined(dtype))
+}
+
+fn load_spec(
+    device: &DeviceInfo,
+    which: GemmKernel,
+    spec: kernels::KernelSpec,
+) -> Result<LoadedGemm> {
     if !which.runs_on(&device.arch()) {
         return Err(Error::Invalid(format!(
             "kernel: {} does not run on {} (device {})",
@@ -156,14 +169,7 @@ pub fn load(device: &DeviceInfo, dtype: Dtype, which: GemmKernel) -> Result<Load
             device.ordinal
         )));
     }
-    let kernel = kernels::load(device, &which.spec(dtype))?;
-    Ok(LoadedGemm { which, kernel })
-}
-
-/// [`load`] with combined stores compiled in (`Signals::recv`).
-pub fn load_combined(device: &DeviceInfo, dtype: Dtype, which: GemmKernel) -> Result<LoadedGemm> {
-    load(device, dtype, which)?;
-    let kernel = kernels::load(device, &which.spec_combined(dtype))?;
+    let kernel = kernels::load(device, &spec)?;
     Ok(LoadedGemm { which, kernel })
 }
 

@@ -163,7 +163,8 @@ struct Prepared {
     tile_order: DeviceBuffer,
     tile_group: DeviceBuffer,
     /// (row of x read, row of the send buffer written) per position; with
-    /// combined stores (push) the row of the output or of the peer's slot.
+    /// combined stores the row of the output or (pushed marking) of the
+    /// buffer that takes the peer's tiles.
     row_table: DeviceBuffer,
     /// Per group; with combined stores on the copy engines, the count of
     /// the tiles of the peer's shard, PEER_FLAG_STRIDE words apart.
@@ -290,9 +291,16 @@ pub fn gemm_reduce_scatter(
     match opts.backend {
         Backend::Peer => return Err(Backend::peer_unsupported("gemm_reduce_scatter")),
         Backend::Nccl => enqueue_nccl(comm, plan, args, send, &signals, caller, launch)?,
-        _ if plan.request.combined => {
-            enqueue_combined(comm, &prepared, &kernel, args, send, opts.backend, &signals, caller)?
-        }
+        _ if plan.request.combined => enqueue_combined(
+            comm,
+            &prepared,
+            &kernel,
+            args,
+            send,
+            opts.backend,
+            &signals,
+            caller,
+        )?,
         Backend::CopyEngine | Backend::Push => {
             let groups = copy_engine::sums(exchanges(plan, args, send, args.out));
             let peer = copy_engine::peer_buffers(comm, &groups)?;
@@ -341,7 +349,6 @@ fn enqueue_combined(
     let ready_counts = prepared.ready_counts.as_ref().ok_or_else(|| {
         Error::Invalid("internal: a combined plan without its ready counts".into())
     })?;
-    let timeout_ns = copy_engine::peer_timeout_ns()?;
     let out_rows = plan.out_rows() as u32;
     let row_bytes = u64::from(args.n) * args.dtype.bytes() as u64;
     let world = plan.request.world;
@@ -381,7 +388,7 @@ fn enqueue_combined(
                 recv: t.recv,
                 ready_flags: t.ready,
                 ready_counts: ready_counts.ptr,
-                timeout_ns,
+                timeout_ns: t.timeout_ns,
                 timed_out: t.timed_out,
                 ..*signals
             };
@@ -609,14 +616,23 @@ mod tests {
                 assert!(plan.combined_lead >= plan.ctas);
                 assert!(
                     first_own.unwrap() >= peer_last_push.unwrap() + 1 + plan.combined_lead as usize
-                        || spans[rank].iter().all(|s| s.0.unwrap() < first_own.unwrap()),
+                        || spans[rank]
+                            .iter()
+                            .all(|s| s.0.unwrap() < first_own.unwrap()),
                     "group {g}"
                 );
             }
-            let pushed = tables[0].tile_group.iter().zip(&tables[0].row_table.chunks(2).collect::<Vec<_>>())
+            let pushed = tables[0]
+                .tile_group
+                .iter()
+                .zip(&tables[0].row_table.chunks(2).collect::<Vec<_>>())
                 .filter(|(&tg, r)| tg as usize == g && (r[1] as i32) < 0)
                 .count();
-            assert_eq!(pushed as u32, plan.groups[g].tiles / 2, "the peer's wait count of group {g}");
+            assert_eq!(
+                pushed as u32,
+                plan.groups[g].tiles / 2,
+                "the peer's wait count of group {g}"
+            );
         }
         // Only 2 ranks, only Hopper, only the sm_90 kernel.
         assert!(plan_for(&args, 4, &push, SMS, 9).is_err());

@@ -42,8 +42,8 @@ pub struct ReduceScatterRequest {
     pub bands_per_group: Option<u32>,
     pub max_groups: u32,
     pub mode: ModeRequest,
-    /// Combined stores (the push backend): no collective follows the
-    /// groups; each rank's own tiles add the peers' pushed partials in the
+    /// Combined stores (push, or the copy engines on 2 ranks): no collective
+    /// follows the groups; each rank's own tiles add the peers' partials in the
     /// GEMM's epilogue (`predict_combined`), and the tiles run in
     /// [`ReduceScatterPlan::combined_order`].
     pub combined: bool,
@@ -144,8 +144,7 @@ pub fn plan_gemm_reduce_scatter(
         (mode, per) if req.combined => {
             let (p, t, lead) = best_combined(&virtual_tiles, k, overlap_ctas, hw, req, per)?;
             combined_lead = lead;
-            let pays =
-                t.overlap_us + hw.overlap_fixed_us < AUTO_OVERLAP_MARGIN * t.sequential_us;
+            let pays = t.overlap_us + hw.overlap_fixed_us < AUTO_OVERLAP_MARGIN * t.sequential_us;
             (mode == ModeRequest::Overlap || per.is_some() || pays).then_some((p, t))
         }
         (_, Some(b)) => {
@@ -260,7 +259,10 @@ fn best_combined(
         let p = GroupPartition::uniform(tiles, b)?;
         for lead in [ctas, 2 * ctas] {
             let t = predict_combined(tiles, k, ctas, &p, hw, req.world, req.elem_bytes, lead)?;
-            if best.as_ref().map_or(true, |(_, bt, _)| t.overlap_us < bt.overlap_us) {
+            if best
+                .as_ref()
+                .map_or(true, |(_, bt, _)| t.overlap_us < bt.overlap_us)
+            {
                 best = Some((p.clone(), t, lead));
             }
         }
@@ -287,8 +289,10 @@ impl ReduceScatterPlan {
                 [pushed, own]
             })
             .collect();
-        let counts: Vec<(u32, u32)> =
-            parts.iter().map(|[p, o]| (p.len() as u32, o.len() as u32)).collect();
+        let counts: Vec<(u32, u32)> = parts
+            .iter()
+            .map(|[p, o]| (p.len() as u32, o.len() as u32))
+            .collect();
         let mut next = vec![[0usize; 2]; parts.len()];
         combined_sequence(&counts, self.combined_lead)
             .into_iter()

@@ -134,7 +134,11 @@ pub fn predict_combined(
             (count - count / world, count / world)
         })
         .collect();
-    let link_us: Vec<f64> = partition.groups.iter().map(|g| cost.comm_us(g.bands.clone())).collect();
+    let link_us: Vec<f64> = partition
+        .groups
+        .iter()
+        .map(|g| cost.comm_us(g.bands.clone()))
+        .collect();
     let drain = hw.push_drain_stall;
     let zero = GroupTiming {
         gemm_done_us: -1.0,
@@ -191,9 +195,9 @@ pub fn predict_combined(
 /// last peers' tile follows in group order. The same on every rank, which
 /// is what makes each wait one for tiles earlier in the peer's order.
 pub fn combined_sequence(counts: &[(u32, u32)], lead: u32) -> Vec<(u32, bool)> {
-    let (total_pushed, total_own) = counts
-        .iter()
-        .fold((0u64, 0u64), |(a, b), c| (a + u64::from(c.0), b + u64::from(c.1)));
+    let (total_pushed, total_own) = counts.iter().fold((0u64, 0u64), |(a, b), c| {
+        (a + u64::from(c.0), b + u64::from(c.1))
+    });
     let mut order = Vec::with_capacity((total_pushed + total_own) as usize);
     // Where each group's last tile of the peers' shards ended (its position + 1).
     let mut pushed_end: Vec<Option<u64>> = vec![None; counts.len()];
@@ -210,8 +214,8 @@ pub fn combined_sequence(counts: &[(u32, u32)], lead: u32) -> Vec<(u32, bool)> {
             o_taken = 0;
         }
         let position = order.len() as u64;
-        let own_ready = o < counts.len()
-            && pushed_end[o].is_some_and(|e| position >= e + u64::from(lead));
+        let own_ready =
+            o < counts.len() && pushed_end[o].is_some_and(|e| position >= e + u64::from(lead));
         // Own tiles that fell behind their share of the positions go next.
         let own_turn = own_done * total_pushed <= pushed_done * total_own;
         let take_own = p == counts.len() || (own_ready && own_turn);
