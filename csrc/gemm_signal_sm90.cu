@@ -52,6 +52,13 @@
 // any wait of its CTA, so the two GEMMs cannot wait on each other. A wait
 // longer than timeout_ns (0: forever) sets *timed_out and goes on.
 //
+// Gathered sums (`gather_row` >= 0, combined stores only: the AllReduce on
+// 2 ranks as a combined ReduceScatter and a gather): every combined tile,
+// once summed, is also stored into the peer's slot at row gather_row +
+// (its output row), and once there the peer's word gather_flags[group *
+// PEER_FLAG_STRIDE] gets a system-scope release add, so the peer copies the
+// finished rows into its own output without any reduction of its own.
+//
 // Compile-time constants: FO_BF16 (1: bf16, 0: fp16), FO_BN (128 or 256: the
 // tile's N; BM is 128, 64 rows per consumer warpgroup), FO_STAGES, FO_COMBINE
 // (1: the combined stores above are compiled in; 0: ready_flags is ignored,
@@ -109,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                         const __grid_constant__ fo::TensorMap tma_peer, unsigned* __restrict__ push_flags,
                         const __grid_constant__ fo::TensorMap tma_recv, const unsigned* __restrict__ ready_flags,
                         const unsigned* __restrict__ ready_counts, unsigned long long timeout_ns,
-                        unsigned* __restrict__ timed_out) {
+                        unsigned* __restrict__ timed_out, int gather_row, unsigned* __restrict__ gather_flags) {
   // Stages first (1024-byte aligned, as 128-byte swizzling requires), the
   // epilogue buffer, then the full/empty barrier pair of every stage.
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -204,6 +211,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const int stored = staged ? pos * BM : row_table ? row_table[2 * pos + 1] : (tile / tiles_n) * BM;
         const bool pushed = push_flags != nullptr && (row_table == nullptr || stored < 0);
         const bool local = stored >= 0;
+#if FO_COMBINE
+        const bool gathered = gather_row >= 0 && combined(pos);
+#else
+        constexpr bool gathered = false;
+#endif
         const int m0 = local ? stored : -stored - 1;
         const int n0 = staged ? 0 : (tile % tiles_n) * BN;
         for (int ch = 0; ch < CHUNKS; ++ch) {
@@ -215,6 +227,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             if (pushed)
               for (int box = 0; box < EPI_BOXES; ++box)
                 fo::tma_store_2d(&tma_peer, epi + box * BOX_BYTES, n0 + ch * EPI_COLS + box * 64, m0);
+            if (gathered)
+              for (int box = 0; box < EPI_BOXES; ++box)
+                fo::tma_store_2d(&tma_peer, epi + box * BOX_BYTES, n0 + ch * EPI_COLS + box * 64, gather_row + m0);
             fo::bulk_commit();
             fo::bulk_wait_read();
           }
@@ -224,12 +239,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           // taker and is skipped.
           const bool last = pos + gridDim.x >= num_tiles && ch == CHUNKS - 1;
           if (!last) fo::named_arrive(BAR_EPI_FREE, EPI_THREADS);
-          if (lane == 0 && ch == CHUNKS - 1 && (counters != nullptr || pushed)) {
+          if (lane == 0 && ch == CHUNKS - 1 && (counters != nullptr || pushed || gathered)) {
             // The tile's outputs are in global memory before its signal.
             fo::bulk_wait_all();
             fo::fence_async_global();
             if (counters != nullptr) fo::signal_add(counters + tile_group[pos], 1u);
             if (pushed) fo::signal_add_sys(push_flags + tile_group[pos] * PEER_FLAG_STRIDE, 1u);
+            if (gathered) fo::signal_add_sys(gather_flags + tile_group[pos] * PEER_FLAG_STRIDE, 1u);
           }
 #if FO_COMBINE
           // The next chunk's peer partial, into the buffer just emptied (its

@@ -172,7 +172,9 @@ def _run_gemm_all_reduce(x, weight, group_name, mode, bands_per_group, kernel, b
         backend = _auto_backend(comm, "gemm_all_reduce", m, n, k, dtype, plan_args)
         plan_args = _op_options(mode, bands_per_group, kernel, backend, order, norm is not None)
     if backend in ("copy_engine", "push") and mode != "sequential":
-        comm.ensure_peer_buffers(out.numel() * out.element_size())
+        # The output, or on 2 ranks (gathered: the peer's partials and sums of
+        # one shard each, in whole 128-row bands) up to two bands more.
+        comm.ensure_peer_buffers((m + 256) * n * out.element_size())
 
     def call(staging_ptr: int = 0):
         return _core.gemm_all_reduce(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype,

@@ -81,6 +81,24 @@ impl Event {
         self.order_all(source, &[waiter])
     }
 
+    /// Records what `source` has enqueued so far, for a later [`Event::wait`].
+    pub fn record(&self, source: RawStream) -> Result<()> {
+        // SAFETY: a live event and stream of the current context.
+        check(
+            unsafe { sys::cuEventRecord(self.0, source) },
+            "cuEventRecord",
+        )
+    }
+
+    /// Makes `waiter` wait for the work of the last [`Event::record`].
+    pub fn wait(&self, waiter: RawStream) -> Result<()> {
+        // SAFETY: a live event and stream of the current context.
+        check(
+            unsafe { sys::cuStreamWaitEvent(waiter, self.0, 0) },
+            "cuStreamWaitEvent",
+        )
+    }
+
     /// Makes every stream of `waiters` wait for everything enqueued on `source` so far.
     pub fn order_all(&self, source: RawStream, waiters: &[RawStream]) -> Result<()> {
         // SAFETY: all handles are live streams of the current context.

@@ -247,7 +247,11 @@ pub fn check_groups(groups: &[Group]) -> Result<()> {
 
 /// The attached peer buffers, checked to hold every group's parts.
 pub fn peer_buffers(comm: &Communicator, groups: &[Group]) -> Result<Arc<PeerBuffers>> {
-    let bytes = groups.iter().map(Group::slot_end).max().unwrap_or(0);
+    peer_buffers_holding(comm, groups.iter().map(Group::slot_end).max().unwrap_or(0))
+}
+
+/// The communicator's peer buffers, with slots of at least `bytes`.
+pub fn peer_buffers_holding(comm: &Communicator, bytes: u64) -> Result<Arc<PeerBuffers>> {
     match comm.peer() {
         Some(p) if p.layout.slot_bytes >= bytes => Ok(p),
         _ => Err(Error::Invalid(format!(
@@ -661,14 +665,16 @@ fn only_peer(peer: &PeerBuffers, what: &str) -> Result<usize> {
 /// Where a combined-stores GEMM sends and finds the partials (addresses
 /// as mapped here): the peer's slot for this rank and its ready flags for
 /// this rank (group 0's; PEER_FLAG_STRIDE words apart), this rank's slot for
-/// the peer and its ready flags for the peer, the timed-out word and the
-/// wait's bound ([`peer_timeout_ns`]).
+/// the peer and its ready flags for the peer, the peer's gathered flags for
+/// this rank (a gathered AllReduce's pushed sums), the timed-out word and
+/// the wait's bound ([`peer_timeout_ns`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Targets {
     pub peer_slot: u64,
     pub peer_ready: u64,
     pub recv: u64,
     pub ready: u64,
+    pub peer_gathered: u64,
     pub timed_out: u64,
     pub timeout_ns: u64,
 }
@@ -684,6 +690,36 @@ pub struct SlotCopy {
     pub bytes: u64,
 }
 
+/// One group's landing in a gathered AllReduce: once this rank's gathered
+/// flag of the group reaches `count` (the peer's sums are in this rank's
+/// slot), `bytes` from `slot_offset` of the slot to `out`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Land {
+    pub count: u32,
+    pub slot_offset: u64,
+    pub out: u64,
+    pub bytes: u64,
+}
+
+/// The second half of an AllReduce on 2 ranks with combined stores: each
+/// rank's sums of its own shard go to the peer's slot, pushed by the GEMM
+/// (`sends` None: the kernel counts them in the peer's gathered flags) or
+/// copied per group by the copy engines (`sends`: from the output, once the
+/// group's counter says its tiles are stored, then the peer's gathered flag
+/// set to 1), and land in the peer's output (`lands`). `after(g, stream)`
+/// follows group g's landing on the landing stream (its fused norm), once
+/// this rank's own tiles of g are stored too: with pushed sums, once the
+/// counter at `own_counters` + 4 g (every tile of the group counts; 0:
+/// no wait) reaches `own_tiles[g]`; with copied ones, once the send's wait
+/// is over.
+pub struct GatherSteps<'a> {
+    pub sends: Option<&'a [SlotCopy]>,
+    pub lands: &'a [Land],
+    pub own_counters: u64,
+    pub own_tiles: &'a [u32],
+    pub after: &'a mut dyn FnMut(usize, RawStream) -> Result<()>,
+}
+
 /// A ReduceScatter with combined stores on 2 ranks: the GEMM computes the
 /// tiles of the peer's shard first and adds what the peer sent into its own
 /// tiles before storing them (csrc/gemm_signal_sm90.cu), so no sum follows
@@ -697,6 +733,12 @@ pub struct SlotCopy {
 /// Caller S:  wait(free) set(taken at peer) [fork] GEMM (waits for ready, sums) [join] reset(ready) wait(taken) set(free at peer)
 /// Comm C:                                        wait(c0) copy(g0 -> peer) set(ready g0 at peer) ...
 ///
+/// With `gather` (an AllReduce, [`GatherSteps`]) the reduce stream copies
+/// the sums (copy engines) and the landing stream lands the peer's:
+///
+/// Reduce R:  wait(own c0) [e0] copy(sums g0 -> peer) set(gathered g0 at peer) ...
+/// Land L:    wait(gathered g0) copy(slot -> out) reset(gathered g0) [wait e0 or own c0] after(g0) ...
+///
 /// `prepare_gemm(targets)` makes the launch before anything is enqueued.
 /// With a bounded wait ([`peer_timeout_ns`]) a wait that timed out in an
 /// earlier call is reported here (outside graph capture).
@@ -705,6 +747,7 @@ pub fn enqueue_combined<'g>(
     peer: &PeerBuffers,
     groups: usize,
     copies: Option<&[SlotCopy]>,
+    gather: Option<GatherSteps>,
     caller: RawStream,
     prepare_gemm: impl FnOnce(Targets) -> Result<Prepared<'g>>,
 ) -> Result<()> {
@@ -724,30 +767,76 @@ pub fn enqueue_combined<'g>(
         ));
     }
     let slot = layout.slot(peer.bases[other], other, me);
+    let recv = layout.slot(peer.bases[me], me, other);
     let gemm = prepare_gemm(Targets {
         peer_slot: slot,
         peer_ready: layout.ready_flag(peer.bases[other], 0, me),
-        recv: layout.slot(peer.bases[me], me, other),
+        recv,
         ready: layout.ready_flag(peer.bases[me], 0, other),
+        peer_gathered: layout.gathered_flag(peer.bases[other], 0, me),
         timed_out,
         timeout_ns,
     })?;
+    let (copier, sender, land) = (comm.stream.0, comm.reduce_stream.0, comm.land_stream.0);
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
+    let events = comm.group_events.lock().unwrap_or_else(|p| p.into_inner());
+    if gather.as_ref().is_some_and(|g| g.sends.is_some()) && events.len() < groups {
+        return Err(Error::Invalid("internal: group events not made".into()));
+    }
     take_grant(peer, other, caller)?;
-    match copies {
-        None => gemm.enqueue(caller)?,
-        Some(copies) => {
-            let copier = comm.stream.0;
-            comm.fork.order(caller, copier)?;
-            gemm.enqueue(caller)?;
-            for (g, c) in copies.iter().enumerate() {
-                stream::wait_geq(copier, c.counter, c.tiles)?;
-                stream::write(copier, c.counter, 0)?;
-                stream::copy(copier, slot + c.slot_offset, c.src, c.bytes as usize)?;
-                stream::write(copier, layout.ready_flag(peer.bases[other], g, me), 1)?;
-            }
-            comm.join.order(copier, caller)?;
+    // The side streams start after the caller's earlier work (and, under
+    // graph capture, join the capture here), before the GEMM.
+    let mut forked = Vec::new();
+    if copies.is_some() {
+        forked.push(copier);
+    }
+    if let Some(g) = &gather {
+        if g.sends.is_some() {
+            forked.push(sender);
         }
+        forked.push(land);
+    }
+    if !forked.is_empty() {
+        comm.fork.order_all(caller, &forked)?;
+    }
+    gemm.enqueue(caller)?;
+    if let Some(copies) = copies {
+        for (g, c) in copies.iter().enumerate() {
+            stream::wait_geq(copier, c.counter, c.tiles)?;
+            stream::write(copier, c.counter, 0)?;
+            stream::copy(copier, slot + c.slot_offset, c.src, c.bytes as usize)?;
+            stream::write(copier, layout.ready_flag(peer.bases[other], g, me), 1)?;
+        }
+        comm.join.order(copier, caller)?;
+    }
+    if let Some(gather) = gather {
+        if let Some(sends) = gather.sends {
+            for (g, c) in sends.iter().enumerate() {
+                stream::wait_geq(sender, c.counter, c.tiles)?;
+                stream::write(sender, c.counter, 0)?;
+                events[g].record(sender)?;
+                stream::copy(sender, slot + c.slot_offset, c.src, c.bytes as usize)?;
+                stream::write(sender, layout.gathered_flag(peer.bases[other], g, me), 1)?;
+            }
+            comm.reduce_join.order(sender, caller)?;
+        }
+        for (g, l) in gather.lands.iter().enumerate() {
+            let flag = layout.gathered_flag(peer.bases[me], g, other);
+            stream::wait_geq(land, flag, l.count)?;
+            stream::write(land, flag, 0)?;
+            stream::copy(land, l.out, recv + l.slot_offset, l.bytes as usize)?;
+            // This rank's own tiles of g are stored once the send's wait is
+            // over (copied sums) or the GEMM's counter says so (pushed ones).
+            if gather.sends.is_some() {
+                events[g].wait(land)?;
+            } else if gather.own_counters != 0 {
+                let counter = gather.own_counters + 4 * g as u64;
+                stream::wait_geq(land, counter, gather.own_tiles[g])?;
+                stream::write(land, counter, 0)?;
+            }
+            (gather.after)(g, land)?;
+        }
+        comm.land_join.order(land, caller)?;
     }
     // The GEMM waited for every group's ready flag: they are consumed.
     for g in 0..groups {

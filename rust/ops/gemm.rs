@@ -96,6 +96,13 @@ pub struct Signals {
     pub ready_counts: u64,
     pub timeout_ns: u64,
     pub timed_out: u64,
+    /// Gathered sums (combined stores only): each combined tile, once
+    /// summed, is also pushed to row `gather_row` + its output row of the
+    /// peer's slot (`push`, which then has `push_rows` >= gather_row + the
+    /// output's rows), counted in `gather_flags` + group * PEER_FLAG_STRIDE
+    /// words there. None: no gather.
+    pub gather_row: Option<u32>,
+    pub gather_flags: u64,
 }
 
 /// Words between two groups' ready flags in a peer buffer, as the sm_90
@@ -216,6 +223,8 @@ enum Operands {
         ready_counts: u64,
         timeout_ns: u64,
         timed_out: u64,
+        gather_row: i32,
+        gather_flags: u64,
     },
 }
 
@@ -262,6 +271,8 @@ impl Prepared<'_> {
                 ready_counts,
                 timeout_ns,
                 timed_out,
+                gather_row,
+                gather_flags,
             } => {
                 // The sm_90 kernel takes the store map in place of C's pointer.
                 let mut p: Vec<*mut c_void> = vec![
@@ -277,6 +288,8 @@ impl Prepared<'_> {
                 p.push((ready_counts as *mut u64).cast());
                 p.push((timeout_ns as *mut u64).cast());
                 p.push((timed_out as *mut u64).cast());
+                p.push((gather_row as *mut i32).cast());
+                p.push((gather_flags as *mut u64).cast());
                 p
             }
         };
@@ -327,6 +340,24 @@ pub fn prepare<'a>(
                 .into(),
         ));
     }
+    let gather_row = match signals.gather_row {
+        None => -1,
+        Some(row)
+            if combined
+                && signals.gather_flags != 0
+                && u64::from(row) + u64::from(signals.store_rows)
+                    <= u64::from(signals.push_rows)
+                && row <= i32::MAX as u32 =>
+        {
+            row as i32
+        }
+        Some(_) => {
+            return Err(Error::Invalid(
+                "internal: gathered sums need combined stores, their flags and a slot with room for them"
+                    .into(),
+            ))
+        }
+    };
     let tail = Tail {
         c,
         m: args.m as i32,
@@ -385,6 +416,8 @@ pub fn prepare<'a>(
                 ready_counts: signals.ready_counts,
                 timeout_ns: signals.timeout_ns,
                 timed_out: signals.timed_out,
+                gather_row,
+                gather_flags: signals.gather_flags,
             }
         }
     };

@@ -641,7 +641,13 @@ pub fn predicted_us(
     sms: u32,
     major: i32,
 ) -> Result<f64> {
-    Ok(plan_for(args, world, opts, sms, major)?.1.predicted_us())
+    let plain = plan_for(args, world, opts, sms, major)?.1.predicted_us();
+    Ok(
+        match super::gathered_all_reduce::plan_for(args, world, opts, sms, major, plain)? {
+            Some((_, gathered)) => gathered.predicted_us(),
+            None => plain,
+        },
+    )
 }
 
 fn prepare(
@@ -842,6 +848,23 @@ pub fn gemm_all_reduce(
         (Backend::Peer, None) => return Err(Backend::peer_unsupported("gemm_all_reduce")),
         _ => None,
     };
+    if peer.is_none() {
+        if let Some(gathered) = super::gathered_all_reduce::prepare(comm, args, opts, caller)? {
+            // Loaded before anything is enqueued: no wait may sit in front of a lazy load.
+            let norm_kernel = norm
+                .map(|_| super::gathered_all_reduce::load_norm(comm, args))
+                .transpose()?;
+            super::gathered_all_reduce::enqueue(
+                comm,
+                &gathered,
+                args,
+                opts.backend,
+                norm.zip(norm_kernel.as_ref()),
+                caller,
+            )?;
+            return Ok(Enqueued::Overlap);
+        }
+    }
     let prepared = prepare(comm, args, opts, caller)?;
     let plan = &prepared.plan;
     if plan.schedule == Schedule::Sequential {

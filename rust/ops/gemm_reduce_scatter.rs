@@ -31,7 +31,7 @@ use crate::cuda::stream::{self, RawStream};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::{
-    plan_gemm_reduce_scatter, pushed_row, CollectiveKind, ModeRequest, ReduceScatterPlan,
+    plan_gemm_reduce_scatter, pushed_row, CollectiveKind, Gather, ModeRequest, ReduceScatterPlan,
     ReduceScatterRequest, Schedule,
 };
 use std::sync::Arc;
@@ -108,6 +108,59 @@ pub fn predicted_us(
     Ok(plan_for(args, world, opts, sms, major)?.1.predicted_us())
 }
 
+/// SMs a gathered AllReduce with a fused norm may leave free: none (the
+/// norms then run once the GEMM is done, on every SM) or a few for the
+/// norms of the groups already gathered.
+const GATHERED_NORM_RESERVED_SMS: [u32; 3] = [0, 8, 16];
+
+/// The landing copies of a gathered AllReduce (slot -> output, local, on
+/// the copy engines) beside the GEMM: 0.6-0.9 TB/s of landed bytes on
+/// H200 (evaluation/results/bench_land_copy_h200.txt, 4-64 MiB).
+const GATHER_LAND_GBPS: f64 = 700.0;
+
+/// GEMM + AllReduce on 2 ranks (with its fused norm where `fused_norm`) as
+/// a combined ReduceScatter whose sums each rank gives the peer
+/// ([`crate::plan::Gather`]), for `opts.backend` push or copy engines:
+/// the plan predicted fastest over the SMs it may leave free (0 without a
+/// norm). `args.m` must be even (2 shards).
+pub(crate) fn plan_gathered(
+    args: &GemmArgs,
+    opts: &Options,
+    fused_norm: bool,
+    sms: u32,
+    major: i32,
+) -> Result<(GemmKernel, ReduceScatterPlan)> {
+    let candidates: Vec<u32> = match opts.reserved_sms {
+        Some(r) => vec![r],
+        None if fused_norm => GATHERED_NORM_RESERVED_SMS.to_vec(),
+        None => vec![0],
+    };
+    let mut best: Option<(GemmKernel, ReduceScatterPlan)> = None;
+    for reserved in candidates.into_iter().filter(|&r| r < sms) {
+        let machine = Machine {
+            sms,
+            major,
+            backend: opts.backend,
+            reserved,
+            fused_norm,
+            combined: true,
+        };
+        let plan = fastest_kernel(
+            kernel_candidates(opts.kernel, args, &machine),
+            |kernel| plan_with(args, 2, opts, &machine, kernel, true),
+            ReduceScatterPlan::predicted_us,
+            |p| p.schedule == Schedule::Overlap,
+        )?;
+        if best
+            .as_ref()
+            .map_or(true, |(_, b)| plan.1.predicted_us() < b.predicted_us())
+        {
+            best = Some(plan);
+        }
+    }
+    best.ok_or_else(|| Error::Invalid(format!("reserved_sms: no SM left to the GEMM of {sms}")))
+}
+
 fn plan_reserving(
     args: &GemmArgs,
     world: u32,
@@ -126,7 +179,7 @@ fn plan_reserving(
     };
     fastest_kernel(
         kernel_candidates(opts.kernel, args, &machine),
-        |kernel| plan_with(args, world, opts, &machine, kernel),
+        |kernel| plan_with(args, world, opts, &machine, kernel, false),
         ReduceScatterPlan::predicted_us,
         |p| p.schedule == Schedule::Overlap,
     )
@@ -138,9 +191,17 @@ fn plan_with(
     opts: &Options,
     machine: &Machine,
     kernel: GemmKernel,
+    gathered: bool,
 ) -> Result<ReduceScatterPlan> {
     let reserved = machine.reserved;
     let hw = machine.model(args, world, kernel, CollectiveKind::ReduceScatter);
+    let gather = gathered.then(|| Gather {
+        land_gbps: GATHER_LAND_GBPS,
+        // The AllReduce the sequential schedule runs (its measured curve where there is one).
+        all_reduce: machine
+            .model(args, world, kernel, CollectiveKind::AllReduce)
+            .comm,
+    });
     let req = ReduceScatterRequest {
         m: args.m,
         n: args.n,
@@ -153,6 +214,7 @@ fn plan_with(
         max_groups: opts.max_groups,
         mode: opts.mode,
         combined: machine.combined,
+        gather,
     };
     Ok(plan_gemm_reduce_scatter(&req, &hw)?)
 }
@@ -374,6 +436,7 @@ fn enqueue_combined(
         &peer,
         plan.groups.len(),
         (!pushed).then_some(&copies[..]),
+        None,
         caller,
         |t| {
             let combined = Signals {
@@ -398,10 +461,10 @@ fn enqueue_combined(
 }
 
 /// The kernel's tables of one call.
-struct Tables {
-    tile_order: Vec<u32>,
-    tile_group: Vec<u32>,
-    row_table: Vec<u32>,
+pub(crate) struct Tables {
+    pub tile_order: Vec<u32>,
+    pub tile_group: Vec<u32>,
+    pub row_table: Vec<u32>,
 }
 
 /// The tables of a combined-stores call on `rank`: positions in
@@ -409,7 +472,7 @@ struct Tables {
 /// go to its output rows (band j at rows j * bm), those of another shard to
 /// row -r - 1 (the kernel's "push" marking) for r the same row of that
 /// shard's owner's slot, which is laid out like the output.
-fn combined_tables(plan: &ReduceScatterPlan, rank: u32) -> Tables {
+pub(crate) fn combined_tables(plan: &ReduceScatterPlan, rank: u32) -> Tables {
     let (bands, tiles_n, bm) = (plan.bands, plan.tiles_n, plan.request.tile.bm);
     let order = plan.combined_order(rank);
     let store = |p: usize| {

@@ -5,6 +5,7 @@ pub mod all_reduce;
 pub mod all_reduce_rmsnorm;
 pub mod backend;
 pub mod copy_engine;
+pub mod gathered_all_reduce;
 pub mod gemm;
 pub mod gemm_all_reduce;
 pub mod gemm_all_to_all;

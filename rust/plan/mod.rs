@@ -28,8 +28,8 @@ pub use order::{default_raster_bands, OrderKind, TileOrder};
 pub use predictor::{
     best_all_to_all_groups, best_partition, best_staged_partition, call_us, combined_sequence,
     predict, predict_all_to_all, predict_combined, predict_sequential, predict_staged,
-    AllToAllShape, CollectiveKind, CollectiveModel, Curve, GroupTiming, HardwareModel, Timeline,
-    CURVE_CAPACITY, MAX_ALL_TO_ALL_GROUPS,
+    AllToAllShape, CollectiveKind, CollectiveModel, Curve, Gather, GroupTiming, HardwareModel,
+    Timeline, CURVE_CAPACITY, MAX_ALL_TO_ALL_GROUPS,
 };
 pub use reduce_scatter::{
     plan_gemm_reduce_scatter, ReduceScatterPlan, ReduceScatterRequest, ScatterGroup,

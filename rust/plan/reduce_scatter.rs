@@ -24,7 +24,7 @@ use super::gemm_all_reduce::{validate_common, ModeRequest, Schedule, AUTO_OVERLA
 use super::groups::GroupPartition;
 use super::predictor::{
     best_partition, combined_sequence, predict, predict_combined, predict_sequential,
-    CollectiveKind, HardwareModel, Timeline,
+    CollectiveKind, Gather, HardwareModel, Timeline,
 };
 use super::tiles::{OutputTiles, TileShape};
 use super::waves::Waves;
@@ -47,6 +47,11 @@ pub struct ReduceScatterRequest {
     /// GEMM's epilogue (`predict_combined`), and the tiles run in
     /// [`ReduceScatterPlan::combined_order`].
     pub combined: bool,
+    /// With `combined`, 2 ranks: the plan is an AllReduce's (the output is
+    /// all `m` rows, each rank's own shard summed in its epilogue, then
+    /// given to the peer: [`predict_combined`]'s gather); its sequential
+    /// schedule is the library GEMM and one AllReduce.
+    pub gather: Option<Gather>,
 }
 
 /// One wave group: local bands of every shard, and where its collective runs.
@@ -106,6 +111,11 @@ impl ReduceScatterRequest {
             self.max_groups,
             self.bands_per_group,
         )?;
+        if self.gather.is_some() && !(self.combined && self.world == 2) {
+            return Err(PlanError::InvalidShape(
+                "a gathered (AllReduce) plan needs combined stores on 2 ranks".into(),
+            ));
+        }
         if self.m % self.world != 0 {
             return Err(PlanError::InvalidShape(format!(
                 "m must be divisible by the world size {}, got {}",
@@ -128,6 +138,14 @@ pub fn plan_gemm_reduce_scatter(
     req.validate(hw)?;
     // Each group's collective is a ReduceScatter of its rows of every shard.
     let hw = &hw.with_collective(CollectiveKind::ReduceScatter);
+    // A gathered plan is an AllReduce's: its sequential schedule runs one.
+    let sequential_hw = match req.gather {
+        Some(g) => HardwareModel {
+            comm: g.all_reduce,
+            ..*hw
+        },
+        None => *hw,
+    };
     let shard_rows = req.m / req.world;
     let tile = req.tile;
     let bands = shard_rows.div_ceil(tile.bm);
@@ -138,12 +156,17 @@ pub fn plan_gemm_reduce_scatter(
     let elem = req.elem_bytes;
     let overlap_ctas = hw.sms - req.reserved_sms;
     let (k, world) = (req.k, req.world);
+    let sequential = predict_sequential(&virtual_tiles, k, &sequential_hw, world, elem)?;
     let mut combined_lead = 0;
     let overlap = match (req.mode, req.bands_per_group) {
         (ModeRequest::Sequential, _) => None,
         (mode, per) if req.combined => {
             let (p, t, lead) = best_combined(&virtual_tiles, k, overlap_ctas, hw, req, per)?;
             combined_lead = lead;
+            let t = Timeline {
+                sequential_us: sequential.sequential_us,
+                ..t
+            };
             let pays = t.overlap_us + hw.overlap_fixed_us < AUTO_OVERLAP_MARGIN * t.sequential_us;
             (mode == ModeRequest::Overlap || per.is_some() || pays).then_some((p, t))
         }
@@ -173,7 +196,7 @@ pub fn plan_gemm_reduce_scatter(
             Schedule::Sequential,
             hw.sms,
             GroupPartition::whole(&virtual_tiles),
-            predict_sequential(&virtual_tiles, k, hw, world, elem)?,
+            sequential,
         ),
     };
     let total = req.world * bands * tiles_n;
@@ -258,7 +281,17 @@ fn best_combined(
     for b in candidates {
         let p = GroupPartition::uniform(tiles, b)?;
         for lead in [ctas, 2 * ctas] {
-            let t = predict_combined(tiles, k, ctas, &p, hw, req.world, req.elem_bytes, lead)?;
+            let t = predict_combined(
+                tiles,
+                k,
+                ctas,
+                &p,
+                hw,
+                req.world,
+                req.elem_bytes,
+                lead,
+                req.gather,
+            )?;
             if best
                 .as_ref()
                 .map_or(true, |(_, bt, _)| t.overlap_us < bt.overlap_us)
@@ -341,6 +374,7 @@ mod tests {
             max_groups: 16,
             mode: ModeRequest::Overlap,
             combined: false,
+            gather: None,
         }
     }
 

@@ -84,15 +84,31 @@ impl<'a> OverlapCost<'a> {
     /// after the last group, when the GEMM is done and the norm gets every SM.
     pub(super) fn comm_us(&self, bands: std::ops::Range<u32>) -> f64 {
         let tail = bands.end == self.band_count();
-        let rows = self.rows(bands);
-        let bytes = self.bytes(rows);
-        let norm_sms = if tail {
-            self.hw.sms
-        } else {
-            self.hw.sms.saturating_sub(self.waves.ctas)
-        };
+        let norm_sms = if tail { self.hw.sms } else { self.free_sms() };
+        self.link_us(bands.clone()) + self.norm_us(bands, norm_sms)
+    }
+
+    /// The collective of group bands `bands` alone (no norm), while overlapping.
+    pub(super) fn link_us(&self, bands: std::ops::Range<u32>) -> f64 {
+        let bytes = self.bytes(self.rows(bands));
         self.hw.overlap_comm_slowdown * self.hw.overlap_comm.time_us(bytes, self.world)
-            + self.hw.fused_norm_us(bytes, rows, norm_sms)
+    }
+
+    /// The fused norm of group bands `bands` on at most `sms` SMs (0 where
+    /// no norm follows).
+    pub(super) fn norm_us(&self, bands: std::ops::Range<u32>, sms: u32) -> f64 {
+        let rows = self.rows(bands);
+        self.hw.fused_norm_us(self.bytes(rows), rows, sms)
+    }
+
+    /// SMs the overlapped GEMM leaves free.
+    pub(super) fn free_sms(&self) -> u32 {
+        self.hw.sms.saturating_sub(self.waves.ctas)
+    }
+
+    /// Bytes of group bands `bands` (every column of the model's output).
+    pub(super) fn group_bytes(&self, bands: std::ops::Range<u32>) -> u64 {
+        self.bytes(self.rows(bands))
     }
 
     /// Staged schedule: when the GEMM has stored every position of waves `0..end_wave`.

@@ -22,6 +22,6 @@ pub use hardware::{
 };
 pub use search::{best_partition, best_staged_partition};
 pub use timeline::{
-    combined_sequence, predict, predict_combined, predict_sequential, predict_staged, GroupTiming,
-    Timeline,
+    combined_sequence, predict, predict_combined, predict_sequential, predict_staged, Gather,
+    GroupTiming, Timeline,
 };

@@ -111,6 +111,16 @@ pub fn predict_staged(
 /// every later position by as much. Per group the timing
 /// reports when its last own tile is stored (gemm_done), the start of its
 /// transfer and its arrival.
+///
+/// `gather` (an AllReduce on 2 ranks as this ReduceScatter and a gather):
+/// each group's own sums then cross the link too, as many bytes as its
+/// partial, pushed as they are stored (each own tile stalling like a pushed
+/// one) or copied once the group's last own tile is stored; the receiver
+/// copies them into its output at `land_gbps` (one group after another),
+/// and the group's fused norm, where one follows, runs after that on the
+/// SMs the GEMM leaves free, or, with none free, once the GEMM is done, on
+/// every SM. A group's timing then reports the gather's arrival (landed and
+/// normed) as its end.
 #[allow(clippy::too_many_arguments)]
 pub fn predict_combined(
     tiles: &OutputTiles,
@@ -121,6 +131,7 @@ pub fn predict_combined(
     world: u32,
     elem_bytes: u32,
     lead: u32,
+    gather: Option<Gather>,
 ) -> Result<Timeline, PlanError> {
     let cost = OverlapCost::new(tiles, k, ctas, hw, world, elem_bytes)?;
     partition.check_against(tiles)?;
@@ -137,7 +148,10 @@ pub fn predict_combined(
     let link_us: Vec<f64> = partition
         .groups
         .iter()
-        .map(|g| cost.comm_us(g.bands.clone()))
+        .map(|g| match gather {
+            Some(_) => cost.link_us(g.bands.clone()),
+            None => cost.comm_us(g.bands.clone()),
+        })
         .collect();
     let drain = hw.push_drain_stall;
     let zero = GroupTiming {
@@ -146,7 +160,10 @@ pub fn predict_combined(
         comm_end_us: 0.0,
     };
     let mut timings = vec![zero; counts.len()];
+    // The gather's (first own tile stored, sums' arrival) per group.
+    let mut sums = vec![(-1.0f64, 0.0f64); counts.len()];
     let mut left: Vec<u32> = counts.iter().map(|c| c.0).collect();
+    let mut own_left: Vec<u32> = counts.iter().map(|c| c.1).collect();
     let (mut delay, mut link_free, mut end) = (0.0f64, 0.0f64, 0.0f64);
     for (q, (g, own)) in (0u32..).zip(combined_sequence(&counts, lead)) {
         let g = g as usize;
@@ -156,6 +173,24 @@ pub fn predict_combined(
             if t.comm_end_us > done {
                 delay += t.comm_end_us - done;
                 done = t.comm_end_us;
+            }
+            if gather.is_some() {
+                if let Some(stall) = drain {
+                    let wait = stall * link_us[g] / f64::from(counts[g].1.max(1));
+                    delay += wait;
+                    done += wait;
+                }
+                if sums[g].0 < 0.0 {
+                    sums[g].0 = done;
+                }
+                own_left[g] -= 1;
+                if own_left[g] == 0 {
+                    // Pushed sums stream from the group's first own tile on;
+                    // copied ones leave once its last is stored.
+                    let start = if drain.is_some() { sums[g].0 } else { done };
+                    sums[g].1 = done.max(start.max(link_free) + link_us[g]);
+                    link_free = sums[g].1;
+                }
             }
             t.gemm_done_us = t.gemm_done_us.max(done);
         } else {
@@ -178,12 +213,41 @@ pub fn predict_combined(
         }
         end = end.max(done);
     }
+    if let Some(gather) = gather {
+        // The GEMM is done at `end`; then each group lands and is normed in turn.
+        let gemm_end = end;
+        let free = cost.free_sms();
+        let (mut land_free, mut norm_free) = (0.0f64, 0.0f64);
+        for (g, group) in partition.groups.iter().enumerate() {
+            let landed_bytes = cost.group_bytes(group.bands.clone()) / u64::from(world);
+            let landed = sums[g].1.max(land_free) + landed_bytes as f64 / (gather.land_gbps * 1e3);
+            land_free = landed;
+            let normed = if free == 0 {
+                landed.max(gemm_end).max(norm_free) + cost.norm_us(group.bands.clone(), hw.sms)
+            } else {
+                landed.max(norm_free) + cost.norm_us(group.bands.clone(), free)
+            };
+            norm_free = normed;
+            timings[g].comm_end_us = normed;
+            end = end.max(normed);
+        }
+    }
     Ok(Timeline {
         gemm_us: cost.gemm_us(),
         overlap_us: end + counts.len() as f64 * cost.group_us(),
         sequential_us: cost.sequential_us(),
         groups: timings,
     })
+}
+
+/// A combined AllReduce's gather ([`predict_combined`]): each rank copies
+/// the peer's sums from its slot into its output at `land_gbps` (GB/s of
+/// landed bytes); `all_reduce` times the AllReduce that the sequential
+/// schedule runs instead.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gather {
+    pub land_gbps: f64,
+    pub all_reduce: super::hardware::CollectiveModel,
 }
 
 /// The order of a combined-stores GEMM's tiles, (group, own tile?) per
@@ -342,7 +406,7 @@ mod tests {
                 overlap_comm: crate::plan::CollectiveModel::analytic(5.0, gbps),
                 ..HardwareModel::h200()
             };
-            predict_combined(&tiles, 1024, 132, &p, &hw, 2, 2, 132).unwrap()
+            predict_combined(&tiles, 1024, 132, &p, &hw, 2, 2, 132, None).unwrap()
         };
         let (fast, slow) = (run(2000.0), run(50.0));
         // A fast link hides the partials behind the GEMM; a slow one sets the pace.
