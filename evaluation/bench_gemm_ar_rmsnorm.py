@@ -155,7 +155,8 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     plan = flashoverlap.plan_of(xs[0], ws[0], fused_norm=True)
     dist.barrier()
     times = bench.interleaved_times_us(fns, iters, warmup)
-    return times, {"schedule": plan.schedule, "groups": len(plan.groups), "errors": errors}
+    schedule, groups, _ = bench.schedule_of(plan)
+    return times, {"schedule": schedule, "groups": groups, "errors": errors}
 
 
 def _worker(rank, world, init_method, shapes, dtype_name, iters, warmup, result_path):

@@ -126,10 +126,29 @@ fn order(name: &str) -> PyResult<OrderRequest> {
 
 /// A GEMM + collective plan: tiles, waves, wave groups and predicted timeline.
 #[pyclass(name = "Plan", module = "flashoverlap._core", frozen)]
-struct PyPlan(GemmAllReducePlan);
+struct PyPlan(
+    GemmAllReducePlan,
+    /// The gathered AllReduce's plan, where the call runs that instead.
+    Option<crate::plan::ReduceScatterPlan>,
+);
 
 #[pymethods]
 impl PyPlan {
+    /// None, or where the call runs the gathered AllReduce (2 Hopper ranks,
+    /// push or copy engines: a combined ReduceScatter and a gather) instead
+    /// of this plan: its groups, reserved SMs and predicted times.
+    #[getter]
+    fn gathered<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(g) = &self.1 else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("groups", g.groups.len())?;
+        d.set_item("reserved_sms", g.request.reserved_sms)?;
+        d.set_item("predicted_us", g.predicted_us())?;
+        d.set_item("predicted_sequential_us", g.timeline.sequential_us)?;
+        Ok(Some(d))
+    }
     #[getter]
     fn schedule(&self) -> &'static str {
         schedule_name(self.0.schedule)
@@ -313,7 +332,7 @@ fn plan_gemm_all_reduce(
         )?
     };
     gar::plan_for(&args, world_size, &opts, sms, major)
-        .map(|(_, p)| PyPlan(p))
+        .map(|(_, p)| PyPlan(p, None))
         .map_err(to_py)
 }
 
@@ -693,9 +712,12 @@ fn communicator_plan(
     options: OpOptions,
 ) -> PyResult<PyPlan> {
     let (comm, args, opts) = call_of(group_name, m, n, k, dtype, &options)?;
-    gar::plan_of(&comm, &args, &opts, stream::from_handle(stream))
-        .map(PyPlan)
-        .map_err(to_py)
+    let caller = stream::from_handle(stream);
+    let plan = gar::plan_of(&comm, &args, &opts, caller).map_err(to_py)?;
+    let gathered = crate::ops::gathered_all_reduce::prepare(&comm, &args, &opts, caller)
+        .map_err(to_py)?
+        .map(|g| g.plan.clone());
+    Ok(PyPlan(plan, gathered))
 }
 
 /// GEMM + ReduceScatter options as Python passes them: (mode,

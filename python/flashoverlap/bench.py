@@ -169,6 +169,14 @@ def _gpu_aligner() -> Optional[Callable[[], None]]:
     return lambda: dist.all_reduce(token)
 
 
+def schedule_of(plan) -> tuple:
+    """(schedule, group count, predicted us) of a GEMM + AllReduce plan as the call runs it:
+    "gathered" where it runs the gathered AllReduce (plan.gathered) instead of the plan."""
+    if plan.gathered is not None:
+        return "gathered", plan.gathered["groups"], plan.gathered["predicted_us"]
+    return plan.schedule, len(plan.groups), plan.predicted_us
+
+
 def interleaved_times_us(fns: dict[str, Callable[[int], object]], iters: int, warmup: int) -> dict[str, list[float]]:
     """Per-iteration times of each function, their iterations interleaved (A B C A B C ...)
     so that clock and thermal drift over the run affects every variant alike. Each call
@@ -311,8 +319,8 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     plan = flashoverlap.plan_of(xs[0], ws[0])
     forced_plan = flashoverlap.plan_of(xs[0], ws[0], mode="overlap")
     nccl_plan = flashoverlap.plan_of(xs[0], ws[0], backend="nccl")
-    ce_schedule = flashoverlap.plan_of(xs[0], ws[0], backend="copy_engine").schedule if with_ce else "n/a"
-    push_schedule = flashoverlap.plan_of(xs[0], ws[0], backend="push").schedule if with_push else "n/a"
+    ce_schedule = schedule_of(flashoverlap.plan_of(xs[0], ws[0], backend="copy_engine"))[0] if with_ce else "n/a"
+    push_schedule = schedule_of(flashoverlap.plan_of(xs[0], ws[0], backend="push"))[0] if with_push else "n/a"
 
     dist.barrier()
     times = interleaved_times_us({"cublas": cublas, "ours_gemm": ours_gemm, "nccl": nccl, "seq": sequential,
@@ -325,8 +333,9 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     from . import ops
 
     comm = flashoverlap.get_communicator()
-    facts = {"schedule": plan.schedule, "groups": len(plan.groups), "predicted_us": plan.predicted_us,
-             "rel": rel, "rel_forced": rel_forced, "forced_groups": len(forced_plan.groups),
+    schedule, groups, predicted = schedule_of(plan)
+    facts = {"schedule": schedule, "groups": groups, "predicted_us": predicted,
+             "rel": rel, "rel_forced": rel_forced, "forced_groups": schedule_of(forced_plan)[1],
              "backend": ops.backend_of(xs[0], ws[0], communicator=comm), "schedule_nccl": nccl_plan.schedule,
              "schedule_ce": ce_schedule, "schedule_push": push_schedule}
     return times, facts

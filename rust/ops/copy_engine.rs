@@ -736,7 +736,7 @@ pub struct GatherSteps<'a> {
 /// With `gather` (an AllReduce, [`GatherSteps`]) the reduce stream copies
 /// the sums (copy engines) and the landing stream lands the peer's:
 ///
-/// Reduce R:  wait(own c0) [e0] copy(sums g0 -> peer) set(gathered g0 at peer) ...
+/// Reduce R:  wait(own c0) copy(sums g0 -> peer) [e0] set(gathered g0 at peer) ...
 /// Land L:    wait(gathered g0) copy(slot -> out) reset(gathered g0) [wait e0 or own c0] after(g0) ...
 ///
 /// `prepare_gemm(targets)` makes the launch before anything is enqueued.
@@ -814,8 +814,10 @@ pub fn enqueue_combined<'g>(
             for (g, c) in sends.iter().enumerate() {
                 stream::wait_geq(sender, c.counter, c.tiles)?;
                 stream::write(sender, c.counter, 0)?;
-                events[g].record(sender)?;
                 stream::copy(sender, slot + c.slot_offset, c.src, c.bytes as usize)?;
+                // After the copy: what follows the landing (the fused norm)
+                // may rewrite the rows it read.
+                events[g].record(sender)?;
                 stream::write(sender, layout.gathered_flag(peer.bases[other], g, me), 1)?;
             }
             comm.reduce_join.order(sender, caller)?;

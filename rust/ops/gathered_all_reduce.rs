@@ -29,18 +29,35 @@ use crate::error::{Error, Result};
 use crate::plan::{OrderRequest, ReduceScatterPlan, Schedule};
 use std::sync::Arc;
 
-/// Whether FLASHOVERLAP_GATHERED_ALLREDUCE allows the gathered AllReduce
-/// ("0" turns it off: each group is then summed on reserved SMs after the
-/// GEMM, as on other GPUs and world sizes). Read once per process; every
-/// rank must set it alike.
-fn enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("FLASHOVERLAP_GATHERED_ALLREDUCE")
+/// FLASHOVERLAP_GATHERED_ALLREDUCE: "0" never runs the gathered AllReduce
+/// (each group is then summed on reserved SMs after the GEMM, as on other
+/// GPUs and world sizes), "1" runs it wherever it applies and its plan
+/// overlaps (for measuring it), unset or "auto" where the predictor times it
+/// faster than the other plan. Read once per process; every rank must set
+/// it alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Setting {
+    Off,
+    Always,
+    Auto,
+}
+
+fn setting() -> Setting {
+    static SETTING: std::sync::OnceLock<Setting> = std::sync::OnceLock::new();
+    *SETTING.get_or_init(|| {
+        match std::env::var("FLASHOVERLAP_GATHERED_ALLREDUCE")
             .unwrap_or_default()
             .trim()
-            != "0"
+        {
+            "0" => Setting::Off,
+            "1" => Setting::Always,
+            _ => Setting::Auto,
+        }
     })
+}
+
+fn enabled() -> bool {
+    setting() != Setting::Off
 }
 
 /// Whether a call may run gathered: push or copy engines on 2 ranks, the
@@ -82,10 +99,8 @@ pub fn plan_for(
         return Ok(None);
     }
     let (kernel, plan) = grs::plan_gathered(args, &rs_options(opts), opts.fused_norm, sms, major)?;
-    Ok(
-        (plan.schedule == Schedule::Overlap && plan.predicted_us() < plain_us)
-            .then_some((kernel, plan)),
-    )
+    let wins = setting() == Setting::Always || plan.predicted_us() < plain_us;
+    Ok((plan.schedule == Schedule::Overlap && wins).then_some((kernel, plan)))
 }
 
 /// What a gathered shape needs on the device, made on its first call.
