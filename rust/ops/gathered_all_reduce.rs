@@ -356,27 +356,35 @@ mod tests {
     }
 
     #[test]
-    fn print_predictions() {
+    fn gathered_only_on_two_hopper_ranks_with_even_rows() {
+        let a = args(16384, 8192, 4096);
         for backend in [Backend::Push, Backend::CopyEngine] {
-            for norm in [false, true] {
-                for m in [2048, 4096, 8192, 16384] {
-                    for k in [1024, 3584, 4096, 14336] {
-                        let a = args(m, 8192, k);
-                        let o = opts(backend, norm);
-                        let (_, plain) = gar::plan_for(&a, 2, &o, 132, 9).unwrap();
-                        let (_, g) = grs::plan_gathered(&a, &rs_options(&o), norm, 132, 9).unwrap();
-                        println!(
-                            "{backend:?} norm={norm} {m}x{k}: seq {:.0} plain {:.0} gathered {:.0} ({:?}, {} groups, reserved {})",
-                            plain.timeline.sequential_us,
-                            plain.predicted_us(),
-                            g.predicted_us(),
-                            g.schedule,
-                            g.groups.len(),
-                            g.request.reserved_sms
-                        );
-                    }
-                }
+            let o = opts(backend, false);
+            // Predicted (and measured: 1822 vs 1948 us push on 2x H200) faster than the plain push plan.
+            let plain = gar::plan_for(&a, 2, &o, 132, 9).unwrap().1.predicted_us();
+            let (_, g) = plan_for(&a, 2, &o, 132, 9, plain)
+                .unwrap()
+                .expect("gathered");
+            assert_eq!(g.request.reserved_sms, 0, "no SM sums anything");
+            assert_eq!(g.shard_rows, 8192);
+            assert!(g.request.gather.is_some() && g.request.combined);
+            for (args, world, major) in [(args(16383, 8192, 4096), 2, 9), (a, 4, 9), (a, 2, 8)] {
+                assert!(plan_for(&args, world, &o, 132, major, f64::INFINITY)
+                    .unwrap()
+                    .is_none());
             }
         }
+        assert!(
+            plan_for(&a, 2, &opts(Backend::Nccl, false), 132, 9, f64::INFINITY)
+                .unwrap()
+                .is_none()
+        );
+        let sm80 = gar::Options {
+            kernel: Some(GemmKernel::Sm80),
+            ..opts(Backend::Push, false)
+        };
+        assert!(plan_for(&a, 2, &sm80, 132, 9, f64::INFINITY)
+            .unwrap()
+            .is_none());
     }
 }

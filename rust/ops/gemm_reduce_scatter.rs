@@ -118,6 +118,18 @@ const GATHERED_NORM_RESERVED_SMS: [u32; 3] = [0, 8, 16];
 /// H200 (evaluation/results/bench_land_copy_h200.txt, 4-64 MiB).
 const GATHER_LAND_GBPS: f64 = 700.0;
 
+/// The push backend's gathered AllReduce: (each pushed partial's and each
+/// pushed sum's stall of its CTA, in its share of the group's link time;
+/// the link's GB/s, both directions busy), fitted to the 16 shapes with
+/// every call gathered on 2x H200 (`GATHERED_H200` in the tests: mean
+/// error 4.6%; the ReduceScatter's 0.5 stall and 360 GB/s gave 10.8%).
+const PUSH_GATHER: (f64, f64, f64) = (0.2, 0.0, 330.0);
+
+/// The copy engines' gathered AllReduce: (the GEMM's slowdown beside
+/// the copies and landings, the copies' GB/s), fitted like PUSH_GATHER
+/// (mean error 3.3%; the combined ReduceScatter's 1.02 and 240 gave 6.5%).
+const CE_GATHER: (f64, f64) = (1.06, 300.0);
+
 /// GEMM + AllReduce on 2 ranks (with its fused norm where `fused_norm`) as
 /// a combined ReduceScatter whose sums each rank gives the peer
 /// ([`crate::plan::Gather`]), for `opts.backend` push or copy engines:
@@ -194,13 +206,25 @@ fn plan_with(
     gathered: bool,
 ) -> Result<ReduceScatterPlan> {
     let reserved = machine.reserved;
-    let hw = machine.model(args, world, kernel, CollectiveKind::ReduceScatter);
+    let mut hw = machine.model(args, world, kernel, CollectiveKind::ReduceScatter);
+    let pushed = machine.backend == Backend::Push;
+    if gathered && pushed {
+        let (partial_stall, _, gbps) = PUSH_GATHER;
+        hw.push_drain_stall = Some(partial_stall);
+        hw.overlap_comm.bus_gbps = gbps;
+    }
+    if gathered && machine.backend == Backend::CopyEngine {
+        let (slowdown, gbps) = CE_GATHER;
+        hw.overlap_gemm_slowdown = slowdown;
+        hw.overlap_comm.bus_gbps = gbps;
+    }
     let gather = gathered.then(|| Gather {
         land_gbps: GATHER_LAND_GBPS,
         // The AllReduce the sequential schedule runs (its measured curve where there is one).
         all_reduce: machine
             .model(args, world, kernel, CollectiveKind::AllReduce)
             .comm,
+        sums_stall: pushed.then_some(PUSH_GATHER.1),
     });
     let req = ReduceScatterRequest {
         m: args.m,
@@ -614,6 +638,59 @@ mod tests {
             plan_for(&args, 2, &opts(None), SMS, 8).unwrap().0,
             GemmKernel::Sm80
         );
+    }
+
+    /// Forced overlap of gemm_all_reduce on 2x H200 with every call
+    /// gathered (FLASHOVERLAP_GATHERED_ALLREDUCE=1, bench_gemm_ar.py on
+    /// 2026-11-26): (m, k, push us, copy engines us) at n = 8192.
+    const GATHERED_H200: [(u32, u32, f64, f64); 16] = [
+        (2048, 4096, 294.0, 295.0),
+        (2048, 14336, 785.0, 788.0),
+        (2048, 1024, 181.0, 217.0),
+        (2048, 3584, 272.0, 271.0),
+        (4096, 4096, 502.0, 503.0),
+        (4096, 14336, 1525.0, 1539.0),
+        (4096, 1024, 274.0, 337.0),
+        (4096, 3584, 453.0, 453.0),
+        (8192, 4096, 967.0, 979.0),
+        (8192, 14336, 3019.0, 3012.0),
+        (8192, 1024, 521.0, 588.0),
+        (8192, 3584, 824.0, 865.0),
+        (16384, 4096, 1822.0, 1933.0),
+        (16384, 14336, 5979.0, 5938.0),
+        (16384, 1024, 949.0, 1141.0),
+        (16384, 3584, 1659.0, 1760.0),
+    ];
+
+    #[test]
+    fn the_gathered_model_fits_its_measurements() {
+        // As fitted (PUSH_GATHER, CE_GATHER).
+        for (backend, bound) in [(Backend::Push, 0.05), (Backend::CopyEngine, 0.04)] {
+            let mut errors = vec![];
+            for &(m, k, push, ce) in &GATHERED_H200 {
+                let a = GemmArgs {
+                    x: 0,
+                    weight: 0,
+                    out: 0,
+                    m,
+                    n: 8192,
+                    k,
+                    dtype: Dtype::Bf16,
+                };
+                let o = Options {
+                    backend,
+                    mode: ModeRequest::Overlap,
+                    ..opts(None)
+                };
+                let (_, p) = plan_gathered(&a, &o, false, 132, 9).unwrap();
+                assert_eq!(p.schedule, Schedule::Overlap);
+                let measured = if backend == Backend::Push { push } else { ce };
+                errors.push((p.predicted_us() / measured - 1.0).abs());
+            }
+            let mean = errors.iter().sum::<f64>() / errors.len() as f64;
+            println!("{backend:?}: mean error {:.1}%", 100.0 * mean);
+            assert!(mean <= bound, "{backend:?}: mean error {mean}");
+        }
     }
 
     #[test]

@@ -114,8 +114,9 @@ pub fn predict_staged(
 ///
 /// `gather` (an AllReduce on 2 ranks as this ReduceScatter and a gather):
 /// each group's own sums then cross the link too, as many bytes as its
-/// partial, pushed as they are stored (each own tile stalling like a pushed
-/// one) or copied once the group's last own tile is stored; the receiver
+/// partial, pushed as they are stored (each own tile stalling its CTA for
+/// `sums_stall` times its share of the link) or copied once the group's
+/// last own tile is stored; the receiver
 /// copies them into its output at `land_gbps` (one group after another),
 /// and the group's fused norm, where one follows, runs after that on the
 /// SMs the GEMM leaves free, or, with none free, once the GEMM is done, on
@@ -174,8 +175,8 @@ pub fn predict_combined(
                 delay += t.comm_end_us - done;
                 done = t.comm_end_us;
             }
-            if gather.is_some() {
-                if let Some(stall) = drain {
+            if let Some(gather) = gather {
+                if let Some(stall) = gather.sums_stall {
                     let wait = stall * link_us[g] / f64::from(counts[g].1.max(1));
                     delay += wait;
                     done += wait;
@@ -187,7 +188,11 @@ pub fn predict_combined(
                 if own_left[g] == 0 {
                     // Pushed sums stream from the group's first own tile on;
                     // copied ones leave once its last is stored.
-                    let start = if drain.is_some() { sums[g].0 } else { done };
+                    let start = if gather.sums_stall.is_some() {
+                        sums[g].0
+                    } else {
+                        done
+                    };
                     sums[g].1 = done.max(start.max(link_free) + link_us[g]);
                     link_free = sums[g].1;
                 }
@@ -208,6 +213,11 @@ pub fn predict_combined(
                     t.comm_start_us = done.max(link_free);
                 }
                 t.comm_end_us = done.max(t.comm_start_us + link_us[g]);
+                if gather.is_some() {
+                    // The sums of earlier groups stream on the same link
+                    // meanwhile: this partial's bytes follow theirs.
+                    t.comm_end_us = t.comm_end_us.max(link_free + link_us[g]);
+                }
                 link_free = t.comm_end_us;
             }
         }
@@ -248,6 +258,10 @@ pub fn predict_combined(
 pub struct Gather {
     pub land_gbps: f64,
     pub all_reduce: super::hardware::CollectiveModel,
+    /// Some(f): the sums are pushed from the epilogue, each own tile
+    /// stalling its CTA for f times its share of the group's link time;
+    /// None: copied once the group's own tiles are stored.
+    pub sums_stall: Option<f64>,
 }
 
 /// The order of a combined-stores GEMM's tiles, (group, own tile?) per
