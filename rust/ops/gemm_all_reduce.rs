@@ -643,7 +643,7 @@ pub fn predicted_us(
 ) -> Result<f64> {
     let plain = plan_for(args, world, opts, sms, major)?.1.predicted_us();
     Ok(
-        match super::gathered_all_reduce::plan_for(args, world, opts, sms, major, plain)? {
+        match super::gathered_all_reduce::plan_for(args, world, opts, sms, major)? {
             Some((_, gathered)) => gathered.predicted_us(),
             None => plain,
         },
