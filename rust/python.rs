@@ -178,10 +178,14 @@ impl PyPlan {
     fn waves(&self) -> u32 {
         self.0.waves.count()
     }
-    /// What the call is predicted to take on the schedule it runs.
+    /// What the call is predicted to take on the schedule it runs (the
+    /// gathered AllReduce's prediction where it runs that: see `gathered`).
     #[getter]
     fn predicted_us(&self) -> f64 {
-        self.0.predicted_us()
+        match &self.1 {
+            Some(g) => g.predicted_us(),
+            None => self.0.predicted_us(),
+        }
     }
     /// The overlapped schedule's predicted time: its timeline's end plus the
     /// per-call cost no group shows (`overlap_fixed_us`).
@@ -331,9 +335,11 @@ fn plan_gemm_all_reduce(
             order,
         )?
     };
-    gar::plan_for(&args, world_size, &opts, sms, major)
-        .map(|(_, p)| PyPlan(p, None))
-        .map_err(to_py)
+    let (_, plan) = gar::plan_for(&args, world_size, &opts, sms, major).map_err(to_py)?;
+    let gathered = crate::ops::gathered_all_reduce::plan_for(&args, world_size, &opts, sms, major)
+        .map_err(to_py)?
+        .map(|(_, g)| g);
+    Ok(PyPlan(plan, gathered))
 }
 
 #[pyfunction]

@@ -141,7 +141,10 @@ def check_timeline(plan, groups, world: int) -> None:
         assert plan.overlap_groups_us == 0
     assert plan.predicted_overlap_us == pytest.approx(groups[-1]["comm_end_us"] + plan.overlap_groups_us
                                                       + plan.overlap_fixed_us)
-    if plan.schedule == "overlap":
+    if plan.gathered is not None:
+        # The call runs the gathered AllReduce instead (2 Hopper ranks): its prediction.
+        assert plan.predicted_us == plan.gathered["predicted_us"]
+    elif plan.schedule == "overlap":
         assert plan.predicted_us == plan.predicted_overlap_us
     else:
         assert plan.predicted_us == plan.predicted_sequential_us
@@ -505,9 +508,19 @@ def test_auto_order_is_the_faster_prediction(m: int, n: int, k: int, world: int,
         if order != "auto":
             assert plan.order == order
     # Swizzled only where it is predicted 3% faster (AUTO_SWIZZLED_MARGIN in rust/plan/gemm_all_reduce).
-    swizzled = plans["swizzled"].predicted_us < 0.97 * plans["banded"].predicted_us
+    swizzled = plans["swizzled"].predicted_overlap_us < 0.97 * plans["banded"].predicted_overlap_us
     assert plans["auto"].order == ("swizzled" if swizzled else "banded")
-    assert plans["auto"].predicted_us == plans[plans["auto"].order].predicted_us
+    assert plans["auto"].predicted_overlap_us == plans[plans["auto"].order].predicted_overlap_us
+    # On 2 ranks with the copy engines and an even M, the call runs the gathered AllReduce
+    # instead (whole-row groups only: never with the swizzled order), and predicts its time.
+    gathers = backend == "copy_engine" and world == 2 and m % 2 == 0
+    assert plans["swizzled"].gathered is None
+    for order in ("auto", "banded"):
+        plan = plans[order]
+        assert (plan.gathered is not None) == gathers, order
+        if gathers:
+            assert plan.predicted_us == plan.gathered["predicted_us"]
+            assert plan.gathered["groups"] >= 1 and plan.gathered["reserved_sms"] == 0
     text = plans["swizzled"].describe()
     assert "Swizzled" in text and "staged" in text
 

@@ -21,7 +21,9 @@ class Plan:
     @property
     def waves(self) -> int: ...
     @property
-    def predicted_us(self) -> float: ...
+    def predicted_us(self) -> float: ...  # the gathered AllReduce's where the call runs it
+    @property
+    def gathered(self) -> Optional[dict[str, object]]: ...  # groups, reserved_sms, predicted_us, predicted_sequential_us
     @property
     def predicted_overlap_us(self) -> float: ...
     @property
