@@ -315,19 +315,10 @@ pub fn load_norm(comm: &Communicator, args: &GemmArgs) -> Result<Kernel> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::Dtype;
     use crate::plan::ModeRequest;
 
     fn args(m: u32, n: u32, k: u32) -> GemmArgs {
-        GemmArgs {
-            x: 0,
-            weight: 0,
-            out: 0,
-            m,
-            n,
-            k,
-            dtype: Dtype::Bf16,
-        }
+        GemmArgs::shape(m, n, k)
     }
 
     fn opts(backend: Backend, fused_norm: bool) -> gar::Options {

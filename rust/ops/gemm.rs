@@ -32,6 +32,20 @@ pub fn tile_shape(kernel: GemmKernel) -> TileShape {
 }
 
 impl GemmArgs {
+    /// A bf16 shape with no operands, for planning tests.
+    #[cfg(test)]
+    pub(crate) fn shape(m: u32, n: u32, k: u32) -> Self {
+        Self {
+            x: 0,
+            weight: 0,
+            out: 0,
+            m,
+            n,
+            k,
+            dtype: Dtype::Bf16,
+        }
+    }
+
     /// What the kernel requires of the shape (Python checks first; this
     /// guards the Rust API too).
     pub fn validate(&self) -> Result<()> {

@@ -1149,15 +1149,7 @@ mod tests {
     use crate::dtype::Dtype;
 
     fn args(m: u32, n: u32, k: u32) -> GemmArgs {
-        GemmArgs {
-            x: 0,
-            weight: 0,
-            out: 0,
-            m,
-            n,
-            k,
-            dtype: Dtype::Bf16,
-        }
+        GemmArgs::shape(m, n, k)
     }
 
     /// Push sums the same bytes with the same kernel as the copy-engine
