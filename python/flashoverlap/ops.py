@@ -633,6 +633,12 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
       FLASHOVERLAP_BACKEND, else "auto". The first call of a larger output with the copy engines
       grows the peer buffers, collectively. Where the plan falls back to running the GEMM then
       the AllReduce, the AllReduce is the group's own (NCCL) whatever the backend.
+      On 2 Hopper ranks with push or the copy engines and an even M (banded order), the call runs
+      the gathered AllReduce instead: each rank owns half of the rows; its GEMM computes the
+      other half first and sends it, then adds the peer's partial to its own half in the
+      epilogue and gives the peer the finished sums (pushed from the same epilogue, or copied per
+      group), which land in the peer's output: no SM sums anything and none is reserved
+      (``plan_of(...).gathered``; FLASHOVERLAP_GATHERED_ALLREDUCE=0 turns it off).
     order: how the overlapped GEMM walks its tiles and groups them: "banded" (groups of whole row
       bands, each raster-ordered inside and reduced in place in the output), "swizzled" (one L2
       raster over the whole output, groups of whole waves reduced in a staging buffer the size of

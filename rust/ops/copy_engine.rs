@@ -761,7 +761,7 @@ pub fn enqueue_combined<'g>(
         && crate::cuda::memory::read_u32(timed_out)? != 0
     {
         return Err(Error::Invalid(
-            "gemm_reduce_scatter: a GEMM's wait for the peer's tiles timed out (FLASHOVERLAP_PEER_TIMEOUT_S); \
+            "combined stores: a GEMM's wait for the peer's tiles timed out (FLASHOVERLAP_PEER_TIMEOUT_S); \
              the ranks did not call the op together. The communicator's peer buffers are unusable."
                 .into(),
         ));
