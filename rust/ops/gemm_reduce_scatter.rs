@@ -387,7 +387,13 @@ pub fn gemm_reduce_scatter(
             &signals,
             caller,
         )?,
-        Backend::CopyEngine | Backend::Push => {
+        // Push always combines (`combines`): the arm above took it.
+        Backend::Push => {
+            return Err(Error::Invalid(
+                "internal: a push ReduceScatter without combined stores".into(),
+            ))
+        }
+        Backend::CopyEngine => {
             let groups = copy_engine::sums(exchanges(plan, args, send, args.out));
             let peer = copy_engine::peer_buffers(comm, &groups)?;
             let reducer = copy_engine::load_reducer(comm, args.dtype, peer.layout.world)?;

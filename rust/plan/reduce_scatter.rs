@@ -354,9 +354,15 @@ impl ReduceScatterPlan {
             .predicted_us(&self.timeline, self.overlap_fixed_us)
     }
 
-    /// Rows of the send buffer the GEMM stores into.
+    /// Rows of the send buffer the GEMM stores into: a chunk per rank, or
+    /// with combined stores the peer's shard alone, laid out like the output
+    /// (what the copy engines copy from; push stores it in the peer's slot).
     pub fn send_rows(&self) -> u64 {
-        u64::from(self.request.world) * self.out_rows()
+        if self.request.combined {
+            self.out_rows()
+        } else {
+            u64::from(self.request.world) * self.out_rows()
+        }
     }
 
     /// Rows of the output as allocated (whole bands; the caller keeps shard_rows).
@@ -395,7 +401,8 @@ mod tests {
     fn assert_stores_land_in_place(plan: &ReduceScatterPlan) {
         let req = &plan.request;
         let bm = req.tile.bm;
-        let mut written = vec![false; (plan.send_rows()) as usize];
+        // The chunked send layout (what a combined call replaces with combined_order).
+        let mut written = vec![false; (u64::from(req.world) * plan.out_rows()) as usize];
         for p in 0..plan.tile_order.len() {
             let tile = plan.tile_order[p];
             let (band, tn) = (tile / plan.tiles_n, tile % plan.tiles_n);
