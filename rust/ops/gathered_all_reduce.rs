@@ -315,7 +315,6 @@ pub fn load_norm(comm: &Communicator, args: &GemmArgs) -> Result<Kernel> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::ModeRequest;
 
     fn args(m: u32, n: u32, k: u32) -> GemmArgs {
         GemmArgs::shape(m, n, k)
@@ -323,15 +322,8 @@ mod tests {
 
     fn opts(backend: Backend, fused_norm: bool) -> gar::Options {
         gar::Options {
-            kernel: None,
-            mode: ModeRequest::Auto,
-            bands_per_group: None,
-            reserved_sms: None,
-            max_groups: 16,
-            raster_bands: None,
-            backend,
-            order: OrderRequest::Auto,
             fused_norm,
+            ..gar::Options::defaults(backend)
         }
     }
 

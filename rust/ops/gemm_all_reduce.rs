@@ -65,6 +65,24 @@ pub struct Options {
     pub fused_norm: bool,
 }
 
+#[cfg(test)]
+impl Options {
+    /// What a call with no option given plans with, on `backend`.
+    pub(crate) fn defaults(backend: Backend) -> Self {
+        Self {
+            kernel: None,
+            mode: ModeRequest::Auto,
+            bands_per_group: None,
+            reserved_sms: None,
+            max_groups: 16,
+            raster_bands: None,
+            backend,
+            order: OrderRequest::Auto,
+            fused_norm: false,
+        }
+    }
+}
+
 /// What a shape needs on the device, made on its first call.
 pub struct Prepared {
     pub plan: GemmAllReducePlan,
@@ -1203,19 +1221,8 @@ mod tests {
         assert_eq!(copy_engine_gbps(CollectiveKind::AllToAll, 0, 4), 240.0);
     }
 
-    /// What a call with no option given plans with, on `backend`.
     fn defaults(backend: Backend) -> Options {
-        Options {
-            kernel: None,
-            mode: ModeRequest::Auto,
-            bands_per_group: None,
-            reserved_sms: None,
-            max_groups: 16,
-            raster_bands: None,
-            backend,
-            order: OrderRequest::Auto,
-            fused_norm: false,
-        }
+        Options::defaults(backend)
     }
 
     #[test]
