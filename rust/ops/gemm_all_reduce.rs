@@ -1341,9 +1341,16 @@ mod tests {
             let mut worst = 0.0f64;
             for &(m, n, k) in &shapes {
                 let one = Instant::now();
-                let (_, plan) = plan_for(&args(m, n, k), 2, &opts, 132, 9).unwrap();
+                // What a first call plans: the plan, and on 2 Hopper ranks the gathered one.
+                let a = args(m, n, k);
+                let (_, plan) = plan_for(&a, 2, &opts, 132, 9).unwrap();
+                let gathered =
+                    super::super::gathered_all_reduce::plan_for(&a, 2, &opts, 132, 9).unwrap();
                 worst = worst.max(one.elapsed().as_secs_f64() * 1e3);
                 assert!(plan.timeline.overlap_us > 0.0);
+                if backend == Backend::Nccl {
+                    assert!(gathered.is_none());
+                }
             }
             let mean = started.elapsed().as_secs_f64() * 1e3 / shapes.len() as f64;
             println!(
