@@ -101,17 +101,8 @@ impl Event {
 
     /// Makes every stream of `waiters` wait for everything enqueued on `source` so far.
     pub fn order_all(&self, source: RawStream, waiters: &[RawStream]) -> Result<()> {
-        // SAFETY: all handles are live streams of the current context.
-        unsafe {
-            check(sys::cuEventRecord(self.0, source), "cuEventRecord")?;
-            for &waiter in waiters {
-                check(
-                    sys::cuStreamWaitEvent(waiter, self.0, 0),
-                    "cuStreamWaitEvent",
-                )?;
-            }
-            Ok(())
-        }
+        self.record(source)?;
+        waiters.iter().try_for_each(|&waiter| self.wait(waiter))
     }
 }
 
@@ -138,6 +129,14 @@ pub fn wait_geq(stream: RawStream, flag: sys::CUdeviceptr, value: u32) -> Result
         },
         "cuStreamWaitValue32",
     )
+}
+
+/// Blocks `stream` until `*flag >= value`, then resets the flag to 0 (a
+/// counter or flag consumed by its one waiter: whatever counts into it is
+/// done by then, so the reset races with nothing).
+pub fn take(stream: RawStream, flag: sys::CUdeviceptr, value: u32) -> Result<()> {
+    wait_geq(stream, flag, value)?;
+    write(stream, flag, 0)
 }
 
 /// Writes `value` to `*flag` in stream order.

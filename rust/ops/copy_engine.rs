@@ -409,16 +409,14 @@ pub fn enqueue(
     // the previous call (the flag starts set).
     for p in peer.peers() {
         let free = layout.free_flag(peer.bases[me], p);
-        stream::wait_geq(copies, free, 1)?;
-        stream::write(copies, free, 0)?;
+        stream::take(copies, free, 1)?;
     }
     for (g, group) in call.groups.iter().enumerate() {
         if let Some(signals) = call.signals {
             let counter = signals.counter(g);
-            stream::wait_geq(copies, counter, group.tiles())?;
             // Every tile of the group has counted, so the reset races with
             // nothing (the other links only wait for this stream).
-            stream::write(copies, counter, 0)?;
+            stream::take(copies, counter, group.tiles())?;
         }
         if !extra.is_empty() {
             comm.link_go.order_all(copies, &extra)?;
@@ -468,8 +466,7 @@ pub fn enqueue(
         }
         for p in peer.peers() {
             let ready = layout.ready_flag(peer.bases[me], g, p);
-            stream::wait_geq(reduces, ready, 1)?;
-            stream::write(reduces, ready, 0)?;
+            stream::take(reduces, ready, 1)?;
         }
         match (group, call.reducer) {
             (Group::Sum(e), Some(reducer)) => reduce(reducer, peer, e, call.reduce_ctas, reduces)?,
@@ -492,8 +489,7 @@ pub fn enqueue(
                 // peer before it could sum (and so gather) it.
                 for q in peer.peers() {
                     let flag = layout.gathered_flag(peer.bases[me], g, q);
-                    stream::wait_geq(land, flag, 1)?;
-                    stream::write(land, flag, 0)?;
+                    stream::take(land, flag, 1)?;
                     let theirs = share_of(e, q, layout.world);
                     if theirs.bytes > 0 {
                         let from = layout.slot(peer.bases[me], me, q) + theirs.slot_offset;
@@ -588,11 +584,9 @@ pub fn enqueue_pushed<'g>(
     }
     for (g, group) in call.groups.iter().enumerate() {
         let counter = signals.counter(g);
-        stream::wait_geq(reduces, counter, group.tiles())?;
-        stream::write(reduces, counter, 0)?;
+        stream::take(reduces, counter, group.tiles())?;
         let ready = layout.ready_flag(peer.bases[me], g, other);
-        stream::wait_geq(reduces, ready, group.pushed_tiles(layout.world))?;
-        stream::write(reduces, ready, 0)?;
+        stream::take(reduces, ready, group.pushed_tiles(layout.world))?;
         match (group, call.reducer) {
             (Group::Sum(e), Some(reducer)) => reduce(reducer, peer, e, call.reduce_ctas, reduces)?,
             (Group::Move(m), _) => {
@@ -619,8 +613,7 @@ pub fn enqueue_pushed<'g>(
 fn take_grant(peer: &PeerBuffers, other: usize, stream: RawStream) -> Result<()> {
     let (layout, me) = (peer.layout, peer.rank);
     let free = layout.free_flag(peer.bases[me], other);
-    stream::wait_geq(stream, free, 1)?;
-    stream::write(stream, free, 0)?;
+    stream::take(stream, free, 1)?;
     stream::write(stream, layout.taken_flag(peer.bases[other], me), 1)
 }
 
@@ -630,8 +623,7 @@ fn take_grant(peer: &PeerBuffers, other: usize, stream: RawStream) -> Result<()>
 fn hand_back_grant(peer: &PeerBuffers, other: usize, stream: RawStream) -> Result<()> {
     let (layout, me) = (peer.layout, peer.rank);
     let taken = layout.taken_flag(peer.bases[me], other);
-    stream::wait_geq(stream, taken, 1)?;
-    stream::write(stream, taken, 0)?;
+    stream::take(stream, taken, 1)?;
     stream::write(stream, layout.free_flag(peer.bases[other], me), 1)
 }
 
@@ -802,8 +794,7 @@ pub fn enqueue_combined<'g>(
     gemm.enqueue(caller)?;
     if let Some(copies) = copies {
         for (g, c) in copies.iter().enumerate() {
-            stream::wait_geq(copier, c.counter, c.tiles)?;
-            stream::write(copier, c.counter, 0)?;
+            stream::take(copier, c.counter, c.tiles)?;
             stream::copy(copier, slot + c.slot_offset, c.src, c.bytes as usize)?;
             stream::write(copier, layout.ready_flag(peer.bases[other], g, me), 1)?;
         }
@@ -812,8 +803,7 @@ pub fn enqueue_combined<'g>(
     if let Some(gather) = gather {
         if let Some(sends) = gather.sends {
             for (g, c) in sends.iter().enumerate() {
-                stream::wait_geq(sender, c.counter, c.tiles)?;
-                stream::write(sender, c.counter, 0)?;
+                stream::take(sender, c.counter, c.tiles)?;
                 stream::copy(sender, slot + c.slot_offset, c.src, c.bytes as usize)?;
                 // After the copy: what follows the landing (the fused norm)
                 // may rewrite the rows it read.
@@ -824,8 +814,7 @@ pub fn enqueue_combined<'g>(
         }
         for (g, l) in gather.lands.iter().enumerate() {
             let flag = layout.gathered_flag(peer.bases[me], g, other);
-            stream::wait_geq(land, flag, l.count)?;
-            stream::write(land, flag, 0)?;
+            stream::take(land, flag, l.count)?;
             stream::copy(land, l.out, recv + l.slot_offset, l.bytes as usize)?;
             // This rank's own tiles of g are stored once the send's wait is
             // over (copied sums) or the GEMM's counter says so (pushed ones).
@@ -833,8 +822,7 @@ pub fn enqueue_combined<'g>(
                 events[g].wait(land)?;
             } else if gather.own_counters != 0 {
                 let counter = gather.own_counters + 4 * g as u64;
-                stream::wait_geq(land, counter, gather.own_tiles[g])?;
-                stream::write(land, counter, 0)?;
+                stream::take(land, counter, gather.own_tiles[g])?;
             }
             (gather.after)(g, land)?;
         }

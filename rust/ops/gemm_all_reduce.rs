@@ -1029,9 +1029,7 @@ fn enqueue_nccl(
     gemm::launch(kernel, run.args, &run.signals, run.plan.ctas, caller)?;
     for (g, group) in run.collectives.iter().enumerate() {
         let counter = run.signals.counter(g);
-        stream::wait_geq(comm_stream, counter, group.tiles)?;
-        // Every tile of the group has counted, so the reset races with nothing.
-        stream::write(comm_stream, counter, 0)?;
+        stream::take(comm_stream, counter, group.tiles)?;
         nccl.all_reduce_in_place(
             run.base() + group.slice.offset * elem,
             group.slice.count as usize,
@@ -1089,8 +1087,7 @@ fn enqueue_peer(
     gemm::launch(kernel, run.args, &run.signals, run.plan.ctas, caller)?;
     for (g, (group, call)) in run.collectives.iter().zip(calls).enumerate() {
         let counter = run.signals.counter(g);
-        stream::wait_geq(comm_stream, counter, group.tiles)?;
-        stream::write(comm_stream, counter, 0)?;
+        stream::take(comm_stream, counter, group.tiles)?;
         call.launch(fused, comm_stream)?;
     }
     comm.join.order(comm_stream, caller)

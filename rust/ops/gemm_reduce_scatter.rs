@@ -562,8 +562,7 @@ fn enqueue_nccl(
     launch_gemm()?;
     for (g, group) in plan.groups.iter().enumerate() {
         let counter = signals.counter(g);
-        stream::wait_geq(comm_stream, counter, group.tiles)?;
-        stream::write(comm_stream, counter, 0)?;
+        stream::take(comm_stream, counter, group.tiles)?;
         nccl.reduce_scatter(
             send + group.send_row * row_bytes,
             args.out + group.recv_row * row_bytes,
