@@ -492,7 +492,7 @@ pub(crate) fn fastest_reservation<P>(
     backend: Backend,
     fused_norm: bool,
     sms: u32,
-    mut plan_one: impl FnMut(u32) -> Result<(GemmKernel, P)>,
+    plan_one: impl FnMut(u32) -> Result<(GemmKernel, P)>,
     overlap_us: impl Fn(&P) -> f64,
 ) -> Result<(GemmKernel, P)> {
     let candidates: Vec<u32> = match (reserved, backend) {
@@ -505,14 +505,23 @@ pub(crate) fn fastest_reservation<P>(
         (None, Backend::Push) => PUSH_RESERVED_SMS.to_vec(),
         (None, Backend::Peer) => PEER_RESERVED_SMS.to_vec(),
     };
+    fastest_of(candidates, sms, plan_one, overlap_us)
+}
+
+/// The plan `key` ranks fastest over the SM reservations `candidates` (all
+/// below `sms`, unless there is only one); `plan_one(reserved)` plans with
+/// that many SMs left free.
+pub(crate) fn fastest_of<P>(
+    candidates: Vec<u32>,
+    sms: u32,
+    mut plan_one: impl FnMut(u32) -> Result<(GemmKernel, P)>,
+    key: impl Fn(&P) -> f64,
+) -> Result<(GemmKernel, P)> {
     let single = candidates.len() == 1;
     let mut best: Option<(GemmKernel, P)> = None;
     for reserved in candidates.into_iter().filter(|&r| r < sms || single) {
         let plan = plan_one(reserved)?;
-        if best
-            .as_ref()
-            .map_or(true, |(_, b)| overlap_us(&plan.1) < overlap_us(b))
-        {
+        if best.as_ref().map_or(true, |(_, b)| key(&plan.1) < key(b)) {
             best = Some(plan);
         }
     }

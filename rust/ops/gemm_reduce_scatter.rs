@@ -21,7 +21,8 @@
 use super::copy_engine::{self, Exchange};
 use super::gemm::{self, CounterSlots, GemmArgs, Signals, PEER_FLAG_STRIDE};
 use super::gemm_all_reduce::{
-    check_push, fastest_kernel, fastest_reservation, kernel_candidates, Backend, Machine,
+    check_push, fastest_kernel, fastest_of, fastest_reservation, kernel_candidates, Backend,
+    Machine,
 };
 use crate::comm::communicator::Communicator;
 use crate::cuda::driver;
@@ -76,7 +77,7 @@ pub fn plan_for(
         opts.backend,
         false,
         sms,
-        |reserved| plan_reserving(args, world, opts, sms, major, reserved),
+        |reserved| plan_reserving(args, world, opts, sms, major, reserved, None),
         |p: &ReduceScatterPlan| p.timeline.overlap_us,
     )
 }
@@ -147,32 +148,16 @@ pub(crate) fn plan_gathered(
         None if fused_norm => GATHERED_NORM_RESERVED_SMS.to_vec(),
         None => vec![0],
     };
-    let mut best: Option<(GemmKernel, ReduceScatterPlan)> = None;
-    for reserved in candidates.into_iter().filter(|&r| r < sms) {
-        let machine = Machine {
-            sms,
-            major,
-            backend: opts.backend,
-            reserved,
-            fused_norm,
-            combined: true,
-        };
-        let plan = fastest_kernel(
-            kernel_candidates(opts.kernel, args, &machine),
-            |kernel| plan_with(args, 2, opts, &machine, kernel, true),
-            ReduceScatterPlan::predicted_us,
-            |p| p.schedule == Schedule::Overlap,
-        )?;
-        if best
-            .as_ref()
-            .map_or(true, |(_, b)| plan.1.predicted_us() < b.predicted_us())
-        {
-            best = Some(plan);
-        }
-    }
-    best.ok_or_else(|| Error::Invalid(format!("reserved_sms: no SM left to the GEMM of {sms}")))
+    fastest_of(
+        candidates,
+        sms,
+        |reserved| plan_reserving(args, 2, opts, sms, major, reserved, Some(fused_norm)),
+        ReduceScatterPlan::predicted_us,
+    )
 }
 
+/// The plan with `reserved` SMs left free, of the kernel predicted
+/// fastest; `gathered`: Some(fused_norm) for a gathered AllReduce.
 fn plan_reserving(
     args: &GemmArgs,
     world: u32,
@@ -180,18 +165,19 @@ fn plan_reserving(
     sms: u32,
     major: i32,
     reserved: u32,
+    gathered: Option<bool>,
 ) -> Result<(GemmKernel, ReduceScatterPlan)> {
     let machine = Machine {
         sms,
         major,
         backend: opts.backend,
         reserved,
-        fused_norm: false,
-        combined: combines(opts, world, major),
+        fused_norm: gathered == Some(true),
+        combined: gathered.is_some() || combines(opts, world, major),
     };
     fastest_kernel(
         kernel_candidates(opts.kernel, args, &machine),
-        |kernel| plan_with(args, world, opts, &machine, kernel, false),
+        |kernel| plan_with(args, world, opts, &machine, kernel, gathered.is_some()),
         ReduceScatterPlan::predicted_us,
         |p| p.schedule == Schedule::Overlap,
     )
