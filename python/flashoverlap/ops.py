@@ -633,7 +633,8 @@ def gemm_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = No
       FLASHOVERLAP_BACKEND, else "auto". The first call of a larger output with the copy engines
       grows the peer buffers, collectively. Where the plan falls back to running the GEMM then
       the AllReduce, the AllReduce is the group's own (NCCL) whatever the backend.
-      On 2 Hopper ranks with push or the copy engines and an even M (banded order), the call runs
+      On 2 Hopper ranks with push or the copy engines, an even M, the banded order and no
+      bands_per_group (which names the other plan's groups), the call runs
       the gathered AllReduce instead: each rank owns half of the rows; its GEMM computes the
       other half first and sends it, then adds the peer's partial to its own half in the
       epilogue and gives the peer the finished sums (pushed from the same epilogue, or copied per

@@ -49,7 +49,9 @@ fn enabled() -> bool {
 
 /// Whether a call may run gathered: push or copy engines on 2 ranks (with
 /// a fused norm push only), the sm_90 kernel, an even row count (two equal
-/// shards), whole-row groups. The copy engines' gathered norm op ran 1.03x
+/// shards), whole-row groups, and no forced `bands_per_group` (it names row
+/// bands of the whole output, the other plan's groups: E2 times those
+/// partitions against that plan's predictions). The copy engines' gathered norm op ran 1.03x
 /// of sequential at 8192 x 8192 x 4096 on 2x H200 (16 groups; push 1.33x)
 /// and only up to 4% faster than push on the others.
 fn applies(args: &GemmArgs, world: u32, opts: &gar::Options, major: i32) -> bool {
@@ -65,6 +67,7 @@ fn applies(args: &GemmArgs, world: u32, opts: &gar::Options, major: i32) -> bool
         && args.m % 2 == 0
         && opts.order != OrderRequest::Swizzled
         && opts.raster_bands.is_none()
+        && opts.bands_per_group.is_none()
         && opts.mode != crate::plan::ModeRequest::Sequential
         && enabled()
 }
@@ -343,6 +346,12 @@ mod tests {
         assert!(plan_for(&a, 2, &opts(Backend::Nccl, false), 132, 9)
             .unwrap()
             .is_none());
+        // Forced groups are the other plan's.
+        let forced = gar::Options {
+            bands_per_group: Some(2),
+            ..opts(Backend::Push, false)
+        };
+        assert!(plan_for(&a, 2, &forced, 132, 9).unwrap().is_none());
         // With a fused norm, push only.
         assert!(plan_for(&a, 2, &opts(Backend::Push, true), 132, 9)
             .unwrap()
