@@ -33,7 +33,10 @@
 // on. Without a row table (AllReduce) every box goes to both maps, at the
 // same coordinates; with one (ReduceScatter) a negative store row -r - 1
 // sends the tile to row r of the peer's slot instead of the local buffer
-// (the tiles of the peer's shard). Once a pushed tile's stores are complete
+// (the tiles of the peer's shard); a negative store row -(r | FO_DUAL_STORE)
+// - 1 sends it to row r of the peer's slot and also stores it here, at the
+// row it loads (an All-to-All band holding rows for both ranks, where the
+// send buffer is x's row order). Once a pushed tile's stores are complete
 // the peer's ready flag of its group (word push_flags[group *
 // PEER_FLAG_STRIDE]) gets a system-scope release add, which the peer's
 // reduction waits for. With push_flags null, tma_peer is never touched.
@@ -67,6 +70,8 @@
 #ifndef FO_COMBINE
 #define FO_COMBINE 0
 #endif
+// Rows a row table names are below this bit (plan::MAX_TABLE_ROWS).
+#define FO_DUAL_STORE (1 << 30)
 #include "ptx.cuh"
 #include "ptx_sm90.cuh"
 
@@ -210,20 +215,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const int tile = tile_order ? tile_order[pos] : pos;
         const int stored = staged ? pos * BM : row_table ? row_table[2 * pos + 1] : (tile / tiles_n) * BM;
         const bool pushed = push_flags != nullptr && (row_table == nullptr || stored < 0);
-        const bool local = stored >= 0;
+        const bool dual = stored < 0 && (~stored & FO_DUAL_STORE) != 0;
+        const bool local = stored >= 0 || dual;
 #if FO_COMBINE
         const bool gathered = gather_row >= 0 && combined(pos);
 #else
         constexpr bool gathered = false;
 #endif
-        const int m0 = local ? stored : -stored - 1;
+        // m0: the row the tile goes to (the peer's slot row if pushed, else
+        // here); local_row: where it is stored here.
+        const int m0 = stored >= 0 ? stored : ~stored & (FO_DUAL_STORE - 1);
+        const int local_row = dual ? row_table[2 * pos] : m0;
         const int n0 = staged ? 0 : (tile % tiles_n) * BN;
         for (int ch = 0; ch < CHUNKS; ++ch) {
           fo::named_barrier(BAR_EPI_FULL, EPI_THREADS);
           if (lane == 0) {
             if (local)
               for (int box = 0; box < EPI_BOXES; ++box)
-                fo::tma_store_2d(&tma_c, epi + box * BOX_BYTES, n0 + ch * EPI_COLS + box * 64, m0);
+                fo::tma_store_2d(&tma_c, epi + box * BOX_BYTES, n0 + ch * EPI_COLS + box * 64, local_row);
             if (pushed)
               for (int box = 0; box < EPI_BOXES; ++box)
                 fo::tma_store_2d(&tma_peer, epi + box * BOX_BYTES, n0 + ch * EPI_COLS + box * 64, m0);

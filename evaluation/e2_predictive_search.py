@@ -683,9 +683,9 @@ def _worker(rank, world, init_method, cases, dtype_name, iters, warmup, exhausti
                              "max_rel_error": bench._max_over_ranks(errors[case].get(name, math.nan))})
         if rank == 0:
             with open(result_path, "w") as f:
-                # The All-to-All's layout (the matrix passed: natural; push: padded), for e2_replay.
-                layout = "padded" if backend == "push" else "natural"
-                meta = {**bench.environment(world), "backend": backend, "a2a_layout": layout}
+                # The All-to-All's layout (the matrix passed: natural, push too since 2026-11-26),
+                # for e2_replay.
+                meta = {**bench.environment(world), "backend": backend, "a2a_layout": "natural"}
                 json.dump({"meta": meta, "rows": rows}, f)
     finally:
         flashoverlap.destroy_communicators()

@@ -104,11 +104,13 @@ def replay_all_to_all(path: str, sms: int = 132) -> dict:
             m, n, k = int(r["m"]), int(r["n"]), int(r["k"])
             if (m, n, k) not in cases:
                 matrix = skewed_split_matrix(int(r["world_size"]), m)
-                # A run that recorded its layout ran the op's (what the model plans by default);
-                # older runs split each destination's rows near-equally, padded to whole bands.
+                # The layout the run recorded: natural (what the model plans by default), or
+                # padded (push before 2026-11-26: each destination in whole 128-row bands); older
+                # runs split each destination's rows near-equally, padded to whole bands.
+                layout = meta.get("a2a_layout")
+                segment_rows = {"natural": None, "padded": 128}.get(layout, 1)
                 pred = planning.plan_gemm_all_to_all(matrix, n, k, dtype=dtype[r["dtype"]], sms=sms,
-                                                     backend=meta["backend"],
-                                                     _segment_rows=None if "a2a_layout" in meta else 1)
+                                                     backend=meta["backend"], _segment_rows=segment_rows)
                 cases[(m, n, k)] = {"pred": pred, "rows": [], "sequential": None,
                                     "pick": 0 if pred.schedule == "sequential" else pred.groups}
             case = cases[(m, n, k)]

@@ -1310,13 +1310,16 @@ fn all_to_all_tables<'py>(
     let _keep = driver::KeepCurrent::new();
     let args = operands(0, 0, 0, m, n, k, dtype)?;
     let opts = a2a_options(&options)?;
-    let phases = a2a_recv_phases(split_matrix.as_deref(), rank)?;
+    let routing = split_matrix.as_deref().map(|matrix| ga2a::Routing {
+        matrix,
+        me: rank as usize,
+    });
     let dev = driver::bind(device).map_err(to_py)?;
     let (kernel, plan) = ga2a::plan_for(
         &args,
         &send_splits,
         &recv_splits,
-        phases.as_deref(),
+        routing,
         &opts,
         dev.sms,
         dev.major,
@@ -1377,14 +1380,6 @@ fn plan_all_to_all_groups(
     ))
 }
 
-/// This rank's natural-layout phases where the split matrix is given.
-fn a2a_recv_phases(matrix: Option<&[Vec<u64>]>, rank: u32) -> PyResult<Option<Vec<u64>>> {
-    matrix
-        .map(|m| crate::plan::all_to_all::recv_phases(m, rank as usize))
-        .transpose()
-        .map_err(|e| PyValueError::new_err(e.to_string()))
-}
-
 /// Enqueues GEMM + All-to-All; buffers = (send, send_rows, tables,
 /// table_words, counters), all device memory in stream order on `stream`;
 /// `split_matrix` as the tables were made with.
@@ -1412,7 +1407,6 @@ fn gemm_all_to_all(
     let args = operands(x, weight, out, m, n, k, dtype)?;
     let opts = a2a_options(&options)?;
     let comm = communicator::get(group_name).map_err(to_py)?;
-    let phases = a2a_recv_phases(split_matrix.as_deref(), comm.rank as u32)?;
     let b = ga2a::Buffers {
         send: buffers.0,
         send_rows: buffers.1,
@@ -1422,13 +1416,12 @@ fn gemm_all_to_all(
     };
     py.detach(|| {
         let caller = stream::from_handle(stream);
-        let phases = phases.as_deref();
         ga2a::gemm_all_to_all(
             &comm,
             &args,
             &send_splits,
             &recv_splits,
-            phases,
+            split_matrix.as_deref(),
             &b,
             &opts,
             caller,

@@ -203,7 +203,7 @@ def all_to_all_tables(m: int, n: int, k: int, dtype: str, device: int, rank: int
                       recv_splits: list[int], options: tuple[int, Optional[int], Optional[str], str],
                       split_matrix: Optional[list[list[int]]] = None) -> tuple[bytes, int]:
     """split_matrix: one band grid over x's rows, the receivers' parts laid out from the matrix
-    (not with the push backend); None: each destination in whole bands of its own."""
+    (the push backend's only layout); None: each destination in whole bands of its own."""
 def gemm_all_to_all(group_name: str, x: int, weight: int, out: int, m: int, n: int, k: int, dtype: str, stream: int,
                     send_splits: list[int], recv_splits: list[int], buffers: tuple[int, int, int, int, int],
                     options: tuple[int, Optional[int], Optional[str], str],
@@ -214,7 +214,7 @@ def plan_all_to_all_groups(n: int, k: int, matrix: list[list[int]], dtype: str =
                            ) -> tuple[str, int, list[tuple[int, float]], float, float]:
     """(schedule, fastest group count, [(groups, predicted us)], predicted sequential us, an overlapped
     call's fixed us) for a routing; segment_rows: None models the op's layout (one band grid over
-    each rank's rows; push: each destination in whole bands), n: each destination padded to parts
+    each rank's rows), n: each destination padded to parts
     of whole n-row bands (1: near-equal rows, as runs before 2026-11-25 split them)."""
 def all_to_all(group_name: str, send: int, recv: int, count: int, dtype: str, stream: int) -> None: ...
 def measured_collective_us(collective: str, backend: str, world_size: int, sms: int, ctas: int,

@@ -458,16 +458,16 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
     options = (groups, reserved, kernel, backend)
     if backend in ("copy_engine", "push"):
         # Each slot holds every row one rank sends another (the same size on every rank: the
-        # same matrix); pushed, in whole bands of the core's segments (at most one partial band
-        # per destination, whatever the group count; the core checks the slot is enough).
+        # same matrix); pushed, the whole bands of the sender's grid holding them (one more than
+        # their count when they start inside a band; the core checks the slot is enough).
         most = max((v for i, v in enumerate(flat) if i // world != i % world), default=0)
         band = _core.A2A_SEGMENT_ROWS
-        rows = max(-(-most // band), 1) * band if backend == "push" else max(most, 1)
+        rows = (-(-most // band) + 1) * band if backend == "push" else max(most, 1)
         comm.ensure_peer_buffers(rows * n * x.element_size())
 
     # The whole routing known: one band grid over x's rows (no destination padded to whole
-    # bands), which the core lays out from the matrix; push keeps its padded destinations.
-    natural = matrix if backend != "push" else None
+    # bands), which the core lays out from the matrix.
+    natural = matrix
 
     def upload():
         table_bytes, rows = _core.all_to_all_tables(m, n, k, dtype, x.device.index, comm.rank, sends, recvs,

@@ -9,10 +9,11 @@
 //! sends p, which p computes alike from its receive split), and p's reduce
 //! stream copies them into its output: no SM moves a byte, so the GEMM
 //! keeps every SM (ops/copy_engine.rs). With the push backend (2 ranks,
-//! sm_90) the GEMM stores the tiles of the peer's rows straight into the
-//! peer's slot (over NVLink, as it computes them; each group's segment in
-//! whole bands: plan::all_to_all::pushed_segments), and each rank's reduce
-//! stream copies what landed, and its own rows, into its output.
+//! sm_90) the GEMM stores the bands holding the peer's rows straight into
+//! the peer's slot (over NVLink, as it computes them; a band holding rows
+//! of both ranks is stored here too: plan::all_to_all::pushed_store_rows),
+//! and each rank's reduce stream copies what landed, and its own rows, into
+//! its output.
 //!
 //! The plan (plan/all_to_all.rs) gives each group the same fraction of every
 //! destination's rows; every rank must call with the same group count.
@@ -32,7 +33,7 @@ use crate::cuda::stream::{self, RawStream};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::all_to_all::{
-    pushed_segments, pushed_store_rows, pushed_tiles, Layout, SEGMENT_ROWS,
+    pushed_slot_rows, pushed_store_rows, pushed_tiles, recv_phases, Layout,
 };
 use crate::plan::predictor::Segments;
 use crate::plan::{
@@ -65,24 +66,39 @@ impl Options {
     }
 }
 
+/// The whole routing, the same on every rank (`matrix[p][q]`: rows rank p
+/// sends rank q), and the rank calling: what the natural layout is made of.
+#[derive(Debug, Clone, Copy)]
+pub struct Routing<'a> {
+    pub matrix: &'a [Vec<u64>],
+    pub me: usize,
+}
+
 /// The plan of a call: its kernel, and the exchanges of every group.
-/// `recv_phases` (where this rank's block starts in each sender's rows, mod
-/// SEGMENT_ROWS; known from the split matrix): the natural layout, one band
-/// grid over x's rows; None: each destination padded to whole bands. The
-/// push backend stores whole tiles into the peer's slot: padded only.
+/// `routing` known: the natural layout, one band grid over x's rows (the
+/// push backend's only one); None: each destination padded to whole bands.
 /// Each group is rastered for the CTAs the GEMM gets on `sms` SMs.
 pub fn plan_for(
     args: &GemmArgs,
     send_splits: &[u64],
     recv_splits: &[u64],
-    recv_phases: Option<&[u64]>,
+    routing: Option<Routing>,
     opts: &Options,
     sms: u32,
     major: i32,
 ) -> Result<(GemmKernel, AllToAllPlan)> {
     match opts.backend {
         Backend::Peer => return Err(Backend::peer_unsupported("gemm_all_to_all")),
-        Backend::Push => check_push(send_splits.len() as u32, major, opts.kernel)?,
+        Backend::Push => {
+            check_push(send_splits.len() as u32, major, opts.kernel)?;
+            if routing.is_none() {
+                return Err(Error::Invalid(
+                    "backend: the 'push' All-to-All needs split_matrix (its layout is made from \
+                     the whole routing)"
+                        .into(),
+                ));
+            }
+        }
         Backend::Nccl | Backend::CopyEngine => {}
     }
     let sent: u64 = send_splits.iter().sum();
@@ -95,12 +111,8 @@ pub fn plan_for(
     let kernel = opts
         .kernel
         .unwrap_or_else(|| GemmKernel::default_for(major));
-    let layout = match recv_phases {
-        Some(_) if opts.backend == Backend::Push => {
-            return Err(Error::Invalid(
-                "recv_phases: the push backend keeps each destination in whole bands".into(),
-            ))
-        }
+    let phases = routing.map(|r| recv_phases(r.matrix, r.me)).transpose()?;
+    let layout = match &phases {
         Some(recv_phases) => Layout::Natural { recv_phases },
         None => Layout::Padded,
     };
@@ -156,8 +168,8 @@ impl GroupChoice {
 /// schedule is predicted faster than it. Each rank passes the same matrix and gets the same
 /// answer: nothing rank-specific enters the model (the kernel and the
 /// profile lookup use the largest rank's rows). `segments`: None, the op's
-/// layout for the backend (natural: the matrix is known; push: padded);
-/// Some for replays of runs measured with another.
+/// layout (natural: the matrix is known); Some for replays of runs measured
+/// with another.
 #[allow(clippy::too_many_arguments)]
 pub fn choose_groups(
     n: u32,
@@ -210,10 +222,7 @@ pub fn choose_groups(
         elem_bytes: dtype.bytes(),
         tile: gemm::tile_shape(kernel),
         ctas,
-        segments: segments.unwrap_or(match opts.backend {
-            Backend::Push => Segments::Padded(SEGMENT_ROWS),
-            _ => Segments::Natural,
-        }),
+        segments: segments.unwrap_or(Segments::Natural),
     };
     let (groups, timelines) =
         best_all_to_all_groups(&shape, &hw, crate::plan::MAX_ALL_TO_ALL_GROUPS)?;
@@ -230,7 +239,8 @@ pub fn choose_groups(
 /// The tables the kernel reads, as one block of u32 words for the caller
 /// to upload: tile order, group per position, then (row of x read, row of
 /// the send buffer written) per position. `pushed_by`: the push backend's
-/// (rank, send_splits): the tiles of the peer's rows store into its slot.
+/// (rank, send_splits): the tiles of the peer's rows store into its slot
+/// (the plan's layout natural, as plan_for makes it for push).
 pub fn tables(
     plan: &AllToAllPlan,
     kernel: GemmKernel,
@@ -262,14 +272,15 @@ pub struct Buffers {
 
 /// Enqueues the op into `args.out` ([sum(recv_splits), N]). Every rank
 /// calls it with the same group count; the splits are those of
-/// all_to_all_single. `recv_phases`: as [`plan_for`].
+/// all_to_all_single. `matrix`: the whole routing where known (the natural
+/// layout, see [`plan_for`]).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_all_to_all(
     comm: &Communicator,
     args: &GemmArgs,
     send_splits: &[u64],
     recv_splits: &[u64],
-    recv_phases: Option<&[u64]>,
+    matrix: Option<&[Vec<u64>]>,
     buffers: &Buffers,
     opts: &Options,
     caller: RawStream,
@@ -283,11 +294,13 @@ pub fn gemm_all_to_all(
             recv_splits.len()
         )));
     }
+    let me = comm.rank as usize;
+    let routing = matrix.map(|matrix| Routing { matrix, me });
     let (kernel, plan) = plan_for(
         args,
         send_splits,
         recv_splits,
-        recv_phases,
+        routing,
         opts,
         comm.device.sms,
         comm.device.major,
@@ -304,7 +317,6 @@ pub fn gemm_all_to_all(
         )));
     }
     let loaded = gemm::load(&comm.device, args.dtype, kernel)?;
-    let me = comm.rank as usize;
     let signals = Signals {
         tile_order: buffers.tables,
         tile_group: buffers.tables + positions * 4,
@@ -332,6 +344,8 @@ pub fn gemm_all_to_all(
         Backend::Push | Backend::CopyEngine => {
             let bm = u64::from(gemm::tile_shape(kernel).bm);
             let pushed = opts.backend == Backend::Push;
+            // plan_for made push's layout from the matrix.
+            let push = matrix.filter(|_| pushed).map(|m| (bm, m));
             let groups = moves(
                 &plan,
                 args,
@@ -339,7 +353,7 @@ pub fn gemm_all_to_all(
                 me,
                 send_splits,
                 recv_splits,
-                pushed.then_some(bm),
+                push,
             );
             copy_engine::check_groups(&groups)?;
             if !pushed {
@@ -347,13 +361,13 @@ pub fn gemm_all_to_all(
             }
             let peer = copy_engine::peer_buffers(comm, &groups)?;
             let push_rows = if pushed {
-                Some(pushed_slot_rows(
+                Some(check_slot_rows(
                     comm,
                     &peer,
                     args,
+                    &plan,
                     send_splits,
                     recv_splits,
-                    plan.groups.len() as u32,
                     bm,
                 )?)
             } else {
@@ -372,20 +386,24 @@ pub fn gemm_all_to_all(
 }
 
 /// The rows of the peer's slot a pushed call's GEMM stores into (whole
-/// bands of every segment; at least one band, which the slot's tensor map
-/// needs), checked against the slots both ways.
-fn pushed_slot_rows(
+/// bands; at least one, which the slot's tensor map needs), checked against
+/// the slots both ways.
+fn check_slot_rows(
     comm: &Communicator,
     peer: &PeerBuffers,
     args: &GemmArgs,
+    plan: &AllToAllPlan,
     send_splits: &[u64],
     recv_splits: &[u64],
-    groups: u32,
     bm: u64,
 ) -> Result<u32> {
     let other = 1 - comm.rank as usize;
-    let push_rows = pushed_segments(send_splits[other], groups, bm).1.max(bm);
-    let rows = push_rows.max(pushed_segments(recv_splits[other], groups, bm).1);
+    let push_rows = pushed_slot_rows(send_splits[other], plan.send_phases[other], bm).max(bm);
+    let rows = push_rows.max(pushed_slot_rows(
+        recv_splits[other],
+        plan.recv_phases[other],
+        bm,
+    ));
     let needs = rows * u64::from(args.n) * args.dtype.bytes() as u64;
     if peer.layout.slot_bytes < needs {
         return Err(Error::Invalid(format!(
@@ -402,10 +420,11 @@ fn pushed_slot_rows(
 /// p's slot for this rank at their offset among all rows this rank sends p
 /// (the same offset p computes among all rows it receives from this rank:
 /// both split the same count into the same parts); this rank's own rows go
-/// straight from the send buffer to the output. `push_bm`: the push
-/// backend's tile rows: no sends (the GEMM pushes), the rows land from the
-/// segments of [`pushed_segments`], and each group waits for the tiles the
-/// peer pushes.
+/// straight from the send buffer to the output. `push`: the push backend's
+/// tile rows and the whole routing (the plan natural): no sends (the GEMM
+/// pushes), the rows land from where [`pushed_store_rows`] put them (the
+/// block's phase plus its index), and each group waits for the tiles the
+/// peer's GEMM pushes in it ([`pushed_tiles`]).
 fn moves(
     plan: &AllToAllPlan,
     args: &GemmArgs,
@@ -413,14 +432,15 @@ fn moves(
     me: usize,
     send_splits: &[u64],
     recv_splits: &[u64],
-    push_bm: Option<u64>,
+    push: Option<(u64, &[Vec<u64>])>,
 ) -> Vec<Group> {
     let row = u64::from(args.n) * args.dtype.bytes() as u64;
     let count = plan.groups.len() as u32;
-    let pushed_starts: Vec<Vec<u64>> = match push_bm {
-        Some(bm) => recv_splits
+    // [peer][group]: the tiles peer pushes to this rank.
+    let pushed_counts: Vec<Vec<u32>> = match push {
+        Some((bm, matrix)) => matrix
             .iter()
-            .map(|&r| pushed_segments(r, count, bm).0)
+            .map(|sends| pushed_tiles(sends, me, count, bm, plan.tiles_n))
             .collect(),
         None => Vec::new(),
     };
@@ -446,10 +466,10 @@ fn moves(
                     );
                     continue;
                 }
-                let landed_at = match push_bm {
-                    Some(bm) => {
-                        m.pushed += pushed_tiles(recv_splits[p], g, count, bm, plan.tiles_n);
-                        pushed_starts[p][g as usize]
+                let landed_at = match push {
+                    Some(_) => {
+                        m.pushed += pushed_counts[p][g as usize];
+                        plan.recv_phases[p] + plan.recv_part(recv_splits, p, g)
                     }
                     None => {
                         m.sends.push(Piece {
@@ -546,6 +566,7 @@ pub fn all_to_all(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::MAX_TABLE_ROWS;
 
     fn args(m: u32) -> GemmArgs {
         GemmArgs {
@@ -568,57 +589,62 @@ mod tests {
         }
     }
 
-    /// On 2 ranks the push backend's landings read back exactly the slot
-    /// rows the peer's tables push into, and each group waits for as many
-    /// tiles as the peer's GEMM pushes in it.
+    /// On 2 ranks the push backend's landings read slot rows the peer's
+    /// tables pushed in that group or before, and each group waits for as
+    /// many tiles as the peer's GEMM pushes in it.
     #[test]
     fn pushed_rows_are_what_the_peer_lands() {
-        // Skewed, with an empty pair: rank 1 sends rank 0 nothing.
-        let matrix = [[300u64, 1700], [0, 900]];
-        let recv = |r: usize| vec![matrix[0][r], matrix[1][r]];
-        let push = opts(Backend::Push, None);
-        let row = 1024 * 2;
-        let planned: Vec<_> = (0..2)
-            .map(|r| {
-                let a = args(matrix[r].iter().sum::<u64>() as u32);
-                let (kernel, plan) =
-                    plan_for(&a, &matrix[r], &recv(r), None, &push, 132, 9).unwrap();
-                let table = tables(&plan, kernel, Some((r as u32, &matrix[r][..])));
-                (a, plan, table)
-            })
-            .collect();
-        for me in 0..2usize {
-            let peer = 1 - me;
-            let (a, plan, _) = &planned[me];
-            let groups = moves(plan, a, 1 << 30, me, &matrix[me], &recv(me), Some(128));
-            // The peer's pushed tiles per group and the slot rows they fill.
-            let (_, peer_plan, peer_table) = &planned[peer];
-            let positions = peer_plan.tile_order.len();
-            let stores = &peer_table[positions * 2..];
-            for (g, group) in groups.iter().enumerate() {
-                let Group::Move(m) = group else {
-                    panic!("an All-to-All group moves")
-                };
-                assert!(m.sends.is_empty(), "the GEMM pushes, nothing is copied out");
-                let pushed: Vec<u64> = peer_plan.groups[g]
-                    .positions
-                    .clone()
-                    .filter_map(|p| {
-                        let row = stores[2 * p as usize + 1] as i32;
-                        (row < 0).then_some(u64::from((-row - 1) as u32))
-                    })
-                    .collect();
-                assert_eq!(m.pushed as usize, pushed.len(), "group {g}");
-                match m.lands.iter().find(|l| l.rank == peer) {
-                    Some(l) if l.bytes > 0 => {
-                        // The landing starts at the first pushed band and
-                        // lies within the bands pushed.
-                        let first = *pushed.iter().min().unwrap();
-                        let last = *pushed.iter().max().unwrap() + 128;
-                        assert_eq!(l.slot_offset, first * row);
-                        assert!(l.slot_offset + l.bytes <= last * row);
+        // Skewed, with an empty pair (rank 1 sends rank 0 nothing), and the
+        // bench's skew (a band on each rank holding rows of both).
+        for matrix in [
+            vec![vec![300u64, 1700], vec![0, 900]],
+            vec![vec![819, 1229], vec![819, 1229]],
+        ] {
+            let recv = |r: usize| vec![matrix[0][r], matrix[1][r]];
+            let push = opts(Backend::Push, None);
+            let row = 1024 * 2;
+            let planned: Vec<_> = (0..2)
+                .map(|r| {
+                    let a = args(matrix[r].iter().sum::<u64>() as u32);
+                    let routing = Routing {
+                        matrix: &matrix,
+                        me: r,
+                    };
+                    let (kernel, plan) =
+                        plan_for(&a, &matrix[r], &recv(r), Some(routing), &push, 132, 9).unwrap();
+                    let table = tables(&plan, kernel, Some((r as u32, &matrix[r][..])));
+                    (a, plan, table)
+                })
+                .collect();
+            for me in 0..2usize {
+                let peer = 1 - me;
+                let (a, plan, _) = &planned[me];
+                let push = Some((128, &matrix[..]));
+                let groups = moves(plan, a, 1 << 30, me, &matrix[me], &recv(me), push);
+                // The slot rows the peer pushed by the end of each group.
+                let (_, peer_plan, peer_table) = &planned[peer];
+                let positions = peer_plan.tile_order.len();
+                let stores = &peer_table[positions * 2..];
+                let mut filled = Vec::new();
+                for (g, group) in groups.iter().enumerate() {
+                    let Group::Move(m) = group else {
+                        panic!("an All-to-All group moves")
+                    };
+                    assert!(m.sends.is_empty(), "the GEMM pushes, nothing is copied out");
+                    let pushed: Vec<u64> = peer_plan.groups[g]
+                        .positions
+                        .clone()
+                        .filter_map(|p| {
+                            let stored = stores[2 * p as usize + 1] as i32;
+                            (stored < 0).then_some(!stored as u64 & (MAX_TABLE_ROWS - 1))
+                        })
+                        .collect();
+                    assert_eq!(m.pushed as usize, pushed.len(), "group {g}");
+                    filled.extend(pushed.iter().flat_map(|&r| r..r + 128));
+                    for l in m.lands.iter().filter(|l| l.rank == peer && l.bytes > 0) {
+                        let (from, to) = (l.slot_offset / row, (l.slot_offset + l.bytes) / row);
+                        assert!((from..to).all(|r| filled.contains(&r)), "group {g}");
                     }
-                    _ => assert!(pushed.is_empty(), "group {g} pushes rows nobody lands"),
                 }
             }
         }
@@ -628,15 +654,24 @@ mod tests {
     fn push_needs_two_hopper_ranks_and_the_sm90_kernel() {
         let a = args(100);
         let push = opts(Backend::Push, None);
-        assert!(plan_for(&a, &[50, 50], &[10, 10], None, &push, 132, 9).is_ok());
-        // Its tiles land whole in the peer's slot: no natural layout.
-        let e = plan_for(&a, &[50, 50], &[10, 10], Some(&[0, 50]), &push, 132, 9).unwrap_err();
-        assert!(e.to_string().contains("recv_phases"), "{e}");
+        let matrix = [vec![50, 50], vec![10, 90]];
+        let routing = Some(Routing {
+            matrix: &matrix,
+            me: 0,
+        });
+        assert!(plan_for(&a, &[50, 50], &[50, 10], routing, &push, 132, 9).is_ok());
+        // Its layout is made from the whole routing.
+        let e = plan_for(&a, &[50, 50], &[50, 10], None, &push, 132, 9).unwrap_err();
+        assert!(e.to_string().contains("split_matrix"), "{e}");
         let nccl = opts(Backend::Nccl, None);
-        let (_, plan) = plan_for(&a, &[50, 50], &[10, 10], Some(&[0, 50]), &nccl, 132, 9).unwrap();
+        let (_, plan) = plan_for(&a, &[50, 50], &[50, 10], routing, &nccl, 132, 9).unwrap();
         assert_eq!(
-            (plan.send_phases.clone(), plan.send_buffer_rows),
-            (vec![0, 50], 128)
+            (
+                plan.send_phases.clone(),
+                plan.recv_phases.clone(),
+                plan.send_buffer_rows
+            ),
+            (vec![0, 50], vec![0, 0], 128)
         );
         for (sends, recvs, major, kernel) in [
             (&[50u64, 25, 25][..], &[1u64, 1, 1][..], 9, None),
@@ -647,7 +682,7 @@ mod tests {
                 &a,
                 sends,
                 recvs,
-                None,
+                routing,
                 &opts(Backend::Push, kernel),
                 132,
                 major,

@@ -33,7 +33,7 @@ use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::{
     plan_gemm_reduce_scatter, pushed_row, CollectiveKind, Gather, ModeRequest, ReduceScatterPlan,
-    ReduceScatterRequest, Schedule,
+    ReduceScatterRequest, Schedule, MAX_TABLE_ROWS,
 };
 use std::sync::Arc;
 
@@ -260,9 +260,9 @@ fn prepare(
             comm.device.sms,
             comm.device.major,
         )?;
-        if plan.send_rows() > i32::MAX as u64 {
+        if plan.send_rows() >= MAX_TABLE_ROWS {
             return Err(Error::Invalid(format!(
-                "shape: {} rows of send buffer exceed the kernel's 32-bit rows",
+                "shape: {} rows of send buffer, the kernel's row tables name fewer than 2**30",
                 plan.send_rows()
             )));
         }

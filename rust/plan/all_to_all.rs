@@ -32,7 +32,7 @@
 //! starts, mod 128), which the matrix gives.
 
 use super::error::PlanError;
-use super::tiles::{pushed_row, TileShape};
+use super::tiles::{dual_row, pushed_row, TileShape, MAX_TABLE_ROWS};
 
 /// One (group, peer) exchange: the rows sent from the send buffer and the
 /// rows received into the output.
@@ -329,7 +329,7 @@ pub fn plan_gemm_all_to_all(
                 let band = (send_row / bm + j) as u32;
                 let load = send_offsets[p] + s0 + j * bm;
                 let store = send_row + j * bm;
-                if load > u64::from(u32::MAX >> 1) || store + bm > u64::from(u32::MAX >> 1) {
+                if load >= MAX_TABLE_ROWS || store + bm > MAX_TABLE_ROWS {
                     return Err(PlanError::InvalidShape(
                         "rows must stay below 2**30 for the kernel's row table".into(),
                     ));
@@ -362,7 +362,7 @@ fn natural_plan(
 ) -> Result<AllToAllPlan, PlanError> {
     let total: u64 = send_splits.iter().sum();
     let bands_total = total.div_ceil(bm);
-    if bands_total * bm > u64::from(u32::MAX >> 1) {
+    if bands_total * bm > MAX_TABLE_ROWS {
         return Err(PlanError::InvalidShape(
             "rows must stay below 2**30 for the kernel's row table".into(),
         ));
@@ -408,55 +408,63 @@ fn natural_plan(
     Ok(plan)
 }
 
-/// The push layout of what one rank sends another (`rows` in all, split in
-/// `groups` like every exchange): where each group's segment starts in the
-/// receiver's staging slot, and the slot rows the whole call fills. The
-/// sender's GEMM stores whole tiles of `bm` rows into the slot, so each
-/// segment is padded to whole bands (the rows past its end are never read);
-/// the receiver computes the same layout from what it receives.
-pub fn pushed_segments(rows: u64, groups: u32, bm: u64) -> (Vec<u64>, u64) {
-    let mut starts = Vec::with_capacity(groups as usize);
-    let mut end = 0;
-    for g in 0..groups {
-        starts.push(end);
-        end += (part(rows, g + 1, groups) - part(rows, g, groups)).div_ceil(bm) * bm;
+/// The push layout (2 ranks, natural layout): the sender's GEMM stores each
+/// band holding rows of the receiver's block into the receiver's slot for
+/// it, whole, at the band's row on the sender's grid counted from the band
+/// that holds the block's first row. The block's rows then sit at slot rows
+/// phase..phase + rows (phase: where it starts in that band, the
+/// receiver's `recv_phases` entry), and the rows around them (the sender's
+/// own, or past its last) are never read. A band also holding the sender's
+/// own rows is stored here too ([`dual_row`]). Slot rows the block of
+/// `rows` fills, starting `phase` rows into a band of `bm`:
+pub fn pushed_slot_rows(rows: u64, phase: u64, bm: u64) -> u64 {
+    if rows == 0 {
+        0
+    } else {
+        (phase + rows).div_ceil(bm) * bm
     }
-    (starts, end)
 }
 
-/// The store rows of `plan` on rank `me` when its GEMM pushes: the tiles of
-/// its own rows keep their send-buffer rows; those of another rank's go to
-/// row -r - 1 (the kernel's "push" marking) for r their row in that rank's
-/// staging slot ([`pushed_segments`] of `send_splits[peer]`).
-pub fn pushed_store_rows(plan: &AllToAllPlan, me: u32, send_splits: &[u64], bm: u64) -> Vec<u32> {
-    let groups = plan.groups.len() as u32;
-    let starts: Vec<Vec<u64>> = send_splits
+/// The store rows of the natural `plan` of rank `me` (of 2, sending
+/// `sends`) when its GEMM pushes: a band of the peer's rows only goes to
+/// the peer's slot ([`pushed_row`]), one of both ranks' rows goes there and
+/// here ([`dual_row`]), one of this rank's rows only stays here.
+pub fn pushed_store_rows(plan: &AllToAllPlan, me: u32, sends: &[u64], bm: u64) -> Vec<u32> {
+    let peer = 1 - me as usize;
+    let (start, rows) = (offsets(sends)[peer], sends[peer]);
+    let total: u64 = sends.iter().sum();
+    let first = start / bm * bm;
+    plan.store_rows
         .iter()
-        .map(|&rows| pushed_segments(rows, groups, bm).0)
-        .collect();
-    let mut rows = plan.store_rows.clone();
-    for (g, group) in plan.groups.iter().enumerate() {
-        // Each tile stores inside one (padded) segment of the send buffer,
-        // whatever order the group's positions take.
-        for pos in group.positions.clone() {
-            let stored = u64::from(plan.store_rows[pos as usize]);
-            let segment = group.exchanges.iter().find(|e| {
-                (e.send_row..e.send_row + e.send_rows.div_ceil(bm) * bm).contains(&stored)
-            });
-            if let Some(e) = segment.filter(|e| e.peer != me) {
-                let start = starts[e.peer as usize][g];
-                rows[pos as usize] = pushed_row(start + stored - e.send_row);
+        .map(|&stored| {
+            // Natural: every band is stored at its own rows (x's order).
+            let (lo, hi) = (u64::from(stored), (u64::from(stored) + bm).min(total));
+            let theirs = rows > 0 && lo < start + rows && start < hi;
+            let mine = lo < start || hi > start + rows;
+            match (theirs, mine) {
+                (true, true) => dual_row(lo - first),
+                (true, false) => pushed_row(lo - first),
+                _ => stored,
             }
-        }
-    }
-    rows
+        })
+        .collect()
 }
 
-/// The tiles the GEMM of a rank sending `rows` to this rank pushes into its
-/// slot in group g (whole bands of `tiles_n` tiles).
-pub fn pushed_tiles(rows: u64, g: u32, groups: u32, bm: u64, tiles_n: u32) -> u32 {
-    let segment = part(rows, g + 1, groups) - part(rows, g, groups);
-    (segment.div_ceil(bm) * u64::from(tiles_n)) as u32
+/// Tiles the GEMM of a rank sending `sends` (natural layout, `groups`
+/// groups, `tiles_n` tiles per band of `bm`) pushes to rank `dest` in each
+/// group: the bands holding dest's rows, each in the group computing it.
+pub fn pushed_tiles(sends: &[u64], dest: usize, groups: u32, bm: u64, tiles_n: u32) -> Vec<u32> {
+    let (start, rows) = (offsets(sends)[dest], sends[dest]);
+    natural_bands(sends, groups, bm)
+        .iter()
+        .map(|bands| {
+            let held = bands
+                .iter()
+                .filter(|&&b| rows > 0 && b * bm < start + rows && start < (b + 1) * bm)
+                .count();
+            held as u32 * tiles_n
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -659,68 +667,86 @@ mod tests {
         check_world(&matrix, 4, 3).unwrap();
     }
 
-    /// Pushed on 2 ranks: every row a rank pushes lands in its receiver's
-    /// slot where the receiver's layout says, the segments never overlap,
-    /// and each group pushes what the receiver waits for.
+    /// Pushed on 2 ranks (natural layout), reading the store rows as the
+    /// kernel does: every row a rank sends the peer lands once in the
+    /// peer's slot, at the block's phase plus its index, inside the slot
+    /// rows the block fills, pushed in a group no later than the one the
+    /// receiver lands it in; every own row is stored here once, at its x
+    /// row; and each group pushes as many tiles as the receiver counts.
     fn check_pushed(matrix: &[Vec<u64>], groups: u32, raster: u32) -> Result<(), TestCaseError> {
         let bm = u64::from(TILE.bm);
         let recv = |r: usize| -> Vec<u64> { (0..2).map(|p| matrix[p][r]).collect() };
         let plans: Vec<AllToAllPlan> = (0..2)
             .map(|r| {
-                plan_gemm_all_to_all(&matrix[r], &recv(r), 200, TILE, groups, Layout::Padded)
+                let phases = recv_phases(matrix, r).unwrap();
+                let layout = Layout::Natural {
+                    recv_phases: &phases,
+                };
+                plan_gemm_all_to_all(&matrix[r], &recv(r), 200, TILE, groups, layout)
                     .unwrap()
                     .rastered(raster)
             })
             .collect();
         for (me, plan) in plans.iter().enumerate() {
             let peer = 1 - me;
+            let total: u64 = matrix[me].iter().sum();
+            let start = offsets(&matrix[me])[peer];
+            let (sent, phase) = (matrix[me][peer], start % bm);
+            let end = pushed_slot_rows(sent, phase, bm);
             let rows = pushed_store_rows(plan, me as u32, &matrix[me], bm);
             prop_assert_eq!(rows.len(), plan.store_rows.len());
-            let (starts, end) = pushed_segments(matrix[me][peer], groups, bm);
-            // Slot row -> (x row of the sender, times written).
-            let mut slot = vec![(0u64, 0u32); end as usize];
+            // Slot row -> (x row, group pushing it, writes); x row -> writes here.
+            let mut slot = vec![(0u64, 0usize, 0u32); end as usize];
+            let mut here = vec![0u32; total as usize];
             let mut pushed = vec![0u32; groups as usize];
-            for (p, &stored) in rows.iter().enumerate() {
-                let row = stored as i32;
+            for (p, &word) in rows.iter().enumerate() {
+                let stored = word as i32;
                 let g = plan.tile_group[p] as usize;
-                let e = plan.groups[g].exchanges[peer];
-                if row >= 0 {
-                    prop_assert_eq!(stored, plan.store_rows[p]);
-                    continue;
+                let load = u64::from(plan.load_rows[p]);
+                let dual = stored < 0 && (!stored as u64 & MAX_TABLE_ROWS) != 0;
+                let local = (stored >= 0)
+                    .then_some(u64::from(word))
+                    .or(dual.then_some(load));
+                let first_column = plan.tile_order[p] % plan.tiles_n == 0;
+                if stored < 0 {
+                    pushed[g] += 1;
+                    let at = !stored as u64 & (MAX_TABLE_ROWS - 1);
+                    prop_assert!(at % bm == 0 && at + bm <= end, "slot row {}", at);
+                    for i in (0..bm).filter(|_| first_column) {
+                        let x = load + i;
+                        if (start..start + sent).contains(&x) {
+                            prop_assert_eq!(at + i, phase + x - start);
+                            slot[(at + i) as usize] = (x, g, slot[(at + i) as usize].2 + 1);
+                        }
+                    }
                 }
-                pushed[g] += 1;
-                let at = u64::from((-row - 1) as u32);
-                prop_assert!(
-                    at >= starts[g] && at + bm <= starts[g] + e.send_rows.div_ceil(bm) * bm
-                );
-                if plan.tile_order[p] % plan.tiles_n != 0 {
-                    continue;
-                }
-                for i in 0..bm {
-                    if at + i < starts[g] + e.send_rows {
-                        slot[(at + i) as usize].0 = u64::from(plan.load_rows[p]) + i;
-                        slot[(at + i) as usize].1 += 1;
+                if let Some(row) = local {
+                    prop_assert_eq!(row, load);
+                    for x in (row..(row + bm).min(total)).filter(|_| first_column) {
+                        if !(start..start + sent).contains(&x) {
+                            here[x as usize] += 1;
+                        }
                     }
                 }
             }
-            // The receiver's view: group g's rows from `me` at its segment
-            // start, in the order all_to_all_single delivers them.
+            prop_assert!(here
+                .iter()
+                .enumerate()
+                .all(|(x, &w)| w == u32::from(!(start..start + sent).contains(&(x as u64)))));
+            // The receiver's view: group g's rows from `me` at the phase
+            // plus their index in the block, pushed no later than g.
             let theirs = &plans[peer];
+            prop_assert_eq!(theirs.recv_phases[me], phase);
+            let counted = pushed_tiles(&matrix[me], peer, groups, bm, theirs.tiles_n);
             for g in 0..groups as usize {
+                prop_assert_eq!(pushed[g], counted[g], "group {}", g);
                 let e = theirs.groups[g].exchanges[me];
-                let (rstarts, rend) = pushed_segments(recv(peer)[me], groups, bm);
-                prop_assert_eq!(rend, end);
-                prop_assert_eq!(
-                    pushed[g],
-                    pushed_tiles(recv(peer)[me], g as u32, groups, bm, theirs.tiles_n)
-                );
-                let first = e.recv_row - matrix[0..me].iter().map(|r| r[peer]).sum::<u64>();
-                for i in 0..e.recv_rows {
-                    let (x_row, writes) = slot[(rstarts[g] + i) as usize];
+                let first = theirs.recv_part(&recv(peer), me, g as u32);
+                for i in first..first + e.recv_rows {
+                    let (x, pushed_in, writes) = slot[(phase + i) as usize];
                     prop_assert_eq!(writes, 1);
-                    // Row t of what `me` sends `peer` is x row offset(peer) + t.
-                    let offset: u64 = matrix[me][..peer].iter().sum();
-                    prop_assert_eq!(x_row, offset + first + i);
+                    prop_assert!(pushed_in <= g);
+                    prop_assert_eq!(x, start + i);
                 }
             }
         }
@@ -733,6 +759,8 @@ mod tests {
             check_pushed(&[vec![300, 700], vec![0, 1000]], 4, raster).unwrap();
             check_pushed(&[vec![5, 0], vec![129, 1]], 3, raster).unwrap();
             check_pushed(&[vec![0, 0], vec![0, 0]], 2, raster).unwrap();
+            // The bench's skew: 16 bands on each rank, 2 of them dual.
+            check_pushed(&[vec![819, 1229], vec![819, 1229]], 4, raster).unwrap();
         }
     }
 

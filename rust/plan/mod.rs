@@ -35,6 +35,8 @@ pub use reduce_scatter::{
     plan_gemm_reduce_scatter, ReduceScatterPlan, ReduceScatterRequest, ScatterGroup,
 };
 pub use staged::{staging_elems, StagedGroup, StagedPartition};
-pub use tiles::{hopper_tile_n, pushed_row, OutputTiles, TileShape, HOPPER_TILE_N};
+pub use tiles::{
+    dual_row, hopper_tile_n, pushed_row, OutputTiles, TileShape, HOPPER_TILE_N, MAX_TABLE_ROWS,
+};
 pub use token_split::{wave_aware_split, LayerGemm, TokenSplit};
 pub use waves::Waves;

@@ -109,11 +109,26 @@ pub fn hopper_tile_n(m: u32, n: u32, ctas: u32) -> u32 {
     }
 }
 
+/// Rows a row table may name: below 2**30, the bit above marking a
+/// [`dual_row`] (the kernel's FO_DUAL_STORE).
+pub const MAX_TABLE_ROWS: u64 = 1 << 30;
+
 /// A row table's store row for a tile the push backend sends to row
-/// `slot_row` of the peer's staging slot instead of storing it here: -r - 1,
-/// as the kernel reads the table (i32, two's complement).
+/// `slot_row` (< [`MAX_TABLE_ROWS`]) of the peer's staging slot instead of
+/// storing it here: -r - 1, as the kernel reads the table (i32, two's
+/// complement).
 pub fn pushed_row(slot_row: u64) -> u32 {
+    debug_assert!(slot_row < MAX_TABLE_ROWS, "slot row {slot_row}");
     (-(slot_row as i64) - 1) as i32 as u32
+}
+
+/// A row table's store row for a tile the push backend both stores here, at
+/// the row it loads (an All-to-All band holding this rank's rows and the
+/// peer's, in the natural layout where the send buffer is x's row order),
+/// and sends to row `slot_row` of the peer's slot.
+pub fn dual_row(slot_row: u64) -> u32 {
+    debug_assert!(slot_row < MAX_TABLE_ROWS, "slot row {slot_row}");
+    pushed_row(slot_row | MAX_TABLE_ROWS)
 }
 
 #[cfg(test)]
