@@ -225,6 +225,10 @@ fn hardware_for(
                 CollectiveModel::analytic(PUSH_GROUP_LATENCY_US, PUSH_LINK_GBPS),
                 PUSH_COMBINED_FIXED_US,
             ),
+            Backend::Push if kind == CollectiveKind::AllToAll => (
+                CollectiveModel::analytic(PUSH_GROUP_LATENCY_US, PUSH_A2A_LAND_GBPS),
+                PUSH_A2A_FIXED_US,
+            ),
             Backend::Push => (
                 CollectiveModel::analytic(PUSH_GROUP_LATENCY_US, push_gbps(kind, reserved)),
                 PUSH_FIXED_US,
@@ -241,7 +245,7 @@ fn hardware_for(
                 (Backend::CopyEngine, CollectiveKind::ReduceScatter) if combined => {
                     CE_COMBINED_GROUP_US
                 }
-                (Backend::Push, CollectiveKind::AllToAll) => COPY_ENGINE_ALL_TO_ALL_GROUP_US,
+                (Backend::Push, CollectiveKind::AllToAll) => PUSH_A2A_GROUP_US,
                 (Backend::CopyEngine, CollectiveKind::AllToAll) => COPY_ENGINE_ALL_TO_ALL_GROUP_US,
                 (Backend::Nccl, CollectiveKind::AllToAll) if world > 1 => NCCL_ALL_TO_ALL_GROUP_US,
                 (Backend::CopyEngine, CollectiveKind::AllReduce) if world > 1 && !fused_norm => {
@@ -258,6 +262,7 @@ fn hardware_for(
                 (1, _) => 1.0,
                 // Only the copies' HBM traffic beside it: no SM moves a byte.
                 (_, Backend::CopyEngine) if combined => CE_COMBINED_GEMM_SLOWDOWN,
+                (_, Backend::Push) if kind == CollectiveKind::AllToAll => PUSH_A2A_GEMM_SLOWDOWN,
                 _ => GEMM_BESIDE_TRAFFIC,
             },
             fused_norm_bytes_per_us_per_sm: if fused_norm {
@@ -267,6 +272,8 @@ fn hardware_for(
             },
             push_drain_stall: (backend == Backend::Push && kind == CollectiveKind::ReduceScatter)
                 .then_some(PUSH_DRAIN_STALL),
+            pushed_link_gbps: (backend == Backend::Push && kind == CollectiveKind::AllToAll)
+                .then_some(PUSH_LINK_GBPS),
             ..h200
         }
     } else {
@@ -370,6 +377,25 @@ const PUSH_COMBINED_FIXED_US: f64 = 10.0;
 /// 2048 x 8192 x 14336; a one-off probe of forced groupings on 2026-11-26).
 const PUSH_DRAIN_STALL: f64 = 0.5;
 const PUSH_COMBINED_GROUP_US: f64 = 1.0;
+/// The push All-to-All (natural layout, 2026-11-26): its rows cross NVLink
+/// inside the GEMM (at most PUSH_LINK_GBPS), and what follows each group is
+/// the receiver's landing copies, from the slot and of its own rows, both
+/// local (counted per byte the busiest rank receives: two copies). Fitted
+/// by replaying its first 2x H200 E2 run (6 cases x 8 group counts, the
+/// issue's N = 4096 x K = 14336 and N = 8192 x K = 4096 at T = 2048-8192;
+/// `e2_replay.py --all-to-all`): the estimates it ran with (the copy
+/// engines' 20 us per group, the exchange after each group at the links'
+/// rate, the GEMM 1.05x slower, 25 us per call) were 17% pessimistic and
+/// kept every K = 14336 case sequential, where 2-6 groups measured
+/// 1.04-1.08x faster. These give 5.1% (land 500-1400 GB/s, 4-12 us per
+/// group: 4.8-7.8%), and predicted-best counts at 0.996 of the best
+/// measured (worst 0.986). One group runs the same machinery as many (the
+/// grant, the flags, the landings), so no fixed cost sets it apart, and the
+/// GEMM ran as fast as its profile (1.05 cost 0.5% of error).
+const PUSH_A2A_LAND_GBPS: f64 = 700.0;
+const PUSH_A2A_GROUP_US: f64 = 10.0;
+const PUSH_A2A_FIXED_US: f64 = 0.0;
+const PUSH_A2A_GEMM_SLOWDOWN: f64 = 1.0;
 /// The copy engines' ReduceScatter with combined stores (2 ranks): per
 /// group a stream wait, a copy into the peer's slot and a flag write, at
 /// the copies' rate beside a GEMM (estimates, not yet fitted).

@@ -166,6 +166,8 @@ pub fn predict_all_to_all(
     let tiles = shape.group_tiles(groups);
     let mut stored = vec![0u64; world];
     let mut previous_end: f64 = 0.0;
+    // Pushed: when the previous group's tiles and its pushes were done.
+    let (mut previous_done, mut pushed_end): (f64, f64) = (0.0, 0.0);
     let mut timings = Vec::with_capacity(groups as usize);
     for g in 0..groups {
         let mut gemm_done_us: f64 = 0.0;
@@ -177,7 +179,18 @@ pub fn predict_all_to_all(
         let exchange_us = hw.overlap_comm_slowdown
             * hw.overlap_comm
                 .time_us(shape.uniform_input(bytes), world as u32);
-        let comm_start_us = gemm_done_us.max(previous_end);
+        // Pushed, the bytes cross as the group's tiles finish, unless the
+        // links are slower than the GEMM makes them.
+        let ready_us = match hw.pushed_link_gbps {
+            Some(gbps) => {
+                let link_us = bytes as f64 / (gbps * 1e3);
+                pushed_end = gemm_done_us.max(previous_done.max(pushed_end) + link_us);
+                previous_done = gemm_done_us;
+                pushed_end
+            }
+            None => gemm_done_us,
+        };
+        let comm_start_us = ready_us.max(previous_end);
         previous_end = comm_start_us + exchange_us;
         timings.push(GroupTiming {
             gemm_done_us,

@@ -126,6 +126,12 @@ pub struct HardwareModel {
     /// the next fill), and a group's partial streams as its tiles finish.
     /// None: partials are copied (copy engines) once their group is done.
     pub push_drain_stall: Option<f64>,
+    /// An All-to-All whose GEMM pushes its rows from the epilogue: Some(r),
+    /// a group's bytes cross the links at r GB/s while its tiles compute
+    /// (from the previous group's end), and what follows the group
+    /// (`overlap_comm`) is the landing copies on the receiver. None: the
+    /// exchange starts once the group is done.
+    pub pushed_link_gbps: Option<f64>,
 }
 
 /// The fused add + RMSNorm on H200 (evaluation/results/bench_add_rmsnorm_h200.txt):
@@ -185,6 +191,7 @@ impl HardwareModel {
             unreorder_bytes_per_us_per_sm: H200_UNREORDER_PER_SM,
             fused_norm_bytes_per_us_per_sm: 0.0,
             push_drain_stall: None,
+            pushed_link_gbps: None,
         }
     }
 
@@ -204,6 +211,7 @@ impl HardwareModel {
             unreorder_bytes_per_us_per_sm: H200_UNREORDER_PER_SM / 2.0,
             fused_norm_bytes_per_us_per_sm: 0.0,
             push_drain_stall: None,
+            pushed_link_gbps: None,
         }
     }
 
