@@ -1,7 +1,9 @@
 // vLLM's fused_add_rms_norm on rows first..last-1 of an [M, N] output:
-//   r = x + residual_in (rounded to 16 bits, as vLLM does);  residual_out = r;
+//   r = s + residual_in (rounded to 16 bits, as vLLM does);  residual_out = r;
 //   x = r * rsqrt(mean(r^2) + eps) * weight   (fp32 statistics and products)
-// in place on x (the reduced GEMM output).
+// where s, the reduced GEMM output, is read from `src` (row first at src[0]):
+// x itself (in place), or the staging slot a peer pushed the rows' sums into
+// (the gathered AllReduce: no copy of them into x first).
 //
 // It runs on the communication stream right after each wave group's
 // AllReduce, on the few SMs the GEMM leaves free, so it must keep memory
@@ -61,7 +63,7 @@ __device__ __forceinline__ uint4* slot(uint4* ring, int stage, int tensor, int u
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-    fo_add_rmsnorm(uint4* __restrict__ x, const uint4* __restrict__ residual_in, uint4* __restrict__ residual_out,
+    fo_add_rmsnorm(uint4* x, const uint4* src, const uint4* __restrict__ residual_in, uint4* __restrict__ residual_out,
                    const uint4* __restrict__ weight, int first, int last, int n, float eps) {
   extern __shared__ uint4 ring[];  // [STAGES][2][VPT][THREADS]
   const int lane = threadIdx.x % 32;
@@ -77,12 +79,13 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   auto issue = [&]() {
     if (load_row < last) {
       const long long base = static_cast<long long>(load_row) * vecs;
+      const long long from = static_cast<long long>(load_row - first) * vecs;
 #pragma unroll
       for (int u = 0; u < VPT; ++u) {
         const int v = lane + 32 * (load_step * VPT + u);
         const bool in = v < vecs;
         // Past the row's end: a zero-filled chunk from a valid address, never used.
-        fo::cp_async_16(fo::smem_addr(slot(ring, load_stage, 0, u)), in ? x + base + v : x, in ? 16 : 0);
+        fo::cp_async_16(fo::smem_addr(slot(ring, load_stage, 0, u)), in ? src + from + v : src, in ? 16 : 0);
         fo::cp_async_16(fo::smem_addr(slot(ring, load_stage, 1, u)), in ? residual_in + base + v : residual_in,
                         in ? 16 : 0);
       }

@@ -972,6 +972,7 @@ fn add_rmsnorm(
         gar::launch_add_rmsnorm(
             &kernel,
             x,
+            None,
             &norm,
             0..rows,
             n,

@@ -684,7 +684,8 @@ pub struct SlotCopy {
 
 /// One group's landing in a gathered AllReduce: once this rank's gathered
 /// flag of the group reaches `count` (the peer's sums are in this rank's
-/// slot), `bytes` from `slot_offset` of the slot to `out`.
+/// slot), `bytes` from `slot_offset` of the slot to `out` (0: none, what
+/// follows reads the slot).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Land {
     pub count: u32,
@@ -815,7 +816,9 @@ pub fn enqueue_combined<'g>(
         for (g, l) in gather.lands.iter().enumerate() {
             let flag = layout.gathered_flag(peer.bases[me], g, other);
             stream::take(land, flag, l.count)?;
-            stream::copy(land, l.out, recv + l.slot_offset, l.bytes as usize)?;
+            if l.bytes > 0 {
+                stream::copy(land, l.out, recv + l.slot_offset, l.bytes as usize)?;
+            }
             // This rank's own tiles of g are stored once the send's wait is
             // over (copied sums) or the GEMM's counter says so (pushed ones).
             if gather.sends.is_some() {

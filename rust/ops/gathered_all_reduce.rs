@@ -8,11 +8,13 @@
 //! (ops/gemm_reduce_scatter.rs's combined stores). Each finished sum goes to
 //! the output and to the peer (pushed from the same epilogue, or copied per
 //! group), and each rank copies the peer's sums from its slot into its
-//! output (the landing, on the copy engines), then runs the group's fused
-//! norm where one follows:
+//! output (the landing, on the copy engines); where a fused norm follows,
+//! the group's norm reads them from the slot instead and writes the output
+//! rows itself (no landing: a read and a write of half the output saved):
 //!
 //! Caller S:  GEMM (peer's tiles -> peer, own tiles + peer's partial -> out, -> peer)
-//! Land L:    wait(gathered g0) copy(slot -> out) [own g0 stored] norm(g0) ...
+//! Land L:    wait(gathered g0) copy(slot -> out) [own g0 stored] after(g0) ...
+//! (norm:)    wait(gathered g0) [own g0 stored] norm(own rows, peer's rows from the slot) ...
 //!
 //! The links carry what a ReduceScatter + AllGather would; the sums cost
 //! nothing beside the GEMM's epilogue.
@@ -221,6 +223,8 @@ pub fn enqueue(
             bytes: rows * row_bytes,
         })
         .collect();
+    // With a norm, it reads the peer's sums from the slot and writes the
+    // output rows itself: nothing lands first.
     let lands: Vec<Land> = spans
         .iter()
         .enumerate()
@@ -228,9 +232,12 @@ pub fn enqueue(
             count: if pushed { plan.groups[g].tiles / 2 } else { 1 },
             slot_offset: (out_rows + first) * row_bytes,
             out: theirs + first * row_bytes,
-            bytes: rows * row_bytes,
+            bytes: if norm.is_some() { 0 } else { rows * row_bytes },
         })
         .collect();
+    let recv = peer
+        .layout
+        .slot(peer.bases[rank as usize], rank as usize, other as usize);
     let own_tiles: Vec<u32> = plan.groups.iter().map(|g| g.tiles).collect();
     let last = plan.groups.len().saturating_sub(1);
     let mut after = |g: usize, stream: RawStream| -> Result<()> {
@@ -247,9 +254,11 @@ pub fn enqueue(
         let (first, rows) = spans[g];
         for shard in 0..2 {
             let start = (shard * shard_rows + first) as u32;
+            let src = (shard == other).then_some(recv + (out_rows + first) * row_bytes);
             gar::launch_add_rmsnorm(
                 kernel,
                 args.out,
+                src,
                 norm,
                 start..start + rows as u32,
                 args.n,

@@ -829,10 +829,13 @@ impl PeerNorm {
 
 /// Enqueues the fused add + RMSNorm over `rows` of an [.., n] output on at
 /// most `ctas` CTAs (one row per warp at a time).
+/// `src`: where the rows' sums are read from (row rows.start first; None:
+/// `out` itself, in place).
 #[allow(clippy::too_many_arguments)]
 pub fn launch_add_rmsnorm(
     kernel: &Kernel,
     out: u64,
+    src: Option<u64>,
     norm: &Norm,
     rows: std::ops::Range<u32>,
     n: u32,
@@ -842,6 +845,9 @@ pub fn launch_add_rmsnorm(
     if rows.is_empty() {
         return Ok(());
     }
+    // bf16 or fp16: 2 bytes an element.
+    let row_bytes = u64::from(n) * 2;
+    let mut src = src.unwrap_or(out + u64::from(rows.start) * row_bytes);
     // A warp per row: a block takes ADD_RMSNORM_THREADS / 32 rows at a time.
     let warps = kernels::ADD_RMSNORM_THREADS / 32;
     let grid = ctas.max(1).min((rows.end - rows.start).div_ceil(warps));
@@ -849,8 +855,9 @@ pub fn launch_add_rmsnorm(
         (out, norm.residual_in, norm.residual_out, norm.weight);
     let (mut first, mut last, mut n, mut eps) =
         (rows.start as i32, rows.end as i32, n as i32, norm.eps);
-    let mut params: [*mut c_void; 8] = [
+    let mut params: [*mut c_void; 9] = [
         (&mut x as *mut u64).cast(),
+        (&mut src as *mut u64).cast(),
         (&mut res_in as *mut u64).cast(),
         (&mut res_out as *mut u64).cast(),
         (&mut weight as *mut u64).cast(),
@@ -1044,7 +1051,16 @@ impl Run<'_> {
         } else {
             self.plan.request.reserved_sms
         };
-        launch_add_rmsnorm(kernel, self.args.out, norm, rows, self.args.n, ctas, stream)
+        launch_add_rmsnorm(
+            kernel,
+            self.args.out,
+            None,
+            norm,
+            rows,
+            self.args.n,
+            ctas,
+            stream,
+        )
     }
 }
 
