@@ -205,7 +205,12 @@ fn plan_with(
         hw.overlap_comm.bus_gbps = gbps;
     }
     let gather = gathered.then(|| Gather {
-        land_gbps: GATHER_LAND_GBPS,
+        // With a norm nothing lands: it reads the peer's sums from the slot.
+        land_gbps: if machine.fused_norm {
+            f64::INFINITY
+        } else {
+            GATHER_LAND_GBPS
+        },
         // The AllReduce the sequential schedule runs (its measured curve where there is one).
         all_reduce: machine
             .model(args, world, kernel, CollectiveKind::AllReduce)

@@ -252,7 +252,8 @@ pub fn predict_combined(
 
 /// A combined AllReduce's gather ([`predict_combined`]): each rank copies
 /// the peer's sums from its slot into its output at `land_gbps` (GB/s of
-/// landed bytes); `all_reduce` times the AllReduce that the sequential
+/// landed bytes; infinite where nothing lands, a fused norm reading the
+/// slot instead); `all_reduce` times the AllReduce that the sequential
 /// schedule runs instead.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Gather {
