@@ -242,6 +242,16 @@ pub fn close_all(mapped: &[u64]) {
 }
 
 impl PeerBuffers {
+    /// This rank's slot that `source` writes into.
+    pub fn slot_from(&self, source: usize) -> u64 {
+        self.layout.slot(self.bases[self.rank], self.rank, source)
+    }
+
+    /// `receiver`'s slot that this rank writes into (as mapped here).
+    pub fn slot_at(&self, receiver: usize) -> u64 {
+        self.layout.slot(self.bases[receiver], receiver, self.rank)
+    }
+
     /// Ranks other than this one, starting after it, so that on more than
     /// two GPUs the ranks do not all copy to the same peer first.
     pub fn peers(&self) -> impl Iterator<Item = usize> + '_ {

@@ -288,7 +288,7 @@ fn reduce(
     let me = peer.rank;
     let mut sources = [0u64; 7];
     for (i, source) in (0..peer.layout.world).filter(|&s| s != me).enumerate() {
-        sources[i] = peer.layout.slot(peer.bases[me], me, source) + e.slot_offset;
+        sources[i] = peer.slot_from(source) + e.slot_offset;
     }
     let (mut out, mut mine) = (e.out, e.part(me));
     let mut own = me as i32;
@@ -311,7 +311,7 @@ fn reduce(
 /// into the output (an All-to-All's landing: no sum, the copy engines).
 fn land_rows(peer: &PeerBuffers, m: &Moves, stream: RawStream) -> Result<()> {
     for l in m.lands.iter().filter(|l| l.bytes > 0) {
-        let from = peer.layout.slot(peer.bases[peer.rank], peer.rank, l.rank) + l.slot_offset;
+        let from = peer.slot_from(l.rank) + l.slot_offset;
         stream::copy(stream, l.addr, from, l.bytes as usize)?;
     }
     Ok(())
@@ -424,7 +424,7 @@ pub fn enqueue(
         let send =
             |link: RawStream, p: usize, src: u64, bytes: u64, slot_offset: u64| -> Result<()> {
                 if bytes > 0 {
-                    let dst = layout.slot(peer.bases[p], p, me) + slot_offset;
+                    let dst = peer.slot_at(p) + slot_offset;
                     stream::copy(link, dst, src, bytes as usize)?;
                 }
                 // A stream write is fenced after the copy before it: the peer
@@ -479,7 +479,7 @@ pub fn enqueue(
                 comm.gather_go.order_all(reduces, &gather_and_land)?;
                 for (&link, p) in gathers.iter().zip(peer.peers()) {
                     if mine.bytes > 0 {
-                        let dst = layout.slot(peer.bases[p], p, me) + mine.slot_offset;
+                        let dst = peer.slot_at(p) + mine.slot_offset;
                         stream::copy(link, dst, mine.out, mine.bytes as usize)?;
                     }
                     stream::write(link, layout.gathered_flag(peer.bases[p], g, me), 1)?;
@@ -492,7 +492,7 @@ pub fn enqueue(
                     stream::take(land, flag, 1)?;
                     let theirs = share_of(e, q, layout.world);
                     if theirs.bytes > 0 {
-                        let from = layout.slot(peer.bases[me], me, q) + theirs.slot_offset;
+                        let from = peer.slot_from(q) + theirs.slot_offset;
                         stream::copy(land, theirs.out, from, theirs.bytes as usize)?;
                     }
                 }
@@ -574,7 +574,7 @@ pub fn enqueue_pushed<'g>(
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     // Offsets into the slot are those into the GEMM's store buffer
     // ([`Exchange::slot_offset`]), so the slot is laid out like it.
-    let slot = layout.slot(peer.bases[other], other, me);
+    let slot = peer.slot_at(other);
     let gemm = prepare_gemm(slot, layout.ready_flag(peer.bases[other], 0, me))?;
     // The GEMM writes into the peer's slot for this rank from its first tile.
     take_grant(peer, other, caller)?;
@@ -759,8 +759,8 @@ pub fn enqueue_combined<'g>(
                 .into(),
         ));
     }
-    let slot = layout.slot(peer.bases[other], other, me);
-    let recv = layout.slot(peer.bases[me], me, other);
+    let slot = peer.slot_at(other);
+    let recv = peer.slot_from(other);
     let gemm = prepare_gemm(Targets {
         peer_slot: slot,
         peer_ready: layout.ready_flag(peer.bases[other], 0, me),

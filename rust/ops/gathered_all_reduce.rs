@@ -235,9 +235,7 @@ pub fn enqueue(
             bytes: if norm.is_some() { 0 } else { rows * row_bytes },
         })
         .collect();
-    let recv = peer
-        .layout
-        .slot(peer.bases[rank as usize], rank as usize, other as usize);
+    let recv = peer.slot_from(other as usize);
     let own_tiles: Vec<u32> = plan.groups.iter().map(|g| g.tiles).collect();
     let last = plan.groups.len().saturating_sub(1);
     let mut after = |g: usize, stream: RawStream| -> Result<()> {
