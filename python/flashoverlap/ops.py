@@ -465,13 +465,11 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
         rows = (-(-most // band) + 1) * band if backend == "push" else max(most, 1)
         comm.ensure_peer_buffers(rows * n * x.element_size())
 
-    # The whole routing known: one band grid over x's rows (no destination padded to whole
-    # bands), which the core lays out from the matrix.
-    natural = matrix
-
+    # With the whole routing (the matrix), the core tiles x's rows on one band grid (no
+    # destination padded to whole bands); without it, each destination on its own bands.
     def upload():
         table_bytes, rows = _core.all_to_all_tables(m, n, k, dtype, x.device.index, comm.rank, sends, recvs,
-                                                    options, natural)
+                                                    options, matrix)
         # Up from pinned memory without blocking the host.
         if not table_bytes:
             return torch.empty(0, dtype=torch.int32, device=x.device), rows
@@ -479,7 +477,7 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
         return host.to(x.device, non_blocking=True), rows
 
     key = (x.device.index, comm.rank, m, n, k, dtype, tuple(sends), tuple(recvs), options,
-           natural is not None and tuple(flat))
+           matrix is not None and tuple(flat))
     tables, send_rows = _A2A_TABLES.get(key, upload, torch.cuda.is_current_stream_capturing())
     # Cached tables may be reused from another stream: the allocator must not recycle them until
     # this stream is done with them.
@@ -489,7 +487,7 @@ def _gemm_all_to_all_impl(x: torch.Tensor, weight: torch.Tensor, input_split_siz
     send = torch.empty((send_rows, n), dtype=x.dtype, device=x.device)
     _core.gemm_all_to_all(comm.name, x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, dtype, stream,
                           sends, recvs, (send.data_ptr(), send_rows, tables.data_ptr(), words, counters.data_ptr()),
-                          options, natural)
+                          options, matrix)
     return out
 
 

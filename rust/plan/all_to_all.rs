@@ -439,7 +439,7 @@ pub fn pushed_store_rows(plan: &AllToAllPlan, me: u32, sends: &[u64], bm: u64) -
         .map(|&stored| {
             // Natural: every band is stored at its own rows (x's order).
             let (lo, hi) = (u64::from(stored), (u64::from(stored) + bm).min(total));
-            let theirs = rows > 0 && lo < start + rows && start < hi;
+            let theirs = holds(lo..hi, start, rows);
             let mine = lo < start || hi > start + rows;
             match (theirs, mine) {
                 (true, true) => dual_row(lo - first),
@@ -448,6 +448,11 @@ pub fn pushed_store_rows(plan: &AllToAllPlan, me: u32, sends: &[u64], bm: u64) -
             }
         })
         .collect()
+}
+
+/// Whether rows `band` hold any of the `rows` rows from `start`.
+fn holds(band: std::ops::Range<u64>, start: u64, rows: u64) -> bool {
+    rows > 0 && band.start < start + rows && start < band.end
 }
 
 /// Tiles the GEMM of a rank sending `sends` (natural layout, `groups`
@@ -460,7 +465,7 @@ pub fn pushed_tiles(sends: &[u64], dest: usize, groups: u32, bm: u64, tiles_n: u
         .map(|bands| {
             let held = bands
                 .iter()
-                .filter(|&&b| rows > 0 && b * bm < start + rows && start < (b + 1) * bm)
+                .filter(|&&b| holds(b * bm..(b + 1) * bm, start, rows))
                 .count();
             held as u32 * tiles_n
         })
