@@ -478,11 +478,11 @@ def test_copy_engine_groups_cost_less_than_nccl_ones() -> None:
         # Each backend's per-call cost is part of its overlapped prediction (NCCL's: the fork and
         # join of a call, fitted to world-1 measurements; the copy engines' is larger).
         assert (nccl.overlap_fixed_us, ce.overlap_fixed_us) == (5.0, 40.0)
-        # Each group also pays what the pipeline does not hide at world >= 2: NCCL_GROUP_US (6) per
+        # Each group also pays what the pipeline does not hide at world >= 2: NCCL_GROUP_US (3) per
         # NCCL group, COPY_ENGINE_ALL_REDUCE_GROUP_US (3) per copy-engine one.
-        assert nccl.overlap_groups_us == pytest.approx(6.0 * len(nccl.groups))
+        assert nccl.overlap_groups_us == pytest.approx(3.0 * len(nccl.groups))
         assert ce.overlap_groups_us == pytest.approx(3.0 * len(ce.groups))
-        assert nccl.predicted_overlap_us == pytest.approx(nccl.groups[-1]["comm_end_us"] + 6.0 * len(nccl.groups)
+        assert nccl.predicted_overlap_us == pytest.approx(nccl.groups[-1]["comm_end_us"] + 3.0 * len(nccl.groups)
                                                           + 5.0)
         assert ce.predicted_overlap_us == pytest.approx(ce.groups[-1]["comm_end_us"] + 3.0 * len(ce.groups) + 40.0)
         # The sequential schedule is the same cuBLAS + NCCL for both.

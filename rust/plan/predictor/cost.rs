@@ -78,14 +78,30 @@ impl<'a> OverlapCost<'a> {
         f64::from(self.waves.count()) * self.wave_us * self.hw.overlap_gemm_slowdown
     }
 
+    /// How the GEMM slows the collectives beside it (see [`Beside`]).
+    pub(super) fn beside(&self) -> Beside {
+        Beside {
+            gemm_end_us: self.gemm_us(),
+            slowdown: self.hw.comm_beside_gemm,
+        }
+    }
+
     /// AllReduce of group bands `bands` while overlapping (the overlap
     /// backend's model, under the overlap CTA cap), then the fused norm of
     /// its rows where one follows: on the SMs the GEMM leaves free, except
     /// after the last group, when the GEMM is done and the norm gets every SM.
     pub(super) fn comm_us(&self, bands: std::ops::Range<u32>) -> f64 {
+        self.group_work(bands).total_us()
+    }
+
+    /// [`Self::comm_us`] in its two parts.
+    pub(super) fn group_work(&self, bands: std::ops::Range<u32>) -> StreamWork {
         let tail = bands.end == self.band_count();
         let norm_sms = if tail { self.hw.sms } else { self.free_sms() };
-        self.link_us(bands.clone()) + self.norm_us(bands, norm_sms)
+        StreamWork {
+            collective_us: self.link_us(bands.clone()),
+            then_us: self.norm_us(bands, norm_sms),
+        }
     }
 
     /// The collective of group bands `bands` alone (no norm), while overlapping.
@@ -128,7 +144,7 @@ impl<'a> OverlapCost<'a> {
     /// Staged schedule: the collective of `tiles` whole staged tiles, then
     /// their un-reorder copy into `out` on the SMs the GEMM leaves free
     /// (both on the communication stream).
-    pub(super) fn staged_comm_us(&self, tiles: u32) -> f64 {
+    pub(super) fn staged_work(&self, tiles: u32) -> StreamWork {
         let staged = u64::from(tiles)
             * u64::from(self.tiles.tile.bm)
             * u64::from(self.tiles.tile.bn)
@@ -136,7 +152,10 @@ impl<'a> OverlapCost<'a> {
         let collective =
             self.hw.overlap_comm_slowdown * self.hw.overlap_comm.time_us(staged, self.world);
         let free_sms = self.hw.sms.saturating_sub(self.waves.ctas).max(1);
-        collective + staged as f64 / (self.hw.unreorder_bytes_per_us_per_sm * f64::from(free_sms))
+        StreamWork {
+            collective_us: collective,
+            then_us: staged as f64 / (self.hw.unreorder_bytes_per_us_per_sm * f64::from(free_sms)),
+        }
     }
 
     /// The library GEMM on all SMs with nothing beside it, then one
@@ -164,5 +183,102 @@ impl<'a> OverlapCost<'a> {
 
     fn bytes(&self, rows: u32) -> u64 {
         u64::from(rows) * u64::from(self.tiles.n) * u64::from(self.elem_bytes)
+    }
+}
+
+/// A group's work on the communication stream: its collective, then what
+/// follows it there (the fused norm, the un-reorder copy), whose rates are
+/// already those beside the GEMM.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StreamWork {
+    pub(super) collective_us: f64,
+    pub(super) then_us: f64,
+}
+
+impl StreamWork {
+    pub(super) fn total_us(&self) -> f64 {
+        self.collective_us + self.then_us
+    }
+}
+
+/// A collective that shares the GPU with the running GEMM goes `slowdown`
+/// times slower until the GEMM ends (`gemm_end_us`), then at its own speed.
+/// A group's end never decreases as its start or its work grows, which
+/// keeps the boundary search exact.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Beside {
+    gemm_end_us: f64,
+    slowdown: f64,
+}
+
+impl Beside {
+    /// When `work` started at `start_us` ends.
+    pub(super) fn end_us(&self, start_us: f64, work: StreamWork) -> f64 {
+        let comm_us = work.collective_us;
+        let collective_end = if self.slowdown == 1.0 || start_us >= self.gemm_end_us {
+            start_us + comm_us
+        } else {
+            // The collective's own time's worth done while the GEMM still runs.
+            let beside_us = (self.gemm_end_us - start_us) / self.slowdown;
+            if comm_us <= beside_us {
+                start_us + comm_us * self.slowdown
+            } else {
+                self.gemm_end_us + (comm_us - beside_us)
+            }
+        };
+        collective_end + work.then_us
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn work(collective_us: f64, then_us: f64) -> StreamWork {
+        StreamWork {
+            collective_us,
+            then_us,
+        }
+    }
+
+    #[test]
+    fn a_collective_is_slowed_only_while_the_gemm_runs() {
+        let beside = Beside {
+            gemm_end_us: 100.0,
+            slowdown: 1.5,
+        };
+        // Wholly beside the GEMM: 1.5 times its own time, then what follows.
+        assert_eq!(beside.end_us(10.0, work(20.0, 4.0)), 10.0 + 30.0 + 4.0);
+        // After the GEMM: its own time.
+        assert_eq!(beside.end_us(100.0, work(20.0, 4.0)), 124.0);
+        assert_eq!(beside.end_us(150.0, work(20.0, 0.0)), 170.0);
+        // Straddling: 30 us beside the GEMM do 20 us of its work, 10 are left after.
+        assert_eq!(beside.end_us(70.0, work(30.0, 0.0)), 110.0);
+        // No slowdown: the plain sum.
+        let none = Beside {
+            gemm_end_us: 100.0,
+            slowdown: 1.0,
+        };
+        assert_eq!(none.end_us(70.0, work(30.0, 4.0)), 104.0);
+    }
+
+    #[test]
+    fn a_later_start_or_more_work_never_ends_earlier() {
+        let beside = Beside {
+            gemm_end_us: 100.0,
+            slowdown: 1.3,
+        };
+        let mut previous = 0.0;
+        for step in 0..400 {
+            let end = beside.end_us(f64::from(step) * 0.5, work(25.0, 3.0));
+            assert!(end >= previous, "start {}", f64::from(step) * 0.5);
+            previous = end;
+        }
+        let mut previous = 0.0;
+        for step in 0..400 {
+            let end = beside.end_us(60.0, work(f64::from(step) * 0.5, 3.0));
+            assert!(end >= previous, "work {}", f64::from(step) * 0.5);
+            previous = end;
+        }
     }
 }

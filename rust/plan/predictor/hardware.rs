@@ -103,6 +103,10 @@ pub struct HardwareModel {
     pub overlap_gemm_slowdown: f64,
     /// Multiplicative slowdown of the collective under the CTA cap used during overlap (>= 1).
     pub overlap_comm_slowdown: f64,
+    /// Multiplicative slowdown of a group's collective while the GEMM still
+    /// runs beside it (>= 1): the part of it left when the GEMM ends runs at
+    /// its own speed, so the last group's, which starts after, is not slowed.
+    pub comm_beside_gemm: f64,
     /// A per-call cost of the overlapped schedule that no group's timing
     /// shows (stream forks and joins, flag waits, pipeline fill), charged
     /// when Auto decides whether overlapping pays.
@@ -186,6 +190,7 @@ impl HardwareModel {
             // faster than cuBLAS + NCCL (still 5-10% pessimistic there).
             overlap_gemm_slowdown: 1.0,
             overlap_comm_slowdown: 1.0,
+            comm_beside_gemm: 1.0,
             overlap_fixed_us: 0.0,
             overlap_group_us: 0.0,
             unreorder_bytes_per_us_per_sm: H200_UNREORDER_PER_SM,
@@ -206,6 +211,7 @@ impl HardwareModel {
             overlap_comm: GENERIC_LINK,
             overlap_gemm_slowdown: 1.2,
             overlap_comm_slowdown: 1.1,
+            comm_beside_gemm: 1.0,
             overlap_fixed_us: 0.0,
             overlap_group_us: 0.0,
             unreorder_bytes_per_us_per_sm: H200_UNREORDER_PER_SM / 2.0,
@@ -298,6 +304,12 @@ impl HardwareModel {
                 self.overlap_comm_slowdown,
                 ">= 1",
                 self.overlap_comm_slowdown >= 1.0,
+            ),
+            (
+                "comm_beside_gemm",
+                self.comm_beside_gemm,
+                ">= 1",
+                self.comm_beside_gemm >= 1.0,
             ),
         ];
         match checks
@@ -403,6 +415,13 @@ mod tests {
                     ..h200
                 },
                 "overlap_comm_slowdown",
+            ),
+            (
+                HardwareModel {
+                    comm_beside_gemm: f64::NAN,
+                    ..h200
+                },
+                "comm_beside_gemm",
             ),
         ];
         for (hw, field) in cases {

@@ -1,5 +1,6 @@
-//! Choosing group boundaries. A group's collective ends at
-//! max(its GEMM done, previous collective's end) + its own cost, which never
+//! Choosing group boundaries. A group's collective starts at
+//! max(its GEMM done, previous collective's end) and takes its own cost
+//! (longer while the GEMM runs beside it); its end never
 //! decreases as the previous end grows, so the best layout of the bands after
 //! a boundary depends only on the earliest time the bands before it can be
 //! reduced: a dynamic programme over band boundaries is exact.
@@ -10,7 +11,7 @@ use crate::plan::staged::StagedPartition;
 use crate::plan::tiles::OutputTiles;
 use crate::plan::waves::Waves;
 
-use super::cost::OverlapCost;
+use super::cost::{Beside, OverlapCost, StreamWork};
 use super::hardware::HardwareModel;
 use super::timeline::{predict, predict_staged, Timeline};
 
@@ -41,12 +42,14 @@ struct BoundarySearch {
     units: usize,
     /// done[e]: GEMM finished units 0..e.
     done: Vec<f64>,
-    /// span_us[d]: collective over d full bands (groups not ending at the last band).
-    span_us: Vec<f64>,
-    /// tail_us[s]: collective over bands s.. to the end, whose last band may be partial.
-    tail_us: Vec<f64>,
+    /// span[d]: the stream's work for d full bands (groups not ending at the last band).
+    span: Vec<StreamWork>,
+    /// tail[s]: the stream's work for bands s.. to the end, whose last band may be partial.
+    tail: Vec<StreamWork>,
     /// What each group costs beyond the pipeline (added per group to the time).
     group_us: f64,
+    /// A collective's end from its start and its own time.
+    beside: Beside,
 }
 
 /// The staged (swizzled) schedule's counterpart of [`best_partition`]:
@@ -76,18 +79,24 @@ impl BoundarySearch {
     /// unit (which may be partial) need their own entry.
     fn tabulate(
         units: u32,
-        group_us: f64,
+        cost: &OverlapCost,
         done: impl Fn(u32) -> f64,
-        comm: impl Fn(u32, u32) -> f64,
+        comm: impl Fn(u32, u32) -> StreamWork,
     ) -> Self {
-        // Entry 0 of `done` and `span_us` (nothing finished, an empty group) is never read.
-        let unread = std::iter::once(0.0);
+        // Entry 0 of `done` and `span` (nothing finished, an empty group) is never read.
+        let empty = StreamWork {
+            collective_us: 0.0,
+            then_us: 0.0,
+        };
         Self {
             units: units as usize,
-            done: unread.clone().chain((1..=units).map(done)).collect(),
-            span_us: unread.chain((1..units).map(|d| comm(0, d))).collect(),
-            tail_us: (0..units).map(|s| comm(s, units)).collect(),
-            group_us,
+            done: std::iter::once(0.0).chain((1..=units).map(done)).collect(),
+            span: std::iter::once(empty)
+                .chain((1..units).map(|d| comm(0, d)))
+                .collect(),
+            tail: (0..units).map(|s| comm(s, units)).collect(),
+            group_us: cost.group_us(),
+            beside: cost.beside(),
         }
     }
 
@@ -95,9 +104,9 @@ impl BoundarySearch {
     fn staged(cost: &OverlapCost) -> Self {
         Self::tabulate(
             cost.wave_count(),
-            cost.group_us(),
+            cost,
             |e| cost.staged_done_us(e),
-            |s, e| cost.staged_comm_us(cost.staged_tiles(s..e)),
+            |s, e| cost.staged_work(cost.staged_tiles(s..e)),
         )
     }
 
@@ -105,17 +114,17 @@ impl BoundarySearch {
     fn new(cost: &OverlapCost) -> Self {
         Self::tabulate(
             cost.band_count(),
-            cost.group_us(),
+            cost,
             |e| cost.gemm_done_us(e),
-            |s, e| cost.comm_us(s..e),
+            |s, e| cost.group_work(s..e),
         )
     }
 
-    fn comm_us(&self, start: usize, end: usize) -> f64 {
+    fn work(&self, start: usize, end: usize) -> StreamWork {
         if end == self.units {
-            self.tail_us[start]
+            self.tail[start]
         } else {
-            self.span_us[end - start]
+            self.span[end - start]
         }
     }
 
@@ -134,7 +143,7 @@ impl BoundarySearch {
                 if e == 0 {
                     0.0
                 } else {
-                    self.done[e] + self.comm_us(0, e)
+                    self.beside.end_us(self.done[e], self.work(0, e))
                 }
             })
             .collect();
@@ -148,11 +157,11 @@ impl BoundarySearch {
                 // Moving the last group's start earlier only lengthens its
                 // collective, so once that alone cannot win, nothing earlier can.
                 for s in (1..e).rev() {
-                    let comm_us = self.comm_us(s, e);
-                    if self.done[e] + comm_us >= next_end[e] {
+                    let work = self.work(s, e);
+                    if self.beside.end_us(self.done[e], work) >= next_end[e] {
                         break;
                     }
-                    let candidate = self.done[e].max(end[s]) + comm_us;
+                    let candidate = self.beside.end_us(self.done[e].max(end[s]), work);
                     if candidate < next_end[e] {
                         next_end[e] = candidate;
                         next_start[e] = s;
@@ -216,11 +225,26 @@ mod tests {
         bk: 64,
     };
 
-    fn overlap_us(tiles: &OutputTiles, k: u32, ctas: u32, world: u32, counts: &[u32]) -> f64 {
+    fn overlap_us(
+        tiles: &OutputTiles,
+        k: u32,
+        ctas: u32,
+        hw: &HardwareModel,
+        world: u32,
+        counts: &[u32],
+    ) -> f64 {
         let partition = GroupPartition::from_band_counts(tiles, counts).unwrap();
-        predict(tiles, k, ctas, &partition, &HardwareModel::h200(), world, 2)
+        predict(tiles, k, ctas, &partition, hw, world, 2)
             .unwrap()
             .overlap_us
+    }
+
+    /// The H200 model, its collectives `beside` times slower beside the GEMM.
+    fn h200_beside(beside: f64) -> HardwareModel {
+        HardwareModel {
+            comm_beside_gemm: beside,
+            ..HardwareModel::h200()
+        }
     }
 
     /// Every composition of `bands` into at most `max_groups` parts.
@@ -317,13 +341,15 @@ mod tests {
             ctas in ctas(),
             world in world(),
             max_groups in 1u32..=10,
+            beside in prop_oneof![Just(1.0), 1.0f64..2.0],
         ) {
             let tiles = OutputTiles::new(m, n8 * 8, TILE).unwrap();
+            let hw = h200_beside(beside);
             let (partition, timeline) =
-                best_partition(&tiles, k, ctas, &HardwareModel::h200(), world, 2, max_groups).unwrap();
+                best_partition(&tiles, k, ctas, &hw, world, 2, max_groups).unwrap();
             let optimum = compositions(tiles.tiles_m, max_groups)
                 .iter()
-                .map(|counts| overlap_us(&tiles, k, ctas, world, counts))
+                .map(|counts| overlap_us(&tiles, k, ctas, &hw, world, counts))
                 .fold(f64::INFINITY, f64::min);
             prop_assert!(partition.len() as u32 <= max_groups);
             prop_assert_eq!(timeline.overlap_us, optimum);
@@ -337,11 +363,12 @@ mod tests {
             ctas in 8u32..=132,
             world in world(),
             max_groups in 1u32..=10,
+            beside in prop_oneof![Just(1.0), 1.0f64..2.0],
         ) {
             let tiles = OutputTiles::new(m, n8 * 8, TILE).unwrap();
             let waves = Waves::new(ctas, tiles.count()).unwrap();
             prop_assume!(waves.count() <= 10);
-            let hw = HardwareModel::h200();
+            let hw = h200_beside(beside);
             let (partition, timeline) =
                 best_staged_partition(&tiles, k, ctas, &hw, world, 2, max_groups).unwrap();
             let optimum = compositions(waves.count(), max_groups)
@@ -362,8 +389,9 @@ mod tests {
             ctas in ctas(),
             world in world(),
             max_groups in 1u32..=16,
+            beside in prop_oneof![Just(1.0), 1.0f64..2.0],
         ) {
-            let hw = HardwareModel::h200();
+            let hw = h200_beside(beside);
             let (partition, timeline) = best_partition(&tiles, k, ctas, &hw, world, 2, max_groups).unwrap();
             prop_assert!(partition.len() as u32 <= max_groups);
             prop_assert_eq!(&timeline, &predict(&tiles, k, ctas, &partition, &hw, world, 2).unwrap());

@@ -8,7 +8,7 @@ use crate::plan::staged::StagedPartition;
 use crate::plan::tiles::OutputTiles;
 use crate::plan::waves::Waves;
 
-use super::cost::OverlapCost;
+use super::cost::{OverlapCost, StreamWork};
 use super::hardware::HardwareModel;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -43,7 +43,7 @@ impl Timeline {
 /// at the end of the wave containing its last position (times
 /// overlap_gemm_slowdown). Comm of group g starts at max(gemm_done_g,
 /// comm_end_{g-1}) and lasts overlap_comm_slowdown * the collective's time_us(bytes of its
-/// slice). overlap_us = last comm_end + groups * overlap_group_us. sequential_us = the library GEMM
+/// slice), comm_beside_gemm times longer while the GEMM still runs. overlap_us = last comm_end + groups * overlap_group_us. sequential_us = the library GEMM
 /// (sequential_gemm_tflops) + the collective over the whole output.
 pub fn predict(
     tiles: &OutputTiles,
@@ -59,7 +59,7 @@ pub fn predict(
     let timings = partition.groups.iter().map(|group| {
         (
             cost.gemm_done_us(group.bands.end),
-            cost.comm_us(group.bands.clone()),
+            cost.group_work(group.bands.clone()),
         )
     });
     Ok(replay(timings, &cost))
@@ -88,12 +88,10 @@ pub fn predict_staged(
                 tiles.count()
             ))
         })?;
-    let timings = partition.groups.iter().map(|g| {
-        (
-            cost.staged_done_us(g.waves.end),
-            cost.staged_comm_us(g.tiles),
-        )
-    });
+    let timings = partition
+        .groups
+        .iter()
+        .map(|g| (cost.staged_done_us(g.waves.end), cost.staged_work(g.tiles)));
     Ok(replay(timings, &cost))
 }
 
@@ -312,13 +310,15 @@ pub fn combined_sequence(counts: &[(u32, u32)], lead: u32) -> Vec<(u32, bool)> {
 }
 
 /// Runs the collectives one after another on the stream, each from when its
-/// group's GEMM is done: (gemm done, collective's own time) per group.
-fn replay(groups: impl Iterator<Item = (f64, f64)>, cost: &OverlapCost) -> Timeline {
+/// group's GEMM is done (slowed while the GEMM runs beside it): (gemm done,
+/// its work on the stream) per group.
+fn replay(groups: impl Iterator<Item = (f64, StreamWork)>, cost: &OverlapCost) -> Timeline {
+    let beside = cost.beside();
     let mut previous_end = 0.0;
     let groups: Vec<GroupTiming> = groups
-        .map(|(gemm_done_us, comm_us)| {
+        .map(|(gemm_done_us, work)| {
             let comm_start_us = gemm_done_us.max(previous_end);
-            previous_end = comm_start_us + comm_us;
+            previous_end = beside.end_us(comm_start_us, work);
             GroupTiming {
                 gemm_done_us,
                 comm_start_us,
@@ -452,6 +452,28 @@ mod tests {
         for (a, b) in narrow.groups.iter().zip(&wide.groups) {
             assert!(duration(b) > duration(a));
         }
+    }
+
+    #[test]
+    fn only_collectives_beside_the_gemm_are_slowed() {
+        let tiles = shape(4096, 8192);
+        let run = |beside: f64, per_group: u32| {
+            let hw = HardwareModel {
+                comm_beside_gemm: beside,
+                ..HardwareModel::h200()
+            };
+            let p = GroupPartition::uniform(&tiles, per_group).unwrap();
+            predict(&tiles, 4096, 120, &p, &hw, 2, 2).unwrap()
+        };
+        // One group starts once the GEMM is done: nothing to slow.
+        assert_eq!(run(1.0, 32).overlap_us, run(1.5, 32).overlap_us);
+        let (alone, beside) = (run(1.0, 8), run(1.5, 8));
+        let duration = |t: &GroupTiming| t.comm_end_us - t.comm_start_us;
+        let first = (duration(&alone.groups[0]), duration(&beside.groups[0]));
+        assert!((first.1 - 1.5 * first.0).abs() < 1e-9, "{first:?}");
+        let last = (alone.groups.last().unwrap(), beside.groups.last().unwrap());
+        assert!(last.1.comm_start_us >= beside.gemm_us);
+        assert!((duration(last.0) - duration(last.1)).abs() < 1e-9);
     }
 
     #[test]
