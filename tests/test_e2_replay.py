@@ -41,11 +41,11 @@ def test_the_cli_prints_both_summaries(capsys) -> None:
 
 
 @pytest.mark.parametrize("name,bound,pick_mean,pick_min", [
-    ("e2_predictive_search_h200x2_20261124", 0.05, 0.99, 0.95),
+    ("e2_predictive_search_h200x2_20261124", 0.045, 0.99, 0.975),
     ("e2_predictive_search_ce_h200x2_20261124", 0.06, 0.985, 0.93),
-    ("e2_predictive_search_h200x2_5c3c9ef", 0.045, 0.99, 0.95),
+    ("e2_predictive_search_h200x2_5c3c9ef", 0.045, 0.99, 0.97),
     ("e2_predictive_search_ce_h200x2", 0.06, 0.985, 0.93),
-    ("e2_predictive_search_h200x2", 0.045, 0.99, 0.945)])
+    ("e2_predictive_search_h200x2", 0.045, 0.99, 0.965)])
 def test_predictions_match_the_committed_two_gpu_measurements(name: str, bound: float, pick_mean: float,
                                                               pick_min: float) -> None:
     # Two 2x H200 runs on NCCL and on the copy engines, with the bundled 2-GPU curves, AllReduce,
@@ -58,6 +58,9 @@ def test_predictions_match_the_committed_two_gpu_measurements(name: str, bound: 
     # 0.935 / 0.933. The bounds keep a model change from undoing that. Since the copy engines'
     # ReduceScatter sums in the GEMM's epilogue, their runs' ReduceScatter cases (which timed the
     # reduction-kernel path) are not replayed; without those (3.4%) they replay at 5.6% / 5.5%.
+    # Since an NCCL collective is slowed only while the GEMM runs beside it (NCCL_COMM_BESIDE_GEMM,
+    # with the GEMM's slowdown 1.03 and 3 us a group), NCCL replays at 3.97% / 3.81% / 3.87%,
+    # picking 0.996 / 0.994 / 0.995 on average and 0.981 / 0.973 / 0.969 at worst.
     result = replay.replay(str(replay.os.path.join(replay.HERE, "results", f"{name}.csv")))
     s = replay.summary(result["cases"], 0)
     assert len(result["cases"]) >= (16 if "_ce_" in name else 20), result["skipped"]
@@ -65,10 +68,10 @@ def test_predictions_match_the_committed_two_gpu_measurements(name: str, bound: 
 
 
 @pytest.mark.parametrize("name,bound,pick_mean,pick_min", [
-    ("e2_predictive_search_h200x2_20261124", 0.06, 0.99, 0.95),
+    ("e2_predictive_search_h200x2_20261124", 0.085, 0.99, 0.96),
     ("e2_predictive_search_ce_h200x2_20261124", 0.09, 0.98, 0.92),
-    ("e2_predictive_search_h200x2_5c3c9ef", 0.075, 0.99, 0.945),
-    ("e2_predictive_search_h200x2", 0.075, 0.99, 0.95),
+    ("e2_predictive_search_h200x2_5c3c9ef", 0.07, 0.99, 0.97),
+    ("e2_predictive_search_h200x2", 0.07, 0.99, 0.98),
     ("e2_predictive_search_ce_h200x2", 0.125, 0.965, 0.89)])
 def test_all_to_all_predictions_match_the_committed_two_gpu_measurements(name: str, bound: float, pick_mean: float,
                                                                           pick_min: float) -> None:
@@ -79,7 +82,10 @@ def test_all_to_all_predictions_match_the_committed_two_gpu_measurements(name: s
     # since f7afbcb): NCCL 7.1%, 0.992 / 0.949, and 6.1%, 0.996 / 0.981 in the run after; copy
     # engines 12.1%, 0.968 / 0.898 (the model now pessimistic: the rastered groups run faster than
     # it says; not refitted yet). The third NCCL run of 2026-11-26 (same model): 7.05%, the
-    # predicted-best count at 0.992 / 0.955 of the best measured.
+    # predicted-best count at 0.992 / 0.955 of the best measured. With the exchanges slowed beside
+    # the GEMM (NCCL_A2A_COMM_BESIDE_GEMM, refitted on the NCCL runs): 6.8% / 5.9% on the two natural-
+    # layout runs, picks 0.997 / 0.985 and 0.996 / 0.977; the 2026-11-24 run (the layout before the
+    # raster) 8.3%, 0.992 / 0.962.
     cases = replay.replay_all_to_all(str(replay.os.path.join(replay.HERE, "results", f"{name}.csv")))
     assert len(cases) == 8 and all(len(c["rows"]) == 8 for c in cases.values())
     s = replay.summary_all_to_all(cases)

@@ -10,6 +10,7 @@ use crate::plan::all_to_all::{natural_bands, natural_phases, part_on, part_phase
 use crate::plan::error::{require_positive, PlanError};
 use crate::plan::tiles::TileShape;
 
+use super::cost::{Beside, StreamWork};
 use super::hardware::HardwareModel;
 use super::timeline::{GroupTiming, Timeline};
 
@@ -164,6 +165,11 @@ pub fn predict_all_to_all(
         hw.overlap_gemm_slowdown * tile_flops / (hw.gemm_tflops * 1e6 / f64::from(hw.sms));
     let ctas = u64::from(shape.ctas);
     let tiles = shape.group_tiles(groups);
+    let gemm_us = tiles
+        .iter()
+        .map(|t| t.iter().sum::<u64>().div_ceil(ctas) as f64 * wave_us)
+        .fold(0.0, f64::max);
+    let beside = Beside::new(gemm_us, hw.comm_beside_gemm);
     let mut stored = vec![0u64; world];
     let mut previous_end: f64 = 0.0;
     // Pushed: when the previous group's tiles and its pushes were done.
@@ -191,17 +197,19 @@ pub fn predict_all_to_all(
             None => gemm_done_us,
         };
         let comm_start_us = ready_us.max(previous_end);
-        previous_end = comm_start_us + exchange_us;
+        previous_end = beside.end_us(
+            comm_start_us,
+            StreamWork {
+                collective_us: exchange_us,
+                then_us: 0.0,
+            },
+        );
         timings.push(GroupTiming {
             gemm_done_us,
             comm_start_us,
             comm_end_us: previous_end,
         });
     }
-    let gemm_us = stored
-        .iter()
-        .map(|&t| t.div_ceil(ctas) as f64 * wave_us)
-        .fold(0.0, f64::max);
     let rows_max = shape
         .matrix
         .iter()

@@ -80,10 +80,7 @@ impl<'a> OverlapCost<'a> {
 
     /// How the GEMM slows the collectives beside it (see [`Beside`]).
     pub(super) fn beside(&self) -> Beside {
-        Beside {
-            gemm_end_us: self.gemm_us(),
-            slowdown: self.hw.comm_beside_gemm,
-        }
+        Beside::new(self.gemm_us(), self.hw.comm_beside_gemm)
     }
 
     /// AllReduce of group bands `bands` while overlapping (the overlap
@@ -212,6 +209,13 @@ pub(super) struct Beside {
 }
 
 impl Beside {
+    pub(super) fn new(gemm_end_us: f64, slowdown: f64) -> Self {
+        Self {
+            gemm_end_us,
+            slowdown,
+        }
+    }
+
     /// When `work` started at `start_us` ends.
     pub(super) fn end_us(&self, start_us: f64, work: StreamWork) -> f64 {
         let comm_us = work.collective_us;
