@@ -112,7 +112,11 @@ pub fn counts() -> (usize, usize) {
 
 /// TFLOP/s of `kernel` on `ctas` CTAs for an m x n x k GEMM: the sample of
 /// that shape (true), else the geometric mean of the kernel's samples there
-/// (false).
+/// (false) of the same n and k where there are some (the rate moves with
+/// k far more than with m: cuBLAS on H200 ran 525 TFLOP/s at k = 1024 and
+/// 666-694 at k >= 3584, so an All-to-All's m of 10923 rows priced at the
+/// mean of every shape made its sequential schedule 5% too slow at
+/// k = 14336), else of all of them.
 fn gemm_tflops(
     kernel: &str,
     dtype: Dtype,
@@ -125,8 +129,17 @@ fn gemm_tflops(
         if let Some(s) = samples.iter().find(|s| (s.m, s.n, s.k) == shape) {
             return Some((s.tflops(), true));
         }
-        let logs: f64 = samples.iter().map(|s| s.tflops().ln()).sum();
-        (!samples.is_empty()).then(|| ((logs / samples.len() as f64).exp(), false))
+        let same_nk: Vec<_> = samples
+            .iter()
+            .filter(|s| (s.n, s.k) == (shape.1, shape.2))
+            .collect();
+        let pool = if same_nk.is_empty() {
+            samples.iter().collect()
+        } else {
+            same_nk
+        };
+        let logs: f64 = pool.iter().map(|s| s.tflops().ln()).sum();
+        (!pool.is_empty()).then(|| ((logs / pool.len() as f64).exp(), false))
     })
 }
 
@@ -338,6 +351,25 @@ mod tests {
         );
         let mean = ((flops / 500e6) * (flops / 2.0 / 200e6)).sqrt();
         assert!((other.gemm_tflops - mean * 131.0 / 108.0).abs() < 1e-9);
+        // Another m of a timed n and k: the samples of that n and k only.
+        register_gemm(
+            "sm90_n256",
+            Dtype::Bf16,
+            131,
+            108,
+            (2048, 8192, 1024),
+            100.0,
+        )
+        .unwrap();
+        let rows = apply(
+            base,
+            &Lookup {
+                shape: (3000, 8192, 4096),
+                ..q
+            },
+        );
+        assert!((rows.gemm_tflops - mean * 131.0 / 108.0).abs() < 1e-9);
+        assert!((rows.sequential_gemm_tflops - flops / 400e6).abs() < 1e-9);
         // No curve for ReduceScatter, another world or another backend.
         let rs = apply(
             base,
