@@ -46,17 +46,21 @@ def test_large_routings_overlap_and_tiny_ones_do_not() -> None:
     assert tiny.groups == 1
 
 
-def test_the_schedule_falls_back_where_overlap_cannot_win() -> None:
+@pytest.mark.parametrize("backend,margin", [("nccl", 0.96), ("copy_engine", 1.0), ("push", 1.0)])
+def test_the_schedule_falls_back_where_overlap_cannot_win(backend: str, margin: float) -> None:
     """Sequential exactly where the best group count, with the overlapped call's fixed cost, is
-    predicted no faster than cuBLAS + one exchange."""
+    predicted no faster than cuBLAS + one exchange; on NCCL, as for its AllReduce and
+    ReduceScatter, overlap must be predicted 4% faster (the model's error)."""
     seen = set()
     for matrix, n, k in (([[8, 8], [8, 8]], 1024, 1024), ([[8192, 8192], [8192, 8192]], 8192, 8192),
-                         ([[4096, 0], [0, 4096]], 8192, 14336), ([[2048, 6144], [2048, 6144]], 8192, 1024)):
-        pred = plan_gemm_all_to_all(matrix, n, k)
+                         ([[4096, 0], [0, 4096]], 8192, 14336), ([[2048, 6144], [2048, 6144]], 8192, 1024),
+                         ([[10923, 5461], [10923, 5461]], 8192, 14336)):
+        pred = plan_gemm_all_to_all(matrix, n, k, backend=backend)
         best = pred.predicted_us[pred.groups] + (pred.overlap_fixed_us if pred.groups > 1 else 0.0)
         assert pred.overlap_fixed_us >= 0.0
-        assert pred.schedule == ("overlap" if best < pred.sequential_us else "sequential"), pred
+        assert pred.schedule == ("overlap" if best < margin * pred.sequential_us else "sequential"), pred
         seen.add(pred.schedule)
+    assert seen == {"overlap", "sequential"}  # both sides of the rule are exercised
     # No link traffic at all: nothing to hide, the faster library GEMM wins.
     assert plan_gemm_all_to_all([[4096, 0], [0, 4096]], 8192, 14336).schedule == "sequential"
 
