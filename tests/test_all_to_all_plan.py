@@ -54,7 +54,7 @@ def test_the_schedule_falls_back_where_overlap_cannot_win(backend: str, margin: 
     seen = set()
     for matrix, n, k in (([[8, 8], [8, 8]], 1024, 1024), ([[8192, 8192], [8192, 8192]], 8192, 8192),
                          ([[4096, 0], [0, 4096]], 8192, 14336), ([[2048, 6144], [2048, 6144]], 8192, 1024),
-                         ([[10923, 5461], [10923, 5461]], 8192, 14336)):
+                         ([[10923, 5461], [10923, 5461]], 8192, 14336), ([[16384, 16384]] * 2, 8192, 4096)):
         pred = plan_gemm_all_to_all(matrix, n, k, backend=backend)
         best = pred.predicted_us[pred.groups] + (pred.overlap_fixed_us if pred.groups > 1 else 0.0)
         assert pred.overlap_fixed_us >= 0.0
