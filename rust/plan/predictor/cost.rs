@@ -247,10 +247,7 @@ mod tests {
 
     #[test]
     fn a_collective_is_slowed_only_while_the_gemm_runs() {
-        let beside = Beside {
-            gemm_end_us: 100.0,
-            slowdown: 1.5,
-        };
+        let beside = Beside::new(100.0, 1.5);
         // Wholly beside the GEMM: 1.5 times its own time, then what follows.
         assert_eq!(beside.end_us(10.0, work(20.0, 4.0)), 10.0 + 30.0 + 4.0);
         // After the GEMM: its own time.
@@ -259,19 +256,13 @@ mod tests {
         // Straddling: 30 us beside the GEMM do 20 us of its work, 10 are left after.
         assert_eq!(beside.end_us(70.0, work(30.0, 0.0)), 110.0);
         // No slowdown: the plain sum.
-        let none = Beside {
-            gemm_end_us: 100.0,
-            slowdown: 1.0,
-        };
+        let none = Beside::new(100.0, 1.0);
         assert_eq!(none.end_us(70.0, work(30.0, 4.0)), 104.0);
     }
 
     #[test]
     fn a_later_start_or_more_work_never_ends_earlier() {
-        let beside = Beside {
-            gemm_end_us: 100.0,
-            slowdown: 1.3,
-        };
+        let beside = Beside::new(100.0, 1.3);
         let mut previous = 0.0;
         for step in 0..400 {
             let end = beside.end_us(f64::from(step) * 0.5, work(25.0, 3.0));
