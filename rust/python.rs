@@ -1056,7 +1056,7 @@ fn allreduce_rmsnorm_stages(
 ) -> PyResult<u32> {
     let config = norm_config(config)?;
     let oneshot = arn::runs_oneshot(config, world, true, false);
-    Ok(arn::stages(tokens, world, ctas, config, oneshot))
+    Ok(arn::stages(tokens, world, ctas, config, oneshot, false))
 }
 
 fn norm_config(config: Option<(u32, u32, u32, bool)>) -> PyResult<kernels::NormConfig> {

@@ -292,10 +292,12 @@ pub struct NormConfig {
 }
 
 impl NormConfig {
+    /// 512 x 4 in up to 8 parts, which the default alone takes only where
+    /// they pay (see all_reduce_rmsnorm::stages); `512x4` is one part always.
     pub const DEFAULT: Self = Self {
         threads: 512,
         unroll: 4,
-        stages: 1,
+        stages: 8,
         oneshot: false,
     };
     /// The most parts a config may ask for.
@@ -308,7 +310,7 @@ impl NormConfig {
         Self {
             threads: 512,
             unroll: 4,
-            stages: 2,
+            stages: 1,
             oneshot: false,
         },
         Self {
@@ -531,7 +533,7 @@ mod tests {
 
     #[test]
     fn norm_configs_are_whole_warps_and_few_vectors() {
-        assert_eq!(NormConfig::new(512, 4, 1).unwrap(), NormConfig::DEFAULT);
+        assert_eq!(NormConfig::new(512, 4, 8).unwrap(), NormConfig::DEFAULT);
         assert_eq!(NormConfig::SWEEP[0], NormConfig::DEFAULT);
         for (threads, unroll, stages) in [
             (96, 2, 1),

@@ -139,13 +139,34 @@ pub struct Pull {
 /// barrier), and CTAs x stages within the header's flag slots. The same on
 /// every rank, as the kernel needs: a function of the call's shape alone.
 /// `oneshot`: the call runs one-shot ([`runs_oneshot`]), its slice every row.
-pub fn stages(tokens: u64, world: usize, ctas: u32, config: NormConfig, oneshot: bool) -> u32 {
+/// The default config pipelines only where it paid on 2x H200
+/// (bench_all_reduce_rmsnorm, 32 CTAs, hidden 8192): a push-mode call cut
+/// into at least [`DEFAULT_MIN_PARTS`] parts (8 parts 0.91-0.94x the one-part
+/// time at 8K-16K tokens, 4 parts 0.97x at 4K; 2 parts 1.03-1.06x at 2K);
+/// pull-mode calls (gemm_all_reduce_rmsnorm's groups, pipelined with the
+/// GEMM already) ran slower in parts (1.144x over the baseline against
+/// 1.183x in one) and keep one.
+pub fn stages(
+    tokens: u64,
+    world: usize,
+    ctas: u32,
+    config: NormConfig,
+    oneshot: bool,
+    pull: bool,
+) -> u32 {
     let slices = if oneshot { 1 } else { world as u64 };
     let chunk_rows = tokens.div_ceil(slices).div_ceil(u64::from(ctas.max(1)));
     let warps = u64::from(config.threads / 32);
     let by_rows = (chunk_rows / warps).clamp(1, u64::from(config.stages));
-    (by_rows as u32).min(FLAG_SLOTS / ctas.max(1)).max(1)
+    let parts = (by_rows as u32).min(FLAG_SLOTS / ctas.max(1)).max(1);
+    if config == NormConfig::DEFAULT && (pull || parts < DEFAULT_MIN_PARTS) {
+        return 1;
+    }
+    parts
 }
+
+/// The fewest parts the default config pipelines a call in (see [`stages`]).
+pub const DEFAULT_MIN_PARTS: u32 = 4;
 
 /// Whether a call runs one-shot: asked for by its config, and a push of two
 /// ranks keeping the full residual (elsewhere one-shot would move more bytes,
@@ -329,7 +350,14 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         eps: call.eps,
         residual_full: i32::from(call.residual_full),
         row0: row0 as i32,
-        stages: stages(call.tokens, world, ctas, call.config, call.oneshot()) as i32,
+        stages: stages(
+            call.tokens,
+            world,
+            ctas,
+            call.config,
+            call.oneshot(),
+            call.pull.is_some(),
+        ) as i32,
         oneshot: i32::from(call.oneshot()),
         residual_sliced: i32::from(call.residual_sliced),
     };
@@ -363,18 +391,29 @@ mod tests {
     #[test]
     fn stages_leave_a_row_per_warp_and_fit_the_flags() {
         let config = |stages| NormConfig::new(512, 4, stages).unwrap();
+        let push = |tokens, ctas, config| stages(tokens, 2, ctas, config, false, false);
         // 8K tokens on 2 ranks, 32 CTAs: 128 rows a chunk, 16 warps: up to 8 parts.
-        assert_eq!(stages(8192, 2, 32, config(4), false), 4);
-        assert_eq!(stages(8192, 2, 32, config(8), false), 8);
-        assert_eq!(stages(4096, 2, 32, config(8), false), 4);
-        // Too few rows for two parts, or the default: one part, the unpipelined kernel.
-        assert_eq!(stages(1024, 2, 32, config(4), false), 1);
-        assert_eq!(stages(8192, 2, 32, NormConfig::DEFAULT, false), 1);
-        assert_eq!(stages(1, 8, 256, config(8), false), 1);
-        assert_eq!(stages(0, 2, 16, config(4), false), 1);
+        assert_eq!(push(8192, 32, config(4)), 4);
+        assert_eq!(push(8192, 32, config(8)), 8);
+        assert_eq!(push(4096, 32, config(8)), 4);
+        assert_eq!(push(2048, 32, config(4)), 2);
+        // Too few rows for two parts, or one part asked for: the unpipelined kernel.
+        assert_eq!(push(1024, 32, config(4)), 1);
+        assert_eq!(push(8192, 32, config(1)), 1);
+        assert_eq!(stages(1, 8, 256, config(8), false, false), 1);
+        assert_eq!(push(0, 16, config(4)), 1);
+        // The default: 4 parts or more where the rows allow, else one; pull mode one.
+        let default = NormConfig::DEFAULT;
+        assert_eq!(push(16384, 32, default), 8);
+        assert_eq!(push(4096, 32, default), DEFAULT_MIN_PARTS);
+        assert_eq!(push(2048, 32, default), 1);
+        assert_eq!(push(8192, 128, default), 1);
+        assert_eq!(stages(16384, 2, 32, default, false, true), 1);
+        // Explicit configs keep their parts in pull mode.
+        assert_eq!(stages(8192, 2, 32, config(4), false, true), 4);
         for ctas in 1..=MAX_CTAS {
             for tokens in [1u64, 1000, 1 << 20] {
-                let s = stages(tokens, 2, ctas, config(NormConfig::MAX_STAGES), false);
+                let s = push(tokens, ctas, config(NormConfig::MAX_STAGES));
                 assert!((1..=NormConfig::MAX_STAGES).contains(&s));
                 assert!(
                     s * ctas <= FLAG_SLOTS,
