@@ -26,7 +26,7 @@ computes r = all_reduce(x) + residual, out = r * rsqrt(mean(r^2) + eps) * weight
   api_16           flashoverlap.all_reduce_rmsnorm(..., ctas=16), the public function, timed alone
   fo_<c>@<T>x<U>[s<S>][o]  (--configs) the fused kernel compiled with T threads per CTA and U
                    vectors in flight per lane, each CTA pipelining its rows in up to S parts (the
-                   default is 512x4s8: up to 8 where at least 4 fit, else one), one-shot where o is given (on 2 ranks every rank
+                   default is 512x4s8: up to 8 on >= 32 CTAs where at least 4 fit, else one), one-shot where o is given (on 2 ranks every rank
                    reduces every row), full residual, c in 8, 16, 32: the sweep that picks the
                    kernel's shape (its best<=32 per config is listed)
 

@@ -106,8 +106,9 @@ def format_norm_config(config) -> str:
 def norm_config() -> tuple[int, int, int, bool]:
     """FLASHOVERLAP_NORM_CONFIG: the shape of the peer-memory AllReduce + RMSNorm kernel
     (all_reduce_rmsnorm, gemm_all_reduce_rmsnorm's backend="peer"), THREADSxUNROLL[sSTAGES][o];
-    default 512x4s8 (two-shot; a standalone call's rows in up to 8 pipelined parts where at least
-    4 fit, else one; gemm_all_reduce_rmsnorm's calls in one; 512x4: one part always). Read when a
+    default 512x4s8 (two-shot; a standalone call on 32 CTAs or more in up to 8 pipelined parts
+    where at least 4 fit, else one; gemm_all_reduce_rmsnorm's calls in one; 512x4: one part
+    always). Read when a
     peer group is made; every rank of a group must set it alike."""
     raw = os.environ.get("FLASHOVERLAP_NORM_CONFIG", "").strip()
     if not raw:

@@ -140,12 +140,14 @@ pub struct Pull {
 /// every rank, as the kernel needs: a function of the call's shape alone.
 /// `oneshot`: the call runs one-shot ([`runs_oneshot`]), its slice every row.
 /// The default config pipelines only where it paid on 2x H200
-/// (bench_all_reduce_rmsnorm, 32 CTAs, hidden 8192): a push-mode call cut
-/// into at least [`DEFAULT_MIN_PARTS`] parts (8 parts 0.91-0.94x the one-part
-/// time at 8K-16K tokens, 4 parts 0.97x at 4K; 2 parts 1.03-1.06x at 2K);
-/// pull-mode calls (gemm_all_reduce_rmsnorm's groups, pipelined with the
-/// GEMM already) ran slower in parts (1.144x over the baseline against
-/// 1.183x in one) and keep one.
+/// (bench_all_reduce_rmsnorm, hidden 8192): a push-mode call on at least
+/// [`DEFAULT_MIN_CTAS`] CTAs cut into at least [`DEFAULT_MIN_PARTS`] parts.
+/// On 32 CTAs 8 parts took 0.91-0.94x the one-part time at 8K-16K tokens
+/// and 4 parts 0.97-1.03x at 4K, 2 parts 1.03-1.06x at 2K; on 64 CTAs 4
+/// parts 0.93x at 8K; on 8 and 16 CTAs, whose pushes do not fill NVLink,
+/// 8 parts 1.11x and 1.04x at 8K. Pull-mode calls (gemm_all_reduce_rmsnorm's
+/// groups, pipelined with the GEMM already) ran slower in parts (1.144x
+/// over the baseline against 1.183x in one) and keep one.
 pub fn stages(
     tokens: u64,
     world: usize,
@@ -159,14 +161,18 @@ pub fn stages(
     let warps = u64::from(config.threads / 32);
     let by_rows = (chunk_rows / warps).clamp(1, u64::from(config.stages));
     let parts = (by_rows as u32).min(FLAG_SLOTS / ctas.max(1)).max(1);
-    if config == NormConfig::DEFAULT && (pull || parts < DEFAULT_MIN_PARTS) {
+    if config == NormConfig::DEFAULT
+        && (pull || parts < DEFAULT_MIN_PARTS || ctas < DEFAULT_MIN_CTAS)
+    {
         return 1;
     }
     parts
 }
 
-/// The fewest parts the default config pipelines a call in (see [`stages`]).
+/// The fewest parts, and CTAs, the default config pipelines a call with
+/// (see [`stages`]).
 pub const DEFAULT_MIN_PARTS: u32 = 4;
+pub const DEFAULT_MIN_CTAS: u32 = 32;
 
 /// Whether a call runs one-shot: asked for by its config, and a push of two
 /// ranks keeping the full residual (elsewhere one-shot would move more bytes,
@@ -408,6 +414,8 @@ mod tests {
         assert_eq!(push(4096, 32, default), DEFAULT_MIN_PARTS);
         assert_eq!(push(2048, 32, default), 1);
         assert_eq!(push(8192, 128, default), 1);
+        assert_eq!(push(8192, 64, default), 4);
+        assert_eq!(push(16384, 16, default), 1);
         assert_eq!(stages(16384, 2, 32, default, false, true), 1);
         // Explicit configs keep their parts in pull mode.
         assert_eq!(stages(8192, 2, 32, config(4), false, true), 4);
