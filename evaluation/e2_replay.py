@@ -3,7 +3,7 @@ partition of GEMM + AllReduce (with or without the fused norm) and GEMM + Reduce
 same profiles, and the errors against the run's measurements are compared with the ones the run
 recorded. A change to the model can so be checked against real measurements without a GPU.
 
-    python evaluation/e2_replay.py [CSV] [--sms 132] [--verbose] [--all-to-all]
+    python evaluation/e2_replay.py [CSV] [--sms 132] [--verbose] [--all-to-all | --auto]
 
 CSV: an e2_predictive_search.py table (default: evaluation/results/e2_predictive_search_h200x1.csv);
 its .json sidecar names the GPU, world size, NCCL version and backend, and its kernel column the
@@ -11,6 +11,10 @@ GEMM kernel each partition ran (sm90_n256 where the column is missing or empty).
 and predictor-chosen partitions the replayed predictor would no longer choose, are skipped (the
 count is printed). The profiles are the bundled ones and those in the cache dir: to replay a run
 with the profile `tune` made beside it, put that file in $FLASHOVERLAP_CACHE_DIR/profiles-v1/.
+
+--auto replays the AllReduce calls that ran with mode auto instead: the plan each call makes (on
+push, the gathered AllReduce among its candidates, which no partition row runs), predicted again,
+against its measured time, per kind of plan.
 
 --all-to-all replays the run's GEMM + All-to-All cases instead (E2 routes them by
 e2_predictive_search.skewed_split_matrix, which the replay rebuilds): every measured group count
@@ -82,6 +86,33 @@ def replay(path: str, sms: int = 132) -> dict:
             cases.setdefault((r["op"], m, n, k), []).append((predicted, float(r["measured_us"]),
                                                              float(r["predicted_us"])))
     return {"cases": cases, "skipped": skipped}
+
+
+def replay_auto(path: str, sms: int = 132) -> list:
+    """The run's "auto" rows of GEMM + AllReduce (with or without the fused norm): what the
+    installed predictor plans for the call as mode and kernel auto plan it on the run's backend
+    (on push the gathered AllReduce among the candidates, which the partition rows never run),
+    against the measured time: [(op, m, n, k, kind, replayed us, measured us, recorded us)],
+    kind "gathered", "overlap" or "sequential". A row whose replayed prediction is more than 1%
+    off the recorded one was planned otherwise then and is left out."""
+    from flashoverlap import planning
+
+    meta = _load_run(path, sms)
+    rows = []
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            if r["kind"] != "auto" or r["op"] not in ("all_reduce", "all_reduce_rmsnorm"):
+                continue
+            m, n, k = int(r["m"]), int(r["n"]), int(r["k"])
+            plan = planning.plan_gemm_all_reduce(m, n, k, int(r["world_size"]), sms=sms, backend=meta["backend"],
+                                                 fused_norm=OPS[r["op"]])
+            recorded = float(r["predicted_us"])
+            if abs(plan.predicted_us - recorded) > 0.01 * recorded:
+                continue
+            kind = "gathered" if plan.gathered is not None and plan.predicted_us == plan.gathered["predicted_us"] \
+                else plan.schedule
+            rows.append((r["op"], m, n, k, kind, plan.predicted_us, float(r["measured_us"]), recorded))
+    return rows
 
 
 def replay_all_to_all(path: str, sms: int = 132) -> dict:
@@ -166,7 +197,24 @@ def main(argv=None) -> int:
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--all-to-all", action="store_true", help="replay the GEMM + All-to-All cases")
+    ap.add_argument("--auto", action="store_true",
+                    help="replay the AllReduce calls' own plans (mode auto: the gathered AllReduce included)")
     args = ap.parse_args(argv)
+    if args.auto:
+        rows = replay_auto(args.csv, args.sms)
+        if not rows:
+            print(f"no auto AllReduce row of {args.csv} replays", file=sys.stderr)
+            return 1
+        for kind in sorted({row[4] for row in rows}):
+            mine = [row for row in rows if row[4] == kind]
+            if args.verbose:
+                for op, m, n, k, _, replayed, measured, _ in mine:
+                    print(f"{op:>20} {m}x{n}x{k} {kind}: measured {measured:8.1f} replayed {replayed:8.1f} "
+                          f"({replayed / measured - 1:+.1%})")
+            errors = [(row[5] - row[6]) / row[6] for row in mine]
+            print(f"{kind}: {len(mine)} calls, mean |error| {statistics.mean(map(abs, errors)):.2%}, "
+                  f"signed {statistics.mean(errors):+.2%}")
+        return 0
     if args.all_to_all:
         a2a = replay_all_to_all(args.csv, args.sms)
         if not a2a:

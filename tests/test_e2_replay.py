@@ -168,3 +168,18 @@ def test_push_predictions_match_the_committed_h200_measurements(name: str, cases
     assert s["pick_mean"] >= pick_mean and s["pick_min"] >= pick_min, s
     a2a = replay.summary_all_to_all(replay.replay_all_to_all(csv))
     assert a2a["replayed"] <= a2a_bound and a2a["best_pick_min"] >= a2a_pick_min, a2a
+
+
+def test_auto_calls_replay_with_their_own_plans() -> None:
+    # The push run's AllReduce calls with mode auto (2x H200, 2026-11-26 at f497811): 16 ran the
+    # gathered AllReduce, which no partition row runs. Its model was 7.9% optimistic there (the
+    # norm's per-group launches and waits and the GEMM beside the pushed sums are not in it yet);
+    # the bound keeps a change from making it worse unnoticed.
+    csv = replay.os.path.join(replay.HERE, "results", "e2_predictive_search_push_h200x2.csv")
+    rows = replay.replay_auto(csv)
+    gathered = [(r[5] - r[6]) / r[6] for r in rows if r[4] == "gathered"]
+    assert len(gathered) == 16
+    assert replay.statistics.mean(map(abs, gathered)) <= 0.085
+    # On NCCL nothing is gathered: the calls run the partitions the exhaustive rows measured.
+    nccl = replay.replay_auto(replay.os.path.join(replay.HERE, "results", "e2_predictive_search_h200x2.csv"))
+    assert nccl and all(r[4] in ("overlap", "sequential") for r in nccl)
