@@ -739,7 +739,9 @@ pub(crate) fn check_push(world: u32, major: i32, kernel: Option<GemmKernel>) -> 
     Ok(())
 }
 
-/// The predicted time of the call [`plan_for`] plans (for "auto" backend choice).
+/// The predicted time of the plan the call runs: the gathered AllReduce's
+/// where it applies, else [`plan_for`]'s (for "auto" backend choice; the
+/// other plan is not made where it would not run).
 pub fn predicted_us(
     args: &GemmArgs,
     world: u32,
@@ -747,13 +749,12 @@ pub fn predicted_us(
     sms: u32,
     major: i32,
 ) -> Result<f64> {
-    let plain = plan_for(args, world, opts, sms, major)?.1.predicted_us();
-    Ok(
-        match super::gathered_all_reduce::plan_for(args, world, opts, sms, major)? {
-            Some((_, gathered)) => gathered.predicted_us(),
-            None => plain,
-        },
-    )
+    if let Some((_, gathered)) =
+        super::gathered_all_reduce::plan_for(args, world, opts, sms, major)?
+    {
+        return Ok(gathered.predicted_us());
+    }
+    Ok(plan_for(args, world, opts, sms, major)?.1.predicted_us())
 }
 
 fn prepare(

@@ -43,7 +43,8 @@ impl Timeline {
 /// at the end of the wave containing its last position (times
 /// overlap_gemm_slowdown). Comm of group g starts at max(gemm_done_g,
 /// comm_end_{g-1}) and lasts overlap_comm_slowdown * the collective's time_us(bytes of its
-/// slice), comm_beside_gemm times longer while the GEMM still runs. overlap_us = last comm_end + groups * overlap_group_us. sequential_us = the library GEMM
+/// slice), comm_beside_gemm times longer while the GEMM still runs. overlap_us = last
+/// comm_end + groups * overlap_group_us. sequential_us = the library GEMM
 /// (sequential_gemm_tflops) + the collective over the whole output.
 pub fn predict(
     tiles: &OutputTiles,
