@@ -50,6 +50,12 @@
 // replays work. A wait that lasts longer than `timeout_ns` (0: forever)
 // records an error in the buffer's header and abandons the call.
 #include "ptx.cuh"
+#ifndef FO_RING
+#define FO_RING 0
+#endif
+#if FO_RING
+#include "ptx_sm90.cuh"
+#endif
 
 #ifndef FO_BF16
 #define FO_BF16 1
@@ -447,6 +453,280 @@ __device__ __forceinline__ void gather(const Params& p, int stage, int vecs) {
 }
 }  // namespace
 
+#if FO_RING
+namespace {
+// Ring (Hopper; FO_RING): rows move between global memory (local or a
+// peer's) and shared memory in 1-D bulk copies. The CTA's rows of a step
+// (pushes, reduces, gathers, in that order) are jobs that pass through a
+// ring of slots, each slot holding one row of every array a job loads
+// (world sources and the residual for a reduce): thread 0 keeps loads for
+// up to `slots` jobs in flight, all threads compute a row once its slot is
+// full (one row per CTA: a thread takes vectors t, t + THREADS, ...), and
+// thread 0 stores the results from the slot and refills it once the stores
+// have read it. Far more bytes are in flight per SM than registers hold,
+// and the SMs issue no per-vector loads or stores. Each step drains the ring
+// before it raises its flags.
+constexpr unsigned RING_BYTES = FO_RING_BYTES;
+constexpr int MAX_SLOTS = 8;
+// A thread's vectors of a row (hidden <= 16384).
+constexpr int ROW_VECS = (2048 + THREADS - 1) / THREADS;
+enum Kind { PUSH, REDUCE, GATHER };
+struct Job {
+  int kind, row, owner;
+};
+__shared__ __align__(8) unsigned long long full_bars[MAX_SLOTS];
+
+// Job k of step t: pushes of part t + 1 (every other owner's rows), the
+// reduces of part t of this rank's slice, the gathers of part t - 1 of every
+// other owner's slice. False past the step's last job.
+__device__ __forceinline__ bool job_at(const Params& p, int t, int k, bool pull, Job& j) {
+  const bool pushes = t + 1 < p.stages && !pull, reduces = t >= 0 && t < p.stages, gathers = t >= 1;
+  int first, last;
+  for (int i = 1; pushes && i < p.world; ++i) {
+    const int owner = (p.rank + i) % p.world;
+    part(p, owner, t + 1, first, last);
+    if (k < last - first) {
+      j = {PUSH, first + k, owner};
+      return true;
+    }
+    k -= last - first;
+  }
+  if (reduces) {
+    part(p, p.rank, t, first, last);
+    if (k < last - first) {
+      j = {REDUCE, first + k, p.rank};
+      return true;
+    }
+    k -= last - first;
+  }
+  for (int i = 1; gathers && i < p.world; ++i) {
+    const int owner = (p.rank + i) % p.world;
+    part(p, owner, t - 1, first, last);
+    if (k < last - first) {
+      j = {GATHER, first + k, owner};
+      return true;
+    }
+    k -= last - first;
+  }
+  return false;
+}
+
+__device__ __forceinline__ const char* row_at(const void* base, long long row, unsigned row_bytes) {
+  return static_cast<const char*>(base) + row * row_bytes;
+}
+__device__ __forceinline__ char* row_at(void* base, long long row, unsigned row_bytes) {
+  return static_cast<char*>(base) + row * row_bytes;
+}
+
+// Thread 0: the loads of job j into slot `at` (shared address), completing on `bar`.
+__device__ __forceinline__ void ring_load(const Params& p, const Job& j, unsigned at, unsigned bar, unsigned row_bytes,
+                                          bool pull) {
+  const int s0 = slice_first(p, p.rank);
+  if (j.kind == PUSH) {
+    fo::mbar_arrive_expect_tx(bar, row_bytes);
+    fo::bulk_load(at, row_at(p.x, j.row, row_bytes), row_bytes, bar);
+  } else if (j.kind == REDUCE) {
+    fo::mbar_arrive_expect_tx(bar, (p.world + 1) * row_bytes);
+    for (int src = 0; src < p.world; ++src) {
+      const void* from = pull ? row_at(area(p, src, p.x_offset), j.row, row_bytes)
+                         : src == p.rank ? row_at(p.x, j.row, row_bytes)
+                                         : row_at(slot(p, p.rank, src), j.row - s0, row_bytes);
+      fo::bulk_load(at + src * row_bytes, from, row_bytes, bar);
+    }
+    const long long res_row = p.residual_sliced ? j.row - s0 : j.row;
+    fo::bulk_load(at + p.world * row_bytes, row_at(p.residual, res_row, row_bytes), row_bytes, bar);
+  } else {
+    // Full residual: the owner's r (res area); sharded: its normalized rows (out area).
+    fo::mbar_arrive_expect_tx(bar, row_bytes);
+    fo::bulk_load(at, row_at(area(p, p.rank, p.residual_full ? p.res_offset : p.out_offset), j.row, row_bytes),
+                  row_bytes, bar);
+  }
+}
+
+// Thread 0: the stores of job j from slot `at` (array 0: r or the row
+// copied; array 1: the normalized row), as one bulk group.
+__device__ __forceinline__ void ring_store(const Params& p, const Job& j, unsigned at, unsigned row_bytes) {
+  const unsigned out = at + row_bytes;
+  if (j.kind == PUSH) {
+    fo::bulk_store(row_at(slot(p, j.owner, p.rank), j.row - slice_first(p, j.owner), row_bytes), at, row_bytes);
+  } else if (j.kind == REDUCE) {
+    const long long local = j.row - slice_first(p, p.rank);
+    fo::bulk_store(row_at(p.residual_out, p.residual_full ? j.row : local, row_bytes), at, row_bytes);
+    fo::bulk_store(row_at(p.out, j.row, row_bytes), out, row_bytes);
+    for (int i = 1; i < p.world; ++i) {
+      const int peer = (p.rank + i) % p.world;
+      if (p.residual_full) {
+        fo::bulk_store(row_at(area(p, peer, p.res_offset), j.row, row_bytes), at, row_bytes);
+      } else {
+        fo::bulk_store(row_at(area(p, peer, p.out_offset), j.row, row_bytes), out, row_bytes);
+      }
+    }
+  } else if (p.residual_full) {
+    fo::bulk_store(row_at(p.residual_out, j.row, row_bytes), at, row_bytes);
+    fo::bulk_store(row_at(p.out, j.row, row_bytes), out, row_bytes);
+  } else {
+    fo::bulk_store(row_at(p.out, j.row, row_bytes), at, row_bytes);
+  }
+  fo::bulk_commit();
+}
+
+// The CTA's sum of every thread's `v`, the same in every thread: over each
+// warp by shuffles, then over the warps in order (`parity` alternates
+// between rows so that one barrier per row suffices).
+__device__ __forceinline__ float cta_sum(float v, int parity) {
+  __shared__ float sums[2][WARPS];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) sums[parity][threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) total += sums[parity][w];
+  return total;
+}
+
+// A reduce or full-residual gather of the row in slot `slot_ptr`: r into
+// array 0 (a reduce sums the sources in rank order and adds the residual;
+// a gather finds the owner's r there), r normalized into array 1. The same
+// arithmetic in the same order on every rank, so a gathered row is
+// bit-identical to its owner's.
+__device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint4* slot_ptr, int vecs,
+                                             const uint4 (&weight)[ROW_VECS], int parity) {
+  uint4 r[ROW_VECS];
+  float squares = 0.f;
+#pragma unroll
+  for (int k = 0; k < ROW_VECS; ++k) {
+    const int v = threadIdx.x + k * THREADS;
+    if (v >= vecs) continue;
+    if (j.kind == REDUCE) {
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+      for (int src = 0; src < p.world; ++src) {
+        const uint4 w = slot_ptr[src * vecs + v];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[2 * i] += low(word(w, i));
+          acc[2 * i + 1] += high(word(w, i));
+        }
+      }
+      const uint4 res = slot_ptr[p.world * vecs + v];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        // The AllReduce's result is 16-bit; the sum with the residual is rounded again.
+        const unsigned s = pack2(acc[2 * i], acc[2 * i + 1]);
+        const unsigned rw = word(res, i);
+        word(r[k], i) = pack2(low(s) + low(rw), high(s) + high(rw));
+      }
+      slot_ptr[v] = r[k];
+    } else {
+      r[k] = slot_ptr[v];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const unsigned t = word(r[k], i);
+      squares += low(t) * low(t) + high(t) * high(t);
+    }
+  }
+  const float scale = rsqrtf(cta_sum(squares, parity) / p.hidden + p.eps);
+#pragma unroll
+  for (int k = 0; k < ROW_VECS; ++k) {
+    const int v = threadIdx.x + k * THREADS;
+    if (v < vecs) slot_ptr[vecs + v] = normalized(r[k], weight[k], scale);
+  }
+}
+
+// Runs step t's jobs through the ring; `seq` counts the jobs of earlier
+// steps (the slots' phases). Ends with every store complete and ordered
+// before the flags raised next.
+__device__ __forceinline__ void ring_step(const Params& p, int t, bool pull, int vecs, unsigned slots,
+                                          unsigned slot_bytes, char* ring, unsigned& seq,
+                                          const uint4 (&weight)[ROW_VECS], int& parity) {
+  const unsigned row_bytes = static_cast<unsigned>(vecs) * 16u;
+  const unsigned base = fo::smem_addr(ring);
+  Job j;
+  if (threadIdx.x == 0) {
+    for (int k = 0; k < static_cast<int>(slots) && job_at(p, t, k, pull, j); ++k) {
+      const unsigned s = (seq + k) % slots;
+      ring_load(p, j, base + s * slot_bytes, fo::smem_addr(&full_bars[s]), row_bytes, pull);
+    }
+  }
+  int k = 0;
+  for (; job_at(p, t, k, pull, j); ++k) {
+    const unsigned s = (seq + k) % slots, phase = ((seq + k) / slots) & 1u;
+    const bool computes = j.kind == REDUCE || (j.kind == GATHER && p.residual_full);
+    // Every thread waits for every job, so that none runs a slot's phase
+    // ahead: a parity wait two phases early would pass at once.
+    fo::mbar_wait(fo::smem_addr(&full_bars[s]), phase);
+    if (computes) {
+      ring_compute(p, j, reinterpret_cast<uint4*>(ring + s * slot_bytes), vecs, weight, parity);
+      parity ^= 1;
+      fo::fence_async_shared();  // the rows written above, read by the bulk stores
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      ring_store(p, j, base + s * slot_bytes, row_bytes);
+      // The previous job's slot, once its stores have read it, takes the
+      // job `slots` after it.
+      Job next;
+      if (k >= 1 && job_at(p, t, k - 1 + static_cast<int>(slots), pull, next)) {
+        fo::bulk_wait_read_but_newest();
+        const unsigned r = (seq + k - 1) % slots;
+        ring_load(p, next, base + r * slot_bytes, fo::smem_addr(&full_bars[r]), row_bytes, pull);
+      }
+    }
+  }
+  seq += static_cast<unsigned>(k);
+  if (threadIdx.x == 0) {
+    fo::bulk_wait_all();
+    fo::fence_async_global();  // the stores complete before the flags' release
+  }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Params p) {
+  extern __shared__ __align__(128) char ring[];
+  const int vecs = p.hidden / VEC;
+  unsigned* own = header(p, p.rank);
+  const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own + EPOCH) + 1;
+  const bool pull = p.x_offset != 0;
+  const unsigned slot_bytes = static_cast<unsigned>(p.world + 1) * static_cast<unsigned>(vecs) * 16u;
+  const unsigned slots = min(static_cast<unsigned>(MAX_SLOTS), RING_BYTES / slot_bytes);
+  if (threadIdx.x == 0) {
+    abandoned = 0;
+    for (unsigned s = 0; s < slots; ++s) fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
+    fo::mbar_init_fence();
+  }
+  uint4 weight[ROW_VECS];
+#pragma unroll
+  for (int k = 0; k < ROW_VECS; ++k) {
+    const int v = threadIdx.x + k * THREADS;
+    if (v < vecs) weight[k] = p.weight[v];
+  }
+  __syncthreads();
+  unsigned seq = 0;
+  int parity = 0;
+  bool ok = true;
+  for (int t = -1; ok && t <= p.stages; ++t) {
+    const bool pushes = t + 1 < p.stages, reduces = t >= 0 && t < p.stages;
+    // Both waits before the step's loads: the step's jobs flow through the ring without a stop.
+    if (reduces) ok = wait_all(p, READY, flag_slot(t), epoch);
+    if (ok && t >= 1) ok = wait_all(p, DONE, flag_slot(t - 1), epoch);
+    if (!ok) break;
+    if (threadIdx.x == 0 && t >= 0) fo::fence_async_global();  // the peers' rows, acquired above, read by TMA
+    ring_step(p, t, pull, vecs, slots, slot_bytes, ring, seq, weight, parity);
+    if (pushes || reduces) raise(p, pushes ? flag_slot(t + 1) : -1, reduces ? flag_slot(t) : -1, epoch);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(own + FINISHED, 1u) == gridDim.x - 1) {
+      own[FINISHED] = 0;
+      atomicAdd(own + EPOCH, 1u);
+    }
+  }
+}
+#else
 extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Params p) {
   const int vecs = p.hidden / VEC;
   unsigned* own = header(p, p.rank);
@@ -488,3 +768,4 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
     }
   }
 }
+#endif  // FO_RING

@@ -63,6 +63,28 @@ __device__ __forceinline__ void tma_store_2d(const TensorMap* map, unsigned src,
                : "memory");
 }
 
+// 1-D bulk copy global -> shared (`bytes` a multiple of 16, both ends
+// 16-byte aligned); completes `bytes` on `bar`. The source may be a peer's
+// memory mapped into this process.
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// 1-D bulk copy shared -> global, tracked in the issuing thread's bulk-async
+// group; the destination may be a peer's memory.
+__device__ __forceinline__ void bulk_store(void* dst, unsigned src, unsigned bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+
+// Waits until all but the issuing thread's newest store group have finished
+// reading shared memory.
+__device__ __forceinline__ void bulk_wait_read_but_newest() {
+  asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 
 // Waits until the issuing thread's stores have finished reading shared memory

@@ -177,10 +177,11 @@ def best_of(times: dict, ctas: Sequence[int], prefix: str = "fo_") -> tuple[int,
     return c, us
 
 
-def parse_config(text: str) -> tuple[int, int, int, bool]:
-    """'256x2' -> (256, 2, 1, False), '512x4s4o' -> (512, 4, 4, True): threads per CTA, vectors in
-    flight per lane, the most parts each CTA pipelines its rows in (1: the steps one after the
-    other) and one-shot (o: 2 ranks, full residual: every rank reduces every row)."""
+def parse_config(text: str) -> tuple:
+    """'256x2' -> (256, 2, 1, False, False), '512x4s4o' -> (512, 4, 4, True, False): threads per
+    CTA, vectors in flight per lane, the most parts each CTA pipelines its rows in (1: the steps
+    one after the other), one-shot (o: 2 ranks, full residual: every rank reduces every row) and
+    the ring (r: rows through shared memory in bulk copies, Hopper)."""
     try:
         return _env.parse_norm_config(text)
     except ValueError as e:

@@ -573,7 +573,7 @@ fn gemm_all_reduce(
 /// Peer buffers as PeerGroup.core_buffers gives them: (every rank's base,
 /// bytes each, this rank, wait timeout in ns, kernel config (threads,
 /// unroll, stages, oneshot)).
-type PeerBuffers = (Vec<u64>, u64, usize, u64, (u32, u32, u32, bool));
+type PeerBuffers = (Vec<u64>, u64, usize, u64, NormTuple);
 
 /// The fused norm of gemm_all_reduce_rmsnorm: (residual_in, residual_out,
 /// norm weight, eps, peer buffers for backend="peer").
@@ -1052,20 +1052,30 @@ fn allreduce_rmsnorm_stages(
     tokens: u64,
     world: usize,
     ctas: u32,
-    config: Option<(u32, u32, u32, bool)>,
+    config: Option<NormTuple>,
 ) -> PyResult<u32> {
     let config = norm_config(config)?;
     let oneshot = arn::runs_oneshot(config, world, true, false);
     Ok(arn::stages(tokens, world, ctas, config, oneshot, false))
 }
 
-fn norm_config(config: Option<(u32, u32, u32, bool)>) -> PyResult<kernels::NormConfig> {
-    match config {
-        Some((threads, unroll, stages, oneshot)) => {
-            kernels::NormConfig::with(threads, unroll, stages, oneshot).map_err(to_py)
-        }
-        None => Ok(kernels::NormConfig::DEFAULT),
-    }
+/// A norm kernel config as Python gives it: (threads, unroll, stages,
+/// oneshot[, ring]).
+#[derive(FromPyObject)]
+enum NormTuple {
+    Ring((u32, u32, u32, bool, bool)),
+    Plain((u32, u32, u32, bool)),
+}
+
+fn norm_config(config: Option<NormTuple>) -> PyResult<kernels::NormConfig> {
+    let (threads, unroll, stages, oneshot, ring) = match config {
+        Some(NormTuple::Ring(t)) => t,
+        Some(NormTuple::Plain((a, b, c, d))) => (a, b, c, d, false),
+        None => return Ok(kernels::NormConfig::DEFAULT),
+    };
+    kernels::NormConfig::with(threads, unroll, stages, oneshot)
+        .and_then(|c| c.ringed(ring))
+        .map_err(to_py)
 }
 
 /// Where this rank's partial (x area) lies in its peer buffer, laid out for
@@ -1113,7 +1123,7 @@ fn allreduce_rmsnorm_launch(
     timeout_ns: u64,
     stream: usize,
     pull: bool,
-    config: Option<(u32, u32, u32, bool)>,
+    config: Option<NormTuple>,
     residual_sliced: bool,
 ) -> PyResult<()> {
     let _keep = driver::KeepCurrent::new();
@@ -1148,7 +1158,9 @@ fn allreduce_rmsnorm_launch(
     };
     py.detach(|| {
         let dev = driver::bind(device)?;
-        let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype, config))?;
+        let mut call = call;
+        call.config = arn::effective(config, call.bases.len(), hidden, dtype, dev.major);
+        let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype, call.config))?;
         let stream = stream::from_handle(stream);
         let checked = arn::checked(&call, ctas)?;
         if pull && tokens > 0 {

@@ -322,8 +322,10 @@ def test_config_sweep_rows_and_lines() -> None:
     cells = lines[3].split()
     assert cells[:4] == ["1024", "100.0", "80.0", "0.800x"] and cells[4:] == ["n/a", "n/a"]
     assert ar.config_lines([row], [], ar.FO_CTAS) == []
-    assert ar.parse_config("256X2") == (256, 2, 1, False)
-    assert ar.parse_config("512x4s4") == (512, 4, 4, False)
+    assert ar.parse_config("256X2") == (256, 2, 1, False, False)
+    assert ar.parse_config("512x4s4") == (512, 4, 4, False, False)
+    assert ar.parse_config("512x4s8r") == (512, 4, 8, False, True)
+    assert ar.config_name((512, 4, 8, False, True)) == "512x4s8r"
     assert ar.config_name((512, 4, 4, False)) == "512x4s4" and ar.config_name((256, 2, 1, False)) == "256x2"
     for bad in ("256", "512x4s", "s4", "512x4x4"):
         with pytest.raises(argparse.ArgumentTypeError):

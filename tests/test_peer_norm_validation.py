@@ -101,9 +101,11 @@ def test_partial_lies_in_this_ranks_x_area_and_needs_room() -> None:
         _core.allreduce_rmsnorm_partial((bases, need, 1, 0, (512, 3, 1, False)), rows, hidden, "bfloat16")
 
 
-@pytest.mark.parametrize("text,config", [("512x4", (512, 4, 1, False)), (" 512X4S4 ", (512, 4, 4, False)),
-                                         ("256x2s8", (256, 2, 8, False)), ("1024x1s1", (1024, 1, 1, False)),
-                                         ("512x4s4o", (512, 4, 4, True)), ("512x4O", (512, 4, 1, True))])
+@pytest.mark.parametrize("text,config", [("512x4", (512, 4, 1, False, False)), (" 512X4S4 ", (512, 4, 4, False, False)),
+                                         ("256x2s8", (256, 2, 8, False, False)),
+                                         ("1024x1s1", (1024, 1, 1, False, False)),
+                                         ("512x4s4o", (512, 4, 4, True, False)), ("512x4O", (512, 4, 1, True, False)),
+                                         ("512x4s8r", (512, 4, 8, False, True)), ("256x2R", (256, 2, 1, False, True))])
 def test_norm_config_parses(monkeypatch, text, config) -> None:
     from flashoverlap import _env
 
@@ -116,7 +118,8 @@ def test_norm_config_parses(monkeypatch, text, config) -> None:
 @pytest.mark.parametrize("text,words", [("512", ["THREADSxUNROLL"]), ("512x4s", ["THREADSxUNROLL"]),
                                         ("384x4", ["power of two"]), ("512x3", ["unroll"]),
                                         ("512x4s9", ["stages"]), ("512x4s0", ["stages"]),
-                                        ("512x4so", ["THREADSxUNROLL"]), ("512x4os4", ["THREADSxUNROLL"])])
+                                        ("512x4so", ["THREADSxUNROLL"]), ("512x4os4", ["THREADSxUNROLL"]),
+                                        ("512x4s4or", ["exclude each other"]), ("512x4s4ro", ["THREADSxUNROLL"])])
 def test_bad_norm_config_is_named(monkeypatch, text, words) -> None:
     from flashoverlap import _env
 
@@ -150,6 +153,7 @@ def _group_worker(rank: int, world: int, init_file: str, configs: list, out_dir:
 @pytest.mark.parametrize("configs,agree,words", [(["512x4s4", "512x4s4"], True, ""),
                                                 (["512x4s4", "512x4"], False, "FLASHOVERLAP_NORM_CONFIG differs"),
                                                 (["512x4s4o", "512x4s4"], False, "FLASHOVERLAP_NORM_CONFIG differs"),
+                                                (["512x4s4r", "512x4s4"], False, "FLASHOVERLAP_NORM_CONFIG differs"),
                                                 (["512x4", "512x3"], False, "rank 1: FLASHOVERLAP_NORM_CONFIG")])
 def test_ranks_must_agree_on_the_norm_config(tmp_path, configs, agree, words) -> None:
     """A peer group's ranks compare FLASHOVERLAP_NORM_CONFIG when the group is made (the kernel's
@@ -169,7 +173,7 @@ def test_ranks_must_agree_on_the_norm_config(tmp_path, configs, agree, words) ->
             pytest.fail("a rank did not finish making its peer group")
     verdicts = [(tmp_path / f"{r}.txt").read_text() for r in range(2)]
     if agree:
-        assert verdicts == ["ok (512, 4, 4, False)"] * 2
+        assert verdicts == ["ok (512, 4, 4, False, False)"] * 2
     else:
         for v in verdicts:
             assert v.startswith("ValueError") and words in v, v

@@ -76,20 +76,23 @@ def ce_all_reduce() -> str:
     return v
 
 
-NORM_CONFIG_DEFAULT = (512, 4, 8, False)
+NORM_CONFIG_DEFAULT = (512, 4, 8, False, False)
 
 
-def parse_norm_config(text: str) -> tuple[int, int, int, bool]:
-    """'512x4' -> (512, 4, 1, False), '512x4s4' -> (512, 4, 4, False), '512x4s4o' -> (512, 4, 4,
-    True): the peer-memory AllReduce + RMSNorm kernel's threads per CTA, 16-byte vectors in flight
-    per lane, the most parts each CTA pipelines its rows in, and one-shot (o: on two ranks keeping
-    the full residual, each rank sums and normalizes every row itself, one exchange instead of
-    two). ValueError for anything the kernel cannot be built as."""
-    match = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(o?)", text.strip().lower())
+def parse_norm_config(text: str) -> tuple:
+    """'512x4' -> (512, 4, 1, False, False), '512x4s4' -> (512, 4, 4, False, False), '512x4s4o' ->
+    (512, 4, 4, True, False), '512x4s8r' -> (512, 4, 8, False, True): the peer-memory AllReduce +
+    RMSNorm kernel's threads per CTA, 16-byte vectors in flight per lane, the most parts each CTA
+    pipelines its rows in, one-shot (o: on two ranks keeping the full residual, each rank sums and
+    normalizes every row itself, one exchange instead of two) and the ring (r: rows move through
+    shared memory in bulk copies, on Hopper where a row of each array fits twice; elsewhere the
+    same shape on plain loads). ValueError for anything the kernel cannot be built as."""
+    match = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(o?)(r?)", text.strip().lower())
     if match is None:
-        raise ValueError(f"expected THREADSxUNROLL[sSTAGES][o] such as 512x4, 512x4s4 or 512x4s4o, got {text!r}")
-    threads, unroll, stages, oneshot = match.groups()
-    config = (int(threads), int(unroll), int(stages or 1), oneshot == "o")
+        raise ValueError(f"expected THREADSxUNROLL[sSTAGES][o|r] such as 512x4, 512x4s4, 512x4s4o or 512x4s8r, "
+                         f"got {text!r}")
+    threads, unroll, stages, oneshot, ring = match.groups()
+    config = (int(threads), int(unroll), int(stages or 1), oneshot == "o", ring == "r")
     from . import _core
 
     _core.allreduce_rmsnorm_stages(1, 1, 1, config)  # the core's range checks: ValueError
@@ -97,13 +100,16 @@ def parse_norm_config(text: str) -> tuple[int, int, int, bool]:
 
 
 def format_norm_config(config) -> str:
-    """(512, 4, 1, False) -> '512x4', (512, 4, 4, True) -> '512x4s4o': parse_norm_config's inverse."""
+    """(512, 4, 1, False, False) -> '512x4', (512, 4, 4, True) -> '512x4s4o', (512, 4, 8, False,
+    True) -> '512x4s8r': parse_norm_config's inverse."""
     stages = config[2] if len(config) > 2 else 1
     oneshot = len(config) > 3 and config[3]
-    return f"{config[0]}x{config[1]}" + (f"s{stages}" if stages != 1 else "") + ("o" if oneshot else "")
+    ring = len(config) > 4 and config[4]
+    return (f"{config[0]}x{config[1]}" + (f"s{stages}" if stages != 1 else "") + ("o" if oneshot else "")
+            + ("r" if ring else ""))
 
 
-def norm_config() -> tuple[int, int, int, bool]:
+def norm_config() -> tuple:
     """FLASHOVERLAP_NORM_CONFIG: the shape of the peer-memory AllReduce + RMSNorm kernel
     (all_reduce_rmsnorm, gemm_all_reduce_rmsnorm's backend="peer"), THREADSxUNROLL[sSTAGES][o];
     default 512x4s8 (two-shot; a standalone call on 32 CTAs or more in up to 8 pipelined parts

@@ -289,6 +289,9 @@ pub struct NormConfig {
     pub unroll: u32,
     pub stages: u32,
     pub oneshot: bool,
+    /// Rows through a shared-memory ring in bulk copies (Hopper; see
+    /// all_reduce_rmsnorm::effective for where it runs).
+    pub ring: bool,
 }
 
 impl NormConfig {
@@ -299,6 +302,12 @@ impl NormConfig {
         unroll: 4,
         stages: 8,
         oneshot: false,
+        ring: false,
+    };
+    /// The ring variant of the default (Hopper).
+    pub const RING: Self = Self {
+        ring: true,
+        ..Self::DEFAULT
     };
     /// The most parts a config may ask for.
     pub const MAX_STAGES: u32 = 8;
@@ -312,18 +321,21 @@ impl NormConfig {
             unroll: 4,
             stages: 1,
             oneshot: false,
+            ring: false,
         },
         Self {
             threads: 512,
             unroll: 4,
             stages: 4,
             oneshot: false,
+            ring: false,
         },
         Self {
             threads: 512,
             unroll: 2,
             stages: 4,
             oneshot: false,
+            ring: false,
         },
     ];
 
@@ -356,9 +368,25 @@ impl NormConfig {
             unroll,
             stages,
             oneshot,
+            ring: false,
         })
     }
+
+    /// The same config with rows through the shared-memory ring (or not);
+    /// a ring never runs one-shot.
+    pub fn ringed(self, ring: bool) -> crate::error::Result<Self> {
+        if ring && self.oneshot {
+            return Err(crate::error::Error::Invalid(
+                "config: the ring (r) and one-shot (o) exclude each other".into(),
+            ));
+        }
+        Ok(Self { ring, ..self })
+    }
 }
+
+/// Shared memory of the ring variant: two or more slots of a row of every
+/// array a reduce loads (world sources and the residual).
+pub const NORM_RING_BYTES: u32 = 196_608;
 
 /// The peer-memory AllReduce + residual add + RMSNorm (one warp per row,
 /// plain loads, `config.unroll` vectors per lane in flight; no shared-memory ring).
@@ -371,8 +399,10 @@ pub fn allreduce_rmsnorm_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
             ("FO_BF16", bf16),
             ("FO_THREADS", config.threads.to_string()),
             ("FO_UNROLL", config.unroll.to_string()),
+            ("FO_RING", u8::from(config.ring).to_string()),
+            ("FO_RING_BYTES", NORM_RING_BYTES.to_string()),
         ],
-        dynamic_smem: 0,
+        dynamic_smem: if config.ring { NORM_RING_BYTES } else { 0 },
     }
 }
 
@@ -415,10 +445,16 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
                 .chain(shapes.iter().map(move |&c| allreduce_rmsnorm_spec(d, c)))
         })
         .filter(move |_| runs);
+    let hopper = arch == "sm_90a";
+    let rings = [Dtype::Bf16, Dtype::F16]
+        .into_iter()
+        .filter(move |_| hopper)
+        .map(|d| allreduce_rmsnorm_spec(d, NormConfig::RING));
     gemms
         .chain(reduces.filter(|_| runs))
         .chain(unreorders)
         .chain(norms)
+        .chain(rings)
         .collect()
 }
 
@@ -557,6 +593,16 @@ mod tests {
         let spec = |c: NormConfig| allreduce_rmsnorm_spec(Dtype::Bf16, c).defines;
         assert_eq!(spec(NormConfig::SWEEP[1]), spec(NormConfig::DEFAULT));
         assert_ne!(spec(NormConfig::SWEEP[3]), spec(NormConfig::DEFAULT));
+        // The ring is its own kernel, with its shared memory; never one-shot.
+        let ring = allreduce_rmsnorm_spec(Dtype::Bf16, NormConfig::RING);
+        assert_ne!(ring.defines, spec(NormConfig::DEFAULT));
+        assert_eq!(ring.dynamic_smem, NORM_RING_BYTES);
+        assert_eq!(allreduce_rmsnorm_spec(Dtype::Bf16, NormConfig::DEFAULT).dynamic_smem, 0);
+        let oneshot = NormConfig::with(512, 4, 4, true).unwrap();
+        assert!(oneshot.ringed(true).is_err());
+        assert!(oneshot.ringed(false).is_ok());
+        assert!(all_for("sm_90a").contains(&ring));
+        assert!(!all_for("sm_80").contains(&ring));
     }
 
     #[test]

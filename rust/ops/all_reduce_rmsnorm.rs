@@ -28,7 +28,7 @@
 
 use std::ffi::c_void;
 
-use crate::cuda::kernels::{Kernel, NormConfig};
+use crate::cuda::kernels::{Kernel, NormConfig, NORM_RING_BYTES};
 use crate::cuda::stream::RawStream;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
@@ -173,6 +173,19 @@ pub fn stages(
 /// (see [`stages`]).
 pub const DEFAULT_MIN_PARTS: u32 = 4;
 pub const DEFAULT_MIN_CTAS: u32 = 32;
+
+/// The config a call of `world` ranks and `hidden` columns runs with on a
+/// device of compute capability `major`: the ring's only on Hopper or later
+/// (bulk copies) where two slots fit in its shared memory, else the same
+/// shape on plain loads and stores.
+pub fn effective(config: NormConfig, world: usize, hidden: u32, dtype: Dtype, major: i32) -> NormConfig {
+    let row = u64::from(hidden) * u64::from(dtype.bytes());
+    let fits = 2 * (world as u64 + 1) * row <= u64::from(NORM_RING_BYTES);
+    NormConfig {
+        ring: config.ring && major >= 9 && fits,
+        ..config
+    }
+}
 
 /// Whether a call runs one-shot: asked for by its config, and a push of two
 /// ranks keeping the full residual (elsewhere one-shot would move more bytes,
@@ -429,6 +442,24 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn the_ring_runs_on_hopper_where_two_slots_fit() {
+        let ring = NormConfig::RING;
+        let runs = |world, hidden, dtype, major| effective(ring, world, hidden, dtype, major).ring;
+        assert!(runs(2, 8192, Dtype::Bf16, 9));
+        assert!(runs(2, 16384, Dtype::Bf16, 9)); // 2 slots of 3 rows of 32 KiB
+        assert!(runs(4, 8192, Dtype::F16, 9));
+        assert!(!runs(2, 8192, Dtype::Bf16, 8));
+        assert!(!runs(4, 16384, Dtype::Bf16, 9));
+        assert!(!runs(8, 8192, Dtype::Bf16, 9));
+        // Elsewhere the same shape on plain loads; a plain config stays plain.
+        assert_eq!(
+            effective(ring, 2, 8192, Dtype::Bf16, 8),
+            NormConfig::DEFAULT
+        );
+        assert!(!effective(NormConfig::DEFAULT, 2, 8192, Dtype::Bf16, 9).ring);
     }
 
     #[test]

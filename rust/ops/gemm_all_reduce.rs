@@ -834,7 +834,14 @@ pub struct PeerNorm {
 }
 
 impl PeerNorm {
-    /// The pull-mode call over rows `first..first + tokens` of an [m, n] output.
+    /// The config the group's calls of hidden size `n` run with on a device
+    /// of compute capability `major` ([`arn::effective`]).
+    pub fn config_for(&self, n: u32, dtype: crate::dtype::Dtype, major: i32) -> crate::cuda::kernels::NormConfig {
+        arn::effective(self.config, self.world, n, dtype, major)
+    }
+
+    /// The pull-mode call over rows `first..first + tokens` of an [m, n]
+    /// output, on a device of compute capability `major`.
     #[allow(clippy::too_many_arguments)]
     pub fn call(
         &self,
@@ -845,6 +852,7 @@ impl PeerNorm {
         m: u64,
         n: u32,
         dtype: crate::dtype::Dtype,
+        major: i32,
     ) -> arn::Call {
         arn::Call {
             x: 0,
@@ -863,7 +871,7 @@ impl PeerNorm {
             dtype,
             buffer_bytes: self.buffer_bytes,
             pull: Some(arn::Pull { first, rows: m }),
-            config: self.config,
+            config: self.config_for(n, dtype, major),
         }
     }
 
@@ -1011,7 +1019,10 @@ pub fn gemm_all_reduce(
     let norm_kernel = norm
         .map(|_| {
             let spec = match peer {
-                Some(p) => kernels::allreduce_rmsnorm_spec(args.dtype, p.config),
+                Some(p) => kernels::allreduce_rmsnorm_spec(
+                    args.dtype,
+                    p.config_for(args.n, args.dtype, comm.device.major),
+                ),
                 None => kernels::add_rmsnorm_spec(args.dtype),
             };
             kernels::load(&comm.device, &spec)
@@ -1182,7 +1193,16 @@ fn enqueue_peer(
             } else {
                 run.plan.request.reserved_sms.clamp(1, arn::MAX_CTAS)
             };
-            let call = peer.call(norm, out, first, end - first, m, run.args.n, run.args.dtype);
+            let call = peer.call(
+                norm,
+                out,
+                first,
+                end - first,
+                m,
+                run.args.n,
+                run.args.dtype,
+                comm.device.major,
+            );
             arn::checked(&call, ctas)
         })
         .collect::<Result<Vec<_>>>()?;

@@ -19,6 +19,9 @@ pytestmark = pytest.mark.gpus(1)
 
 TIMEOUT_NS = 5_000_000_000
 EPS = 1e-6
+# The ring variant (Hopper: rows through shared memory in bulk copies; elsewhere it runs as the
+# same shape on plain loads), in up to 8 and 4 parts.
+RING, RING4 = (512, 4, 8, False, True), (512, 4, 4, False, True)
 
 
 class Ranks:
@@ -103,9 +106,10 @@ def run_and_check(ranks, tokens, full, ctas, seed):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_calls_with_changing_tokens_and_ctas(world, dtype) -> None:
+@pytest.mark.parametrize("config", [None, RING])
+def test_calls_with_changing_tokens_and_ctas(world, dtype, config) -> None:
     hidden = 1032 if dtype == torch.float16 else 8192
-    ranks = Ranks(world, 1031, hidden, dtype)
+    ranks = Ranks(world, 1031, hidden, dtype, config=config)
     # Epochs advance once per call whatever the CTA count; tokens not divisible by the world
     # size, fewer tokens than CTAs, a single token.
     # Parts of fewer rows than warps share each row among 2-16 warps (128 tokens on 32 CTAs: 8).
@@ -116,7 +120,7 @@ def test_calls_with_changing_tokens_and_ctas(world, dtype) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("config", [None, (512, 4, 4, False)])
+@pytest.mark.parametrize("config", [None, (512, 4, 4, False), RING4])
 def test_sharded_calls_take_a_residual_slice(world, config) -> None:
     """residual_out='sharded' with each rank passing only its slice of the residual: the same
     rows, bit for bit, as with the whole residual (the kernel reads only the slice's rows)."""
@@ -146,7 +150,8 @@ def test_sharded_calls_take_a_residual_slice(world, config) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("config", [(512, 4, 4, False), (256, 2, 8, False), (1024, 4, 2, False), (512, 8, 2, False)])
+@pytest.mark.parametrize("config", [(512, 4, 4, False), (256, 2, 8, False), (1024, 4, 2, False), (512, 8, 2, False),
+                                    RING4, (256, 2, 8, False, True)])
 def test_pipelined_parts(world, config) -> None:
     """Each CTA cuts its rows into several parts whose push, reduce and gather steps overlap: the
     same results, epochs in step with unpipelined calls on the same buffers, slices and parts of
@@ -162,7 +167,7 @@ def test_pipelined_parts(world, config) -> None:
     run_and_check(ranks, 1031, True, 8, seed=world * 1000 + 99)
 
 
-@pytest.mark.parametrize("config", [None, (512, 4, 4, False)])
+@pytest.mark.parametrize("config", [None, (512, 4, 4, False), RING4])
 def test_pull_layout(config) -> None:
     """The layout gemm_all_reduce_rmsnorm(backend="peer") uses: each rank's partial copied into its
     own x area, every owner reading its rows there from each peer (loads, not pushes)."""
@@ -218,13 +223,14 @@ def test_oneshot_applies_to_two_ranks_only() -> None:
         run_and_check(ranks, tokens, full, ctas, seed=400 + i)
 
 
-def test_widest_rows() -> None:
-    ranks = Ranks(2, 300, 16384, torch.bfloat16)
+@pytest.mark.parametrize("config", [None, RING])
+def test_widest_rows(config) -> None:
+    ranks = Ranks(2, 300, 16384, torch.bfloat16, config=config)
     run_and_check(ranks, 300, True, 4, seed=7)
     run_and_check(ranks, 129, False, 8, seed=8)
 
 
-@pytest.mark.parametrize("config", [None, (512, 4, 4, False), (512, 4, 4, True)])
+@pytest.mark.parametrize("config", [None, (512, 4, 4, False), (512, 4, 4, True), RING4])
 def test_graph_replays_with_fresh_inputs(config) -> None:
     world, tokens, hidden, dtype = 2, 777, 4096, torch.bfloat16
     ranks = Ranks(world, tokens, hidden, dtype, config=config)
