@@ -472,43 +472,59 @@ constexpr int MAX_SLOTS = 8;
 constexpr int ROW_VECS = (2048 + THREADS - 1) / THREADS;
 enum Kind { PUSH, REDUCE, GATHER };
 struct Job {
-  int kind, row, owner;
+  int kind, row, owner, origin;  // origin: the first row of the owner's slice
 };
 __shared__ __align__(8) unsigned long long full_bars[MAX_SLOTS];
 
-// Job k of step t: pushes of part t + 1 (every other owner's rows), the
-// reduces of part t of this rank's slice, the gathers of part t - 1 of every
-// other owner's slice. False past the step's last job.
-__device__ __forceinline__ bool job_at(const Params& p, int t, int k, bool pull, Job& j) {
+// Step t's jobs as runs of rows: pushes of part t + 1 (every other
+// owner's rows), the reduces of part t of this rank's slice, the gathers of
+// part t - 1 of every other owner's slice. Worked out once per step: a
+// part's bounds take 64-bit divisions, far too slow to redo for every row.
+struct Run {
+  int kind, first, count, owner, origin;
+};
+constexpr int MAX_RUNS = 2 * FO_MAX_WORLD - 1;
+__device__ __forceinline__ int step_runs(const Params& p, int t, bool pull, Run (&runs)[MAX_RUNS]) {
   const bool pushes = t + 1 < p.stages && !pull, reduces = t >= 0 && t < p.stages, gathers = t >= 1;
-  int first, last;
+  int n = 0, first, last;
   for (int i = 1; pushes && i < p.world; ++i) {
     const int owner = (p.rank + i) % p.world;
     part(p, owner, t + 1, first, last);
-    if (k < last - first) {
-      j = {PUSH, first + k, owner};
-      return true;
-    }
-    k -= last - first;
+    runs[n++] = {PUSH, first, last - first, owner, slice_first(p, owner)};
   }
   if (reduces) {
     part(p, p.rank, t, first, last);
-    if (k < last - first) {
-      j = {REDUCE, first + k, p.rank};
-      return true;
-    }
-    k -= last - first;
+    runs[n++] = {REDUCE, first, last - first, p.rank, slice_first(p, p.rank)};
   }
   for (int i = 1; gathers && i < p.world; ++i) {
     const int owner = (p.rank + i) % p.world;
     part(p, owner, t - 1, first, last);
-    if (k < last - first) {
-      j = {GATHER, first + k, owner};
-      return true;
-    }
-    k -= last - first;
+    runs[n++] = {GATHER, first, last - first, owner, slice_first(p, owner)};
   }
-  return false;
+  return n;
+}
+
+// A position in the step's jobs and in the ring (its slot and that slot's phase).
+struct Cursor {
+  int run, offset;
+  unsigned slot, phase;
+};
+// The job at `c`; false past the step's last.
+__device__ __forceinline__ bool job_at(const Run (&runs)[MAX_RUNS], int n, Cursor& c, Job& j) {
+  while (c.run < n && c.offset >= runs[c.run].count) {
+    ++c.run;
+    c.offset = 0;
+  }
+  if (c.run >= n) return false;
+  j = {runs[c.run].kind, runs[c.run].first + c.offset, runs[c.run].owner, runs[c.run].origin};
+  return true;
+}
+__device__ __forceinline__ void advance(Cursor& c, unsigned slots) {
+  ++c.offset;
+  if (++c.slot == slots) {
+    c.slot = 0;
+    c.phase ^= 1u;
+  }
 }
 
 __device__ __forceinline__ const char* row_at(const void* base, long long row, unsigned row_bytes) {
@@ -521,7 +537,7 @@ __device__ __forceinline__ char* row_at(void* base, long long row, unsigned row_
 // Thread 0: the loads of job j into slot `at` (shared address), completing on `bar`.
 __device__ __forceinline__ void ring_load(const Params& p, const Job& j, unsigned at, unsigned bar, unsigned row_bytes,
                                           bool pull) {
-  const int s0 = slice_first(p, p.rank);
+  const int s0 = j.origin;  // a reduce's: this rank's slice
   if (j.kind == PUSH) {
     fo::mbar_arrive_expect_tx(bar, row_bytes);
     fo::bulk_load(at, row_at(p.x, j.row, row_bytes), row_bytes, bar);
@@ -548,9 +564,9 @@ __device__ __forceinline__ void ring_load(const Params& p, const Job& j, unsigne
 __device__ __forceinline__ void ring_store(const Params& p, const Job& j, unsigned at, unsigned row_bytes) {
   const unsigned out = at + row_bytes;
   if (j.kind == PUSH) {
-    fo::bulk_store(row_at(slot(p, j.owner, p.rank), j.row - slice_first(p, j.owner), row_bytes), at, row_bytes);
+    fo::bulk_store(row_at(slot(p, j.owner, p.rank), j.row - j.origin, row_bytes), at, row_bytes);
   } else if (j.kind == REDUCE) {
-    const long long local = j.row - slice_first(p, p.rank);
+    const long long local = j.row - j.origin;
     fo::bulk_store(row_at(p.residual_out, p.residual_full ? j.row : local, row_bytes), at, row_bytes);
     fo::bulk_store(row_at(p.out, j.row, row_bytes), out, row_bytes);
     for (int i = 1; i < p.world; ++i) {
@@ -636,28 +652,31 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
   }
 }
 
-// Runs step t's jobs through the ring; `seq` counts the jobs of earlier
-// steps (the slots' phases). Ends with every store complete and ordered
-// before the flags raised next.
+// Runs step t's jobs through the ring from slot position `at` (moved past
+// them). Ends with every store complete and ordered before the flags
+// raised next.
 __device__ __forceinline__ void ring_step(const Params& p, int t, bool pull, int vecs, unsigned slots,
-                                          unsigned slot_bytes, char* ring, unsigned& seq,
+                                          unsigned slot_bytes, char* ring, Cursor& at,
                                           const uint4 (&weight)[ROW_VECS], int& parity) {
   const unsigned row_bytes = static_cast<unsigned>(vecs) * 16u;
   const unsigned base = fo::smem_addr(ring);
+  Run runs[MAX_RUNS];
+  const int n = step_runs(p, t, pull, runs);
+  at.run = at.offset = 0;
+  // Thread 0's loads run `slots` jobs ahead of the one being worked on.
+  Cursor ahead = at;
   Job j;
   if (threadIdx.x == 0) {
-    for (int k = 0; k < static_cast<int>(slots) && job_at(p, t, k, pull, j); ++k) {
-      const unsigned s = (seq + k) % slots;
-      ring_load(p, j, base + s * slot_bytes, fo::smem_addr(&full_bars[s]), row_bytes, pull);
+    for (unsigned k = 0; k < slots && job_at(runs, n, ahead, j); ++k, advance(ahead, slots)) {
+      ring_load(p, j, base + ahead.slot * slot_bytes, fo::smem_addr(&full_bars[ahead.slot]), row_bytes, pull);
     }
   }
-  int k = 0;
-  for (; job_at(p, t, k, pull, j); ++k) {
-    const unsigned s = (seq + k) % slots, phase = ((seq + k) / slots) & 1u;
+  for (bool first = true; job_at(runs, n, at, j); advance(at, slots), first = false) {
+    const unsigned s = at.slot;
     const bool computes = j.kind == REDUCE || (j.kind == GATHER && p.residual_full);
     // Every thread waits for every job, so that none runs a slot's phase
     // ahead: a parity wait two phases early would pass at once.
-    fo::mbar_wait(fo::smem_addr(&full_bars[s]), phase);
+    fo::mbar_wait(fo::smem_addr(&full_bars[s]), at.phase);
     if (computes) {
       ring_compute(p, j, reinterpret_cast<uint4*>(ring + s * slot_bytes), vecs, weight, parity);
       parity ^= 1;
@@ -669,14 +688,13 @@ __device__ __forceinline__ void ring_step(const Params& p, int t, bool pull, int
       // The previous job's slot, once its stores have read it, takes the
       // job `slots` after it.
       Job next;
-      if (k >= 1 && job_at(p, t, k - 1 + static_cast<int>(slots), pull, next)) {
+      if (!first && job_at(runs, n, ahead, next)) {
         fo::bulk_wait_read_but_newest();
-        const unsigned r = (seq + k - 1) % slots;
-        ring_load(p, next, base + r * slot_bytes, fo::smem_addr(&full_bars[r]), row_bytes, pull);
+        ring_load(p, next, base + ahead.slot * slot_bytes, fo::smem_addr(&full_bars[ahead.slot]), row_bytes, pull);
+        advance(ahead, slots);
       }
     }
   }
-  seq += static_cast<unsigned>(k);
   if (threadIdx.x == 0) {
     fo::bulk_wait_all();
     fo::fence_async_global();  // the stores complete before the flags' release
@@ -704,7 +722,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
     if (v < vecs) weight[k] = p.weight[v];
   }
   __syncthreads();
-  unsigned seq = 0;
+  Cursor at = {0, 0, 0, 0};
   int parity = 0;
   bool ok = true;
   for (int t = -1; ok && t <= p.stages; ++t) {
@@ -714,7 +732,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
     if (ok && t >= 1) ok = wait_all(p, DONE, flag_slot(t - 1), epoch);
     if (!ok) break;
     if (threadIdx.x == 0 && t >= 0) fo::fence_async_global();  // the peers' rows, acquired above, read by TMA
-    ring_step(p, t, pull, vecs, slots, slot_bytes, ring, seq, weight, parity);
+    ring_step(p, t, pull, vecs, slots, slot_bytes, ring, at, weight, parity);
     if (pushes || reduces) raise(p, pushes ? flag_slot(t + 1) : -1, reduces ? flag_slot(t) : -1, epoch);
   }
   __syncthreads();
