@@ -652,12 +652,34 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
   }
 }
 
+// Thread 0: waits until every peer raised flag[at] of the kind at
+// base_word to `epoch` (wait_all's rule, one thread); false (the error
+// recorded, the call abandoned) on timeout.
+__device__ __forceinline__ bool gate_wait(const Params& p, int base_word, int at, unsigned epoch) {
+  unsigned* h = header(p, p.rank);
+  for (int i = 1; i < p.world; ++i) {
+    const unsigned* flag = h + base_word + at * FO_MAX_WORLD + (p.rank + i) % p.world;
+    const unsigned long long start = p.timeout_ns ? now_ns() : 0;
+    while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0) {
+      if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
+        atomicExch(h + ERROR, 1u + base_word);
+        abandoned = 1;
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 // Runs step t's jobs through the ring from slot position `at` (moved past
-// them). Ends with every store complete and ordered before the flags
-// raised next.
-__device__ __forceinline__ void ring_step(const Params& p, int t, bool pull, int vecs, unsigned slots,
+// them). The pushes read only this rank's x; the reduces and gathers read
+// what the peers sent in their step t - 1, so thread 0 waits for the peers'
+// flags only before its first load of those, with the pushes already in
+// flight. Ends with every store complete and ordered before the flags
+// raised next; false if a wait timed out (nothing stored after it).
+__device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int vecs, unsigned slots,
                                           unsigned slot_bytes, char* ring, Cursor& at,
-                                          const uint4 (&weight)[ROW_VECS], int& parity) {
+                                          const uint4 (&weight)[ROW_VECS], int& parity, unsigned epoch) {
   const unsigned row_bytes = static_cast<unsigned>(vecs) * 16u;
   const unsigned base = fo::smem_addr(ring);
   Run runs[MAX_RUNS];
@@ -665,11 +687,27 @@ __device__ __forceinline__ void ring_step(const Params& p, int t, bool pull, int
   at.run = at.offset = 0;
   // Thread 0's loads run `slots` jobs ahead of the one being worked on.
   Cursor ahead = at;
+  bool gated = false, live = true;
+  // Thread 0: job j's loads into the slot at `ahead`. Once abandoned it
+  // only completes the slot's phase (no bytes), so no thread waits forever.
+  auto fill = [&](const Job& j) {
+    const unsigned bar = fo::smem_addr(&full_bars[ahead.slot]);
+    if (live && !gated && j.kind != PUSH) {
+      live = (t < 0 || t >= p.stages || gate_wait(p, READY, flag_slot(t), epoch)) &&
+             (t < 1 || gate_wait(p, DONE, flag_slot(t - 1), epoch));
+      fo::fence_async_global();  // the peers' rows, acquired above, read by TMA next
+      gated = true;
+    }
+    if (live) {
+      ring_load(p, j, base + ahead.slot * slot_bytes, bar, row_bytes, pull);
+    } else {
+      fo::mbar_arrive(bar);
+    }
+    advance(ahead, slots);
+  };
   Job j;
   if (threadIdx.x == 0) {
-    for (unsigned k = 0; k < slots && job_at(runs, n, ahead, j); ++k, advance(ahead, slots)) {
-      ring_load(p, j, base + ahead.slot * slot_bytes, fo::smem_addr(&full_bars[ahead.slot]), row_bytes, pull);
-    }
+    for (unsigned k = 0; k < slots && job_at(runs, n, ahead, j); ++k) fill(j);
   }
   for (bool first = true; job_at(runs, n, at, j); advance(at, slots), first = false) {
     const unsigned s = at.slot;
@@ -684,14 +722,13 @@ __device__ __forceinline__ void ring_step(const Params& p, int t, bool pull, int
       __syncthreads();
     }
     if (threadIdx.x == 0) {
-      ring_store(p, j, base + s * slot_bytes, row_bytes);
+      if (live) ring_store(p, j, base + s * slot_bytes, row_bytes);
       // The previous job's slot, once its stores have read it, takes the
       // job `slots` after it.
       Job next;
       if (!first && job_at(runs, n, ahead, next)) {
         fo::bulk_wait_read_but_newest();
-        ring_load(p, next, base + ahead.slot * slot_bytes, fo::smem_addr(&full_bars[ahead.slot]), row_bytes, pull);
-        advance(ahead, slots);
+        fill(next);
       }
     }
   }
@@ -699,6 +736,8 @@ __device__ __forceinline__ void ring_step(const Params& p, int t, bool pull, int
     fo::bulk_wait_all();
     fo::fence_async_global();  // the stores complete before the flags' release
   }
+  __syncthreads();
+  return !abandoned;
 }
 }  // namespace
 
@@ -727,13 +766,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
   bool ok = true;
   for (int t = -1; ok && t <= p.stages; ++t) {
     const bool pushes = t + 1 < p.stages, reduces = t >= 0 && t < p.stages;
-    // Both waits before the step's loads: the step's jobs flow through the ring without a stop.
-    if (reduces) ok = wait_all(p, READY, flag_slot(t), epoch);
-    if (ok && t >= 1) ok = wait_all(p, DONE, flag_slot(t - 1), epoch);
-    if (!ok) break;
-    if (threadIdx.x == 0 && t >= 0) fo::fence_async_global();  // the peers' rows, acquired above, read by TMA
-    ring_step(p, t, pull, vecs, slots, slot_bytes, ring, at, weight, parity);
-    if (pushes || reduces) raise(p, pushes ? flag_slot(t + 1) : -1, reduces ? flag_slot(t) : -1, epoch);
+    ok = ring_step(p, t, pull, vecs, slots, slot_bytes, ring, at, weight, parity, epoch);
+    if (ok && (pushes || reduces)) raise(p, pushes ? flag_slot(t + 1) : -1, reduces ? flag_slot(t) : -1, epoch);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
