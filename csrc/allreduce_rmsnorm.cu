@@ -459,15 +459,21 @@ namespace {
 // peer's) and shared memory in 1-D bulk copies. The CTA's rows of a step
 // (pushes, reduces, gathers, in that order) are jobs that pass through a
 // ring of slots, each slot holding one row of every array a job loads
-// (world sources and the residual for a reduce): thread 0 keeps loads for
-// up to `slots` jobs in flight, all threads compute a row once its slot is
-// full (one row per CTA: a thread takes vectors t, t + THREADS, ...), and
-// thread 0 stores the results from the slot and refills it once the stores
-// have read it. Far more bytes are in flight per SM than registers hold,
-// and the SMs issue no per-vector loads or stores. Each step drains the ring
+// (world sources and the residual for a reduce). A producer warp (warp 0,
+// its lane 0 issuing) keeps loads for up to `slots` jobs in flight, waits
+// for the peers' flags and stores the results; the THREADS compute threads
+// behind it work a row once its slot is full (one row at a time: compute
+// thread c takes vectors c, c + THREADS, ...). The producer has a warp of
+// its own so that no lane of its warp spins on a slot while lane 0 issues.
+// Far more bytes are in flight per SM than registers hold, and the SMs
+// issue no per-vector global loads or stores. Each step drains the ring
 // before it raises its flags.
 constexpr unsigned RING_BYTES = FO_RING_BYTES;
 constexpr int MAX_SLOTS = 8;
+constexpr int PRODUCER = 32;  // threads of the producer warp, ahead of the compute threads
+// Named barriers: the compute threads' row sum, and a row's hand-off from them to the producer.
+constexpr int BAR_SUM = 1, BAR_HANDOFF = 2;
+__device__ __forceinline__ int compute_thread() { return static_cast<int>(threadIdx.x) - PRODUCER; }
 // A thread's vectors of a row (hidden <= 16384).
 constexpr int ROW_VECS = (2048 + THREADS - 1) / THREADS;
 enum Kind { PUSH, REDUCE, GATHER };
@@ -586,15 +592,15 @@ __device__ __forceinline__ void ring_store(const Params& p, const Job& j, unsign
   fo::bulk_commit();
 }
 
-// The CTA's sum of every thread's `v`, the same in every thread: over each
-// warp by shuffles, then over the warps in order (`parity` alternates
+// The compute threads' sum of each one's `v`, the same in every one: over
+// each warp by shuffles, then over the warps in order (`parity` alternates
 // between rows so that one barrier per row suffices).
 __device__ __forceinline__ float cta_sum(float v, int parity) {
   __shared__ float sums[2][WARPS];
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (threadIdx.x % 32 == 0) sums[parity][threadIdx.x / 32] = v;
-  __syncthreads();
+  if (compute_thread() % 32 == 0) sums[parity][compute_thread() / 32] = v;
+  fo::named_barrier(BAR_SUM, THREADS);
   float total = 0.f;
 #pragma unroll
   for (int w = 0; w < WARPS; ++w) total += sums[parity][w];
@@ -612,7 +618,7 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
   float squares = 0.f;
 #pragma unroll
   for (int k = 0; k < ROW_VECS; ++k) {
-    const int v = threadIdx.x + k * THREADS;
+    const int v = compute_thread() + k * THREADS;
     if (v >= vecs) continue;
     if (j.kind == REDUCE) {
       float acc[8];
@@ -647,7 +653,7 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
   const float scale = rsqrtf(cta_sum(squares, parity) / p.hidden + p.eps);
 #pragma unroll
   for (int k = 0; k < ROW_VECS; ++k) {
-    const int v = threadIdx.x + k * THREADS;
+    const int v = compute_thread() + k * THREADS;
     if (v < vecs) slot_ptr[vecs + v] = normalized(r[k], weight[k], scale);
   }
 }
@@ -673,75 +679,85 @@ __device__ __forceinline__ bool gate_wait(const Params& p, int base_word, int at
 
 // Runs step t's jobs through the ring from slot position `at` (moved past
 // them). The pushes read only this rank's x; the reduces and gathers read
-// what the peers sent in their step t - 1, so thread 0 waits for the peers'
-// flags only before its first load of those, with the pushes already in
-// flight. Ends with every store complete and ordered before the flags
+// what the peers sent in their step t - 1, so the producer waits for the
+// peers' flags only before its first load of those, with the pushes already
+// in flight. Ends with every store complete and ordered before the flags
 // raised next; false if a wait timed out (nothing stored after it).
 __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int vecs, unsigned slots,
                                           unsigned slot_bytes, char* ring, Cursor& at,
                                           const uint4 (&weight)[ROW_VECS], int& parity, unsigned epoch) {
   const unsigned row_bytes = static_cast<unsigned>(vecs) * 16u;
   const unsigned base = fo::smem_addr(ring);
+  const bool lead = threadIdx.x == 0;
   Run runs[MAX_RUNS];
   const int n = step_runs(p, t, pull, runs);
   at.run = at.offset = 0;
-  // Thread 0's loads run `slots` jobs ahead of the one being worked on.
-  Cursor ahead = at;
-  bool gated = false, live = true;
-  // Thread 0: job j's loads into the slot at `ahead`. Once abandoned it
-  // only completes the slot's phase (no bytes), so no thread waits forever.
-  auto fill = [&](const Job& j) {
-    const unsigned bar = fo::smem_addr(&full_bars[ahead.slot]);
-    if (live && !gated && j.kind != PUSH) {
-      live = (t < 0 || t >= p.stages || gate_wait(p, READY, flag_slot(t), epoch)) &&
-             (t < 1 || gate_wait(p, DONE, flag_slot(t - 1), epoch));
-      fo::fence_async_global();  // the peers' rows, acquired above, read by TMA next
-      gated = true;
-    }
-    if (live) {
-      ring_load(p, j, base + ahead.slot * slot_bytes, bar, row_bytes, pull);
-    } else {
-      fo::mbar_arrive(bar);
-    }
-    advance(ahead, slots);
-  };
   Job j;
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < PRODUCER) {
+    // The producer's loads run `slots` jobs ahead of the job being worked on.
+    Cursor ahead = at;
+    bool gated = false, live = true;
+    // Job `next`'s loads into the slot at `ahead` (lane 0). Once abandoned
+    // it only completes the slot's phase (no bytes), so no thread waits forever.
+    auto fill = [&](const Job& next) {
+      const unsigned bar = fo::smem_addr(&full_bars[ahead.slot]);
+      if (!gated && next.kind != PUSH) {
+        bool ok = live;
+        if (lead && ok) {
+          ok = (t < 0 || t >= p.stages || gate_wait(p, READY, flag_slot(t), epoch)) &&
+               (t < 1 || gate_wait(p, DONE, flag_slot(t - 1), epoch));
+          fo::fence_async_global();  // the peers' rows, acquired above, read by TMA next
+        }
+        live = __shfl_sync(0xffffffffu, ok, 0);
+        gated = true;
+      }
+      if (lead && live) ring_load(p, next, base + ahead.slot * slot_bytes, bar, row_bytes, pull);
+      if (lead && !live) fo::mbar_arrive(bar);
+      __syncwarp();
+      advance(ahead, slots);
+    };
     for (unsigned k = 0; k < slots && job_at(runs, n, ahead, j); ++k) fill(j);
-  }
-  for (bool first = true; job_at(runs, n, at, j); advance(at, slots), first = false) {
-    const unsigned s = at.slot;
-    const bool computes = j.kind == REDUCE || (j.kind == GATHER && p.residual_full);
-    // Every thread waits for every job, so that none runs a slot's phase
-    // ahead: a parity wait two phases early would pass at once.
-    fo::mbar_wait(fo::smem_addr(&full_bars[s]), at.phase);
-    if (computes) {
-      ring_compute(p, j, reinterpret_cast<uint4*>(ring + s * slot_bytes), vecs, weight, parity);
-      parity ^= 1;
-      fo::fence_async_shared();  // the rows written above, read by the bulk stores
-      __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-      if (live) ring_store(p, j, base + s * slot_bytes, row_bytes);
+    for (bool first = true; job_at(runs, n, at, j); advance(at, slots), first = false) {
+      const bool computes = j.kind == REDUCE || (j.kind == GATHER && p.residual_full);
+      if (computes) {
+        fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);  // the compute threads wrote the row
+      } else {
+        fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
+      }
+      if (lead && live) ring_store(p, j, base + at.slot * slot_bytes, row_bytes);
       // The previous job's slot, once its stores have read it, takes the
       // job `slots` after it.
       Job next;
       if (!first && job_at(runs, n, ahead, next)) {
-        fo::bulk_wait_read_but_newest();
+        if (lead) fo::bulk_wait_read_but_newest();
+        __syncwarp();
         fill(next);
       }
     }
-  }
-  if (threadIdx.x == 0) {
-    fo::bulk_wait_all();
-    fo::fence_async_global();  // the stores complete before the flags' release
+    if (lead) {
+      fo::bulk_wait_all();
+      fo::fence_async_global();  // the stores complete before the flags' release
+    }
+    __syncwarp();
+  } else {
+    for (; job_at(runs, n, at, j); advance(at, slots)) {
+      // Every compute thread waits for every job, so that none runs a
+      // slot's phase ahead: a parity wait two phases early would pass at once.
+      fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
+      if (j.kind == REDUCE || (j.kind == GATHER && p.residual_full)) {
+        ring_compute(p, j, reinterpret_cast<uint4*>(ring + at.slot * slot_bytes), vecs, weight, parity);
+        parity ^= 1;
+        fo::fence_async_shared();  // the rows written above, read by the bulk stores
+        fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);
+      }
+    }
   }
   __syncthreads();
   return !abandoned;
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Params p) {
+extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rmsnorm(Params p) {
   extern __shared__ __align__(128) char ring[];
   const int vecs = p.hidden / VEC;
   unsigned* own = header(p, p.rank);
@@ -757,8 +773,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
   uint4 weight[ROW_VECS];
 #pragma unroll
   for (int k = 0; k < ROW_VECS; ++k) {
-    const int v = threadIdx.x + k * THREADS;
-    if (v < vecs) weight[k] = p.weight[v];
+    const int v = compute_thread() + k * THREADS;
+    if (compute_thread() >= 0 && v < vecs) weight[k] = p.weight[v];
   }
   __syncthreads();
   Cursor at = {0, 0, 0, 0};

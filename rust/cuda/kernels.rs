@@ -372,6 +372,11 @@ impl NormConfig {
         })
     }
 
+    /// Threads a CTA is launched with: the ring adds its producer warp.
+    pub fn block_threads(self) -> u32 {
+        self.threads + if self.ring { 32 } else { 0 }
+    }
+
     /// The same config with rows through the shared-memory ring (or not);
     /// a ring never runs one-shot.
     pub fn ringed(self, ring: bool) -> crate::error::Result<Self> {

@@ -345,7 +345,7 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         return Ok(Checked {
             params: None,
             ctas,
-            threads: call.config.threads,
+            threads: call.config.block_threads(),
         });
     }
     let mut bases = [0u64; MAX_WORLD];
@@ -383,7 +383,7 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
     Ok(Checked {
         params: Some(params),
         ctas,
-        threads: call.config.threads,
+        threads: call.config.block_threads(),
     })
 }
 
