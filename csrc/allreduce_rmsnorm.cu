@@ -488,6 +488,8 @@ enum Kind { PUSH, REDUCE, GATHER };
 struct Job {
   int kind, row, owner, origin;  // origin: the first row of the owner's slice
 };
+// The weight row, loaded once (registers would hold a row's worth per thread).
+__shared__ __align__(16) uint4 weight_row[2048];
 // full: a slot's loads landed; computed: its row was worked (each compute warp of the group arrives).
 __shared__ __align__(8) unsigned long long full_bars[MAX_SLOTS];
 __shared__ __align__(8) unsigned long long computed_bars[MAX_SLOTS];
@@ -624,7 +626,7 @@ __device__ __forceinline__ float group_sum(float v, int parity) {
 // arithmetic in the same order on every rank, so a gathered row is
 // bit-identical to its owner's.
 __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint4* slot_ptr, int vecs,
-                                             const uint4 (&weight)[ROW_VECS], int parity) {
+                                             int parity) {
   uint4 r[ROW_VECS];
   float squares = 0.f;
 #pragma unroll
@@ -665,7 +667,7 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
 #pragma unroll
   for (int k = 0; k < ROW_VECS; ++k) {
     const int v = group_thread() + k * GROUP;
-    if (v < vecs) slot_ptr[vecs + v] = normalized(r[k], weight[k], scale);
+    if (v < vecs) slot_ptr[vecs + v] = normalized(r[k], weight_row[v], scale);
   }
 }
 
@@ -697,8 +699,7 @@ __device__ __forceinline__ bool gate_wait(const Params& p, int base_word, int at
 // `turn`: the group that works the next compute job; `computed_phases`: the
 // producer's phase bit of each slot's computed barrier.
 __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int vecs, unsigned slots,
-                                          unsigned slot_bytes, char* ring, Cursor& at,
-                                          const uint4 (&weight)[ROW_VECS], int& parity, int& turn,
+                                          unsigned slot_bytes, char* ring, Cursor& at, int& parity, int& turn,
                                           unsigned& computed_phases, unsigned epoch) {
   const unsigned row_bytes = static_cast<unsigned>(vecs) * 16u;
   const unsigned base = fo::smem_addr(ring);
@@ -763,7 +764,7 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
       fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
       if (j.kind == REDUCE || (j.kind == GATHER && p.residual_full)) {
         if (turn == group) {
-          ring_compute(p, j, reinterpret_cast<uint4*>(ring + at.slot * slot_bytes), vecs, weight, parity);
+          ring_compute(p, j, reinterpret_cast<uint4*>(ring + at.slot * slot_bytes), vecs, parity);
           parity ^= 1;
           fo::fence_async_shared();  // the rows written above, read by the bulk stores
           __syncwarp();
@@ -794,12 +795,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
     }
     fo::mbar_init_fence();
   }
-  uint4 weight[ROW_VECS];
-#pragma unroll
-  for (int k = 0; k < ROW_VECS; ++k) {
-    const int v = group_thread() + k * GROUP;
-    if (compute_thread() >= 0 && v < vecs) weight[k] = p.weight[v];
-  }
+  for (int v = threadIdx.x; v < vecs; v += blockDim.x) weight_row[v] = p.weight[v];
   __syncthreads();
   Cursor at = {0, 0, 0, 0};
   int parity = 0, turn = 0;
@@ -807,7 +803,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
   bool ok = true;
   for (int t = -1; ok && t <= p.stages; ++t) {
     const bool pushes = t + 1 < p.stages, reduces = t >= 0 && t < p.stages;
-    ok = ring_step(p, t, pull, vecs, slots, slot_bytes, ring, at, weight, parity, turn, computed_phases, epoch);
+    ok = ring_step(p, t, pull, vecs, slots, slot_bytes, ring, at, parity, turn, computed_phases, epoch);
     if (ok && (pushes || reduces)) raise(p, pushes ? flag_slot(t + 1) : -1, reduces ? flag_slot(t) : -1, epoch);
   }
   __syncthreads();

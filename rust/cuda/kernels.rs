@@ -385,6 +385,12 @@ impl NormConfig {
                 "config: the ring (r) and one-shot (o) exclude each other".into(),
             ));
         }
+        if ring && self.threads > 512 {
+            return Err(crate::error::Error::Invalid(format!(
+                "config: the ring (r) runs at most 512 threads (its producer warp makes the CTA 32 more), got {}",
+                self.threads
+            )));
+        }
         Ok(Self { ring, ..self })
     }
 }
@@ -606,6 +612,7 @@ mod tests {
         let oneshot = NormConfig::with(512, 4, 4, true).unwrap();
         assert!(oneshot.ringed(true).is_err());
         assert!(oneshot.ringed(false).is_ok());
+        assert!(NormConfig::new(1024, 4, 8).unwrap().ringed(true).is_err());
         assert!(all_for("sm_90a").contains(&ring));
         assert!(!all_for("sm_80").contains(&ring));
     }
