@@ -471,28 +471,16 @@ namespace {
 constexpr unsigned RING_BYTES = FO_RING_BYTES;
 constexpr int MAX_SLOTS = 8;
 constexpr int PRODUCER = 32;  // threads of the producer warp, ahead of the compute threads
-// The compute threads work in groups of GROUP, each group a row at a time,
-// the groups taking a step's compute jobs in turn, so that the rows' sums
-// and barriers of one group overlap the others'. Every group cuts a row the
-// same way, so a row's arithmetic does not depend on the group.
-constexpr int GROUP = THREADS < 256 ? THREADS : 256;
-constexpr int GROUPS = THREADS / GROUP;
-constexpr int GROUP_WARPS = GROUP / 32;
-// Named barriers 1 .. GROUPS: each group's row sum.
-constexpr int BAR_SUM = 1;
+// Named barriers: the compute threads' row sum, and a row's hand-off from them to the producer.
+constexpr int BAR_SUM = 1, BAR_HANDOFF = 2;
 __device__ __forceinline__ int compute_thread() { return static_cast<int>(threadIdx.x) - PRODUCER; }
-__device__ __forceinline__ int group_thread() { return compute_thread() % GROUP; }
 // A thread's vectors of a row (hidden <= 16384).
-constexpr int ROW_VECS = (2048 + GROUP - 1) / GROUP;
+constexpr int ROW_VECS = (2048 + THREADS - 1) / THREADS;
 enum Kind { PUSH, REDUCE, GATHER };
 struct Job {
   int kind, row, owner, origin;  // origin: the first row of the owner's slice
 };
-// The weight row, loaded once (registers would hold a row's worth per thread).
-__shared__ __align__(16) uint4 weight_row[2048];
-// full: a slot's loads landed; computed: its row was worked (each compute warp of the group arrives).
 __shared__ __align__(8) unsigned long long full_bars[MAX_SLOTS];
-__shared__ __align__(8) unsigned long long computed_bars[MAX_SLOTS];
 
 // Step t's jobs as runs of rows: pushes of part t + 1 (every other
 // owner's rows), the reduces of part t of this rank's slice, the gathers of
@@ -522,23 +510,46 @@ __device__ __forceinline__ int step_runs(const Params& p, int t, bool pull, Run 
   return n;
 }
 
-// A position in the step's jobs and in the ring (its slot and that slot's phase).
+// A position in the step's jobs and in the ring (its slot and that slot's
+// phase). The jobs interleave: after `lead` pushes (in flight while the
+// producer waits for the peers' flags), the runs take turns a row each, so
+// that every CTA keeps mixing NVLink traffic (pushes, a reduce's row for
+// the peer) with local work (gathers) instead of all CTAs crossing the link
+// at once and then all working locally.
 struct Cursor {
-  int run, offset;
+  int offsets[MAX_RUNS];
+  int cur, turn, lead;
   unsigned slot, phase;
 };
+__device__ __forceinline__ void start(Cursor& c, const Run (&runs)[MAX_RUNS], int n, unsigned slots) {
+  int pushes = 0;
+  for (int r = 0; r < n; ++r) {
+    c.offsets[r] = 0;
+    if (runs[r].kind == PUSH) pushes += runs[r].count;
+  }
+  c.cur = c.turn = 0;
+  c.lead = min(pushes, static_cast<int>(slots));
+}
 // The job at `c`; false past the step's last.
 __device__ __forceinline__ bool job_at(const Run (&runs)[MAX_RUNS], int n, Cursor& c, Job& j) {
-  while (c.run < n && c.offset >= runs[c.run].count) {
-    ++c.run;
-    c.offset = 0;
+  int r = -1;
+  for (int i = 0; i < n && r < 0; ++i) {
+    const int at = c.lead > 0 ? i : (c.turn + i) % n;
+    if (c.offsets[at] < runs[at].count && (c.lead == 0 || runs[at].kind == PUSH)) r = at;
   }
-  if (c.run >= n) return false;
-  j = {runs[c.run].kind, runs[c.run].first + c.offset, runs[c.run].owner, runs[c.run].origin};
+  if (r < 0) return false;
+  c.cur = r;
+  j = {runs[r].kind, runs[r].first + c.offsets[r], runs[r].owner, runs[r].origin};
   return true;
 }
-__device__ __forceinline__ void advance(Cursor& c, unsigned slots) {
-  ++c.offset;
+// Past the job job_at found.
+__device__ __forceinline__ void advance(Cursor& c, int n, unsigned slots) {
+  ++c.offsets[c.cur];
+  if (c.lead > 0) {
+    --c.lead;
+  } else {
+    c.turn = c.cur + 1 == n ? 0 : c.cur + 1;
+  }
   if (++c.slot == slots) {
     c.slot = 0;
     c.phase ^= 1u;
@@ -604,19 +615,18 @@ __device__ __forceinline__ void ring_store(const Params& p, const Job& j, unsign
   fo::bulk_commit();
 }
 
-// The group's sum of each thread's `v`, the same in every one: over each
-// warp by shuffles, then over the group's warps in order (`parity`
-// alternates between the group's rows so that one barrier per row suffices).
-__device__ __forceinline__ float group_sum(float v, int parity) {
+// The compute threads' sum of each one's `v`, the same in every one: over
+// each warp by shuffles, then over the warps in order (`parity` alternates
+// between rows so that one barrier per row suffices).
+__device__ __forceinline__ float cta_sum(float v, int parity) {
   __shared__ float sums[2][WARPS];
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int group = compute_thread() / GROUP;
   if (compute_thread() % 32 == 0) sums[parity][compute_thread() / 32] = v;
-  fo::named_barrier(BAR_SUM + group, GROUP);
+  fo::named_barrier(BAR_SUM, THREADS);
   float total = 0.f;
 #pragma unroll
-  for (int w = 0; w < GROUP_WARPS; ++w) total += sums[parity][group * GROUP_WARPS + w];
+  for (int w = 0; w < WARPS; ++w) total += sums[parity][w];
   return total;
 }
 
@@ -626,12 +636,12 @@ __device__ __forceinline__ float group_sum(float v, int parity) {
 // arithmetic in the same order on every rank, so a gathered row is
 // bit-identical to its owner's.
 __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint4* slot_ptr, int vecs,
-                                             int parity) {
+                                             const uint4 (&weight)[ROW_VECS], int parity) {
   uint4 r[ROW_VECS];
   float squares = 0.f;
 #pragma unroll
   for (int k = 0; k < ROW_VECS; ++k) {
-    const int v = group_thread() + k * GROUP;
+    const int v = compute_thread() + k * THREADS;
     if (v >= vecs) continue;
     if (j.kind == REDUCE) {
       float acc[8];
@@ -663,11 +673,11 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
       squares += low(t) * low(t) + high(t) * high(t);
     }
   }
-  const float scale = rsqrtf(group_sum(squares, parity) / p.hidden + p.eps);
+  const float scale = rsqrtf(cta_sum(squares, parity) / p.hidden + p.eps);
 #pragma unroll
   for (int k = 0; k < ROW_VECS; ++k) {
-    const int v = group_thread() + k * GROUP;
-    if (v < vecs) slot_ptr[vecs + v] = normalized(r[k], weight_row[v], scale);
+    const int v = compute_thread() + k * THREADS;
+    if (v < vecs) slot_ptr[vecs + v] = normalized(r[k], weight[k], scale);
   }
 }
 
@@ -696,17 +706,15 @@ __device__ __forceinline__ bool gate_wait(const Params& p, int base_word, int at
 // peers' flags only before its first load of those, with the pushes already
 // in flight. Ends with every store complete and ordered before the flags
 // raised next; false if a wait timed out (nothing stored after it).
-// `turn`: the group that works the next compute job; `computed_phases`: the
-// producer's phase bit of each slot's computed barrier.
 __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int vecs, unsigned slots,
-                                          unsigned slot_bytes, char* ring, Cursor& at, int& parity, int& turn,
-                                          unsigned& computed_phases, unsigned epoch) {
+                                          unsigned slot_bytes, char* ring, Cursor& at,
+                                          const uint4 (&weight)[ROW_VECS], int& parity, unsigned epoch) {
   const unsigned row_bytes = static_cast<unsigned>(vecs) * 16u;
   const unsigned base = fo::smem_addr(ring);
   const bool lead = threadIdx.x == 0;
   Run runs[MAX_RUNS];
   const int n = step_runs(p, t, pull, runs);
-  at.run = at.offset = 0;
+  start(at, runs, n, slots);
   Job j;
   if (threadIdx.x < PRODUCER) {
     // The producer's loads run `slots` jobs ahead of the job being worked on.
@@ -729,15 +737,13 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
       if (lead && live) ring_load(p, next, base + ahead.slot * slot_bytes, bar, row_bytes, pull);
       if (lead && !live) fo::mbar_arrive(bar);
       __syncwarp();
-      advance(ahead, slots);
+      advance(ahead, n, slots);
     };
     for (unsigned k = 0; k < slots && job_at(runs, n, ahead, j); ++k) fill(j);
-    for (bool first = true; job_at(runs, n, at, j); advance(at, slots), first = false) {
+    for (bool first = true; job_at(runs, n, at, j); advance(at, n, slots), first = false) {
       const bool computes = j.kind == REDUCE || (j.kind == GATHER && p.residual_full);
       if (computes) {
-        // A group wrote the row; a slot's computed phases count its compute jobs only.
-        fo::mbar_wait(fo::smem_addr(&computed_bars[at.slot]), (computed_phases >> at.slot) & 1u);
-        computed_phases ^= 1u << at.slot;
+        fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);  // the compute threads wrote the row
       } else {
         fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
       }
@@ -757,20 +763,15 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
     }
     __syncwarp();
   } else {
-    const int group = compute_thread() / GROUP;
-    for (; job_at(runs, n, at, j); advance(at, slots)) {
+    for (; job_at(runs, n, at, j); advance(at, n, slots)) {
       // Every compute thread waits for every job, so that none runs a
       // slot's phase ahead: a parity wait two phases early would pass at once.
       fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
       if (j.kind == REDUCE || (j.kind == GATHER && p.residual_full)) {
-        if (turn == group) {
-          ring_compute(p, j, reinterpret_cast<uint4*>(ring + at.slot * slot_bytes), vecs, parity);
-          parity ^= 1;
-          fo::fence_async_shared();  // the rows written above, read by the bulk stores
-          __syncwarp();
-          if (compute_thread() % 32 == 0) fo::mbar_arrive(fo::smem_addr(&computed_bars[at.slot]));
-        }
-        turn = turn + 1 == GROUPS ? 0 : turn + 1;
+        ring_compute(p, j, reinterpret_cast<uint4*>(ring + at.slot * slot_bytes), vecs, weight, parity);
+        parity ^= 1;
+        fo::fence_async_shared();  // the rows written above, read by the bulk stores
+        fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);
       }
     }
   }
@@ -789,21 +790,23 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
   const unsigned slots = min(static_cast<unsigned>(MAX_SLOTS), RING_BYTES / slot_bytes);
   if (threadIdx.x == 0) {
     abandoned = 0;
-    for (unsigned s = 0; s < slots; ++s) {
-      fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
-      fo::mbar_init(fo::smem_addr(&computed_bars[s]), GROUP_WARPS);
-    }
+    for (unsigned s = 0; s < slots; ++s) fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
     fo::mbar_init_fence();
   }
-  for (int v = threadIdx.x; v < vecs; v += blockDim.x) weight_row[v] = p.weight[v];
+  uint4 weight[ROW_VECS];
+#pragma unroll
+  for (int k = 0; k < ROW_VECS; ++k) {
+    const int v = compute_thread() + k * THREADS;
+    if (compute_thread() >= 0 && v < vecs) weight[k] = p.weight[v];
+  }
   __syncthreads();
-  Cursor at = {0, 0, 0, 0};
-  int parity = 0, turn = 0;
-  unsigned computed_phases = 0;
+  Cursor at;
+  at.slot = at.phase = 0;
+  int parity = 0;
   bool ok = true;
   for (int t = -1; ok && t <= p.stages; ++t) {
     const bool pushes = t + 1 < p.stages, reduces = t >= 0 && t < p.stages;
-    ok = ring_step(p, t, pull, vecs, slots, slot_bytes, ring, at, parity, turn, computed_phases, epoch);
+    ok = ring_step(p, t, pull, vecs, slots, slot_bytes, ring, at, weight, parity, epoch);
     if (ok && (pushes || reduces)) raise(p, pushes ? flag_slot(t + 1) : -1, reduces ? flag_slot(t) : -1, epoch);
   }
   __syncthreads();
