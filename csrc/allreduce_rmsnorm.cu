@@ -510,46 +510,23 @@ __device__ __forceinline__ int step_runs(const Params& p, int t, bool pull, Run 
   return n;
 }
 
-// A position in the step's jobs and in the ring (its slot and that slot's
-// phase). The jobs interleave: after `lead` pushes (in flight while the
-// producer waits for the peers' flags), the runs take turns a row each, so
-// that every CTA keeps mixing NVLink traffic (pushes, a reduce's row for
-// the peer) with local work (gathers) instead of all CTAs crossing the link
-// at once and then all working locally.
+// A position in the step's jobs and in the ring (its slot and that slot's phase).
 struct Cursor {
-  int offsets[MAX_RUNS];
-  int cur, turn, lead;
+  int run, offset;
   unsigned slot, phase;
 };
-__device__ __forceinline__ void start(Cursor& c, const Run (&runs)[MAX_RUNS], int n, unsigned slots) {
-  int pushes = 0;
-  for (int r = 0; r < n; ++r) {
-    c.offsets[r] = 0;
-    if (runs[r].kind == PUSH) pushes += runs[r].count;
-  }
-  c.cur = c.turn = 0;
-  c.lead = min(pushes, static_cast<int>(slots));
-}
 // The job at `c`; false past the step's last.
 __device__ __forceinline__ bool job_at(const Run (&runs)[MAX_RUNS], int n, Cursor& c, Job& j) {
-  int r = -1;
-  for (int i = 0; i < n && r < 0; ++i) {
-    const int at = c.lead > 0 ? i : (c.turn + i) % n;
-    if (c.offsets[at] < runs[at].count && (c.lead == 0 || runs[at].kind == PUSH)) r = at;
+  while (c.run < n && c.offset >= runs[c.run].count) {
+    ++c.run;
+    c.offset = 0;
   }
-  if (r < 0) return false;
-  c.cur = r;
-  j = {runs[r].kind, runs[r].first + c.offsets[r], runs[r].owner, runs[r].origin};
+  if (c.run >= n) return false;
+  j = {runs[c.run].kind, runs[c.run].first + c.offset, runs[c.run].owner, runs[c.run].origin};
   return true;
 }
-// Past the job job_at found.
-__device__ __forceinline__ void advance(Cursor& c, int n, unsigned slots) {
-  ++c.offsets[c.cur];
-  if (c.lead > 0) {
-    --c.lead;
-  } else {
-    c.turn = c.cur + 1 == n ? 0 : c.cur + 1;
-  }
+__device__ __forceinline__ void advance(Cursor& c, unsigned slots) {
+  ++c.offset;
   if (++c.slot == slots) {
     c.slot = 0;
     c.phase ^= 1u;
@@ -714,7 +691,7 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
   const bool lead = threadIdx.x == 0;
   Run runs[MAX_RUNS];
   const int n = step_runs(p, t, pull, runs);
-  start(at, runs, n, slots);
+  at.run = at.offset = 0;
   Job j;
   if (threadIdx.x < PRODUCER) {
     // The producer's loads run `slots` jobs ahead of the job being worked on.
@@ -737,10 +714,10 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
       if (lead && live) ring_load(p, next, base + ahead.slot * slot_bytes, bar, row_bytes, pull);
       if (lead && !live) fo::mbar_arrive(bar);
       __syncwarp();
-      advance(ahead, n, slots);
+      advance(ahead, slots);
     };
     for (unsigned k = 0; k < slots && job_at(runs, n, ahead, j); ++k) fill(j);
-    for (bool first = true; job_at(runs, n, at, j); advance(at, n, slots), first = false) {
+    for (bool first = true; job_at(runs, n, at, j); advance(at, slots), first = false) {
       const bool computes = j.kind == REDUCE || (j.kind == GATHER && p.residual_full);
       if (computes) {
         fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);  // the compute threads wrote the row
@@ -763,7 +740,7 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
     }
     __syncwarp();
   } else {
-    for (; job_at(runs, n, at, j); advance(at, n, slots)) {
+    for (; job_at(runs, n, at, j); advance(at, slots)) {
       // Every compute thread waits for every job, so that none runs a
       // slot's phase ahead: a parity wait two phases early would pass at once.
       fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
@@ -800,8 +777,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
     if (compute_thread() >= 0 && v < vecs) weight[k] = p.weight[v];
   }
   __syncthreads();
-  Cursor at;
-  at.slot = at.phase = 0;
+  Cursor at = {0, 0, 0, 0};
   int parity = 0;
   bool ok = true;
   for (int t = -1; ok && t <= p.stages; ++t) {

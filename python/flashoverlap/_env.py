@@ -76,7 +76,7 @@ def ce_all_reduce() -> str:
     return v
 
 
-NORM_CONFIG_DEFAULT = (512, 4, 8, False, False)
+NORM_CONFIG_DEFAULT = (512, 4, 8, False, True)
 
 
 def parse_norm_config(text: str) -> tuple:
@@ -111,11 +111,12 @@ def format_norm_config(config) -> str:
 
 def norm_config() -> tuple:
     """FLASHOVERLAP_NORM_CONFIG: the shape of the peer-memory AllReduce + RMSNorm kernel
-    (all_reduce_rmsnorm, gemm_all_reduce_rmsnorm's backend="peer"), THREADSxUNROLL[sSTAGES][o];
-    default 512x4s8 (two-shot; a standalone call on 32 CTAs or more in up to 8 pipelined parts
-    where at least 4 fit, else one; gemm_all_reduce_rmsnorm's calls in one; 512x4: one part
-    always). Read when a
-    peer group is made; every rank of a group must set it alike."""
+    (all_reduce_rmsnorm, gemm_all_reduce_rmsnorm's backend="peer"),
+    THREADSxUNROLL[sSTAGES][o|r]; default 512x4s8r (two-shot; a standalone call on 32 CTAs or more
+    in up to 8 pipelined parts where at least 4 fit, else one; through the shared-memory ring on
+    Hopper for the standalone calls, gemm_all_reduce_rmsnorm's calls on plain loads in one part;
+    512x4s8: the same on plain loads everywhere; 512x4: one part always). Read when a peer group is
+    made; every rank of a group must set it alike."""
     raw = os.environ.get("FLASHOVERLAP_NORM_CONFIG", "").strip()
     if not raw:
         return NORM_CONFIG_DEFAULT

@@ -297,18 +297,26 @@ pub struct NormConfig {
 impl NormConfig {
     /// 512 x 4 in up to 8 parts, which the default alone takes only where
     /// they pay (see all_reduce_rmsnorm::stages); `512x4` is one part always.
+    /// Through the ring on Hopper (all_reduce_rmsnorm::effective: the
+    /// standalone calls; gemm_all_reduce_rmsnorm's keep plain loads).
     pub const DEFAULT: Self = Self {
         threads: 512,
         unroll: 4,
         stages: 8,
         oneshot: false,
-        ring: false,
-    };
-    /// The ring variant of the default (Hopper).
-    pub const RING: Self = Self {
         ring: true,
+    };
+    /// The default on plain loads and stores.
+    pub const PLAIN: Self = Self {
+        ring: false,
         ..Self::DEFAULT
     };
+
+    /// Whether this is the default, ring or not (its stage rule and where
+    /// the ring runs follow from that).
+    pub fn is_default(self) -> bool {
+        Self { ring: false, ..self } == Self::PLAIN
+    }
     /// The most parts a config may ask for.
     pub const MAX_STAGES: u32 = 8;
     /// What the 2-GPU sweep times (the default first); CI compiles each.
@@ -445,10 +453,20 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
         .collect();
     widths.dedup();
     let unreorders = widths.into_iter().map(|(bm, bn)| unreorder_spec(bm, bn));
-    // One kernel per compiled shape (configs that differ in stages alone share it).
-    let mut shapes = NormConfig::SWEEP.to_vec();
-    shapes.sort_by_key(|c| (c.threads, c.unroll));
-    shapes.dedup_by_key(|c| (c.threads, c.unroll));
+    // One kernel per compiled shape (configs that differ in stages alone
+    // share it); the ring only where it runs, and the default on plain
+    // loads everywhere (gemm_all_reduce_rmsnorm's calls).
+    let hopper = arch == "sm_90a";
+    let mut shapes: Vec<NormConfig> = NormConfig::SWEEP
+        .iter()
+        .chain([NormConfig::PLAIN].iter())
+        .map(|&c| NormConfig {
+            ring: c.ring && hopper,
+            ..c
+        })
+        .collect();
+    shapes.sort_by_key(|c| (c.threads, c.unroll, c.ring));
+    shapes.dedup_by_key(|c| (c.threads, c.unroll, c.ring));
     let norms = [Dtype::Bf16, Dtype::F16]
         .into_iter()
         .flat_map(|d| {
@@ -456,16 +474,10 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
                 .chain(shapes.iter().map(move |&c| allreduce_rmsnorm_spec(d, c)))
         })
         .filter(move |_| runs);
-    let hopper = arch == "sm_90a";
-    let rings = [Dtype::Bf16, Dtype::F16]
-        .into_iter()
-        .filter(move |_| hopper)
-        .map(|d| allreduce_rmsnorm_spec(d, NormConfig::RING));
     gemms
         .chain(reduces.filter(|_| runs))
         .chain(unreorders)
         .chain(norms)
-        .chain(rings)
         .collect()
 }
 
@@ -580,7 +592,7 @@ mod tests {
 
     #[test]
     fn norm_configs_are_whole_warps_and_few_vectors() {
-        assert_eq!(NormConfig::new(512, 4, 8).unwrap(), NormConfig::DEFAULT);
+        assert_eq!(NormConfig::new(512, 4, 8).unwrap(), NormConfig::PLAIN);
         assert_eq!(NormConfig::SWEEP[0], NormConfig::DEFAULT);
         for (threads, unroll, stages) in [
             (96, 2, 1),
@@ -602,19 +614,24 @@ mod tests {
         let configs: std::collections::HashSet<_> = NormConfig::SWEEP.iter().collect();
         assert_eq!(configs.len(), NormConfig::SWEEP.len());
         let spec = |c: NormConfig| allreduce_rmsnorm_spec(Dtype::Bf16, c).defines;
-        assert_eq!(spec(NormConfig::SWEEP[1]), spec(NormConfig::DEFAULT));
-        assert_ne!(spec(NormConfig::SWEEP[3]), spec(NormConfig::DEFAULT));
+        assert_eq!(spec(NormConfig::SWEEP[1]), spec(NormConfig::PLAIN));
+        assert_ne!(spec(NormConfig::SWEEP[3]), spec(NormConfig::PLAIN));
         // The ring is its own kernel, with its shared memory; never one-shot.
-        let ring = allreduce_rmsnorm_spec(Dtype::Bf16, NormConfig::RING);
-        assert_ne!(ring.defines, spec(NormConfig::DEFAULT));
+        let ring = allreduce_rmsnorm_spec(Dtype::Bf16, NormConfig::DEFAULT);
+        assert_ne!(ring.defines, spec(NormConfig::PLAIN));
         assert_eq!(ring.dynamic_smem, NORM_RING_BYTES);
-        assert_eq!(allreduce_rmsnorm_spec(Dtype::Bf16, NormConfig::DEFAULT).dynamic_smem, 0);
+        assert_eq!(allreduce_rmsnorm_spec(Dtype::Bf16, NormConfig::PLAIN).dynamic_smem, 0);
+        assert!(NormConfig::PLAIN.is_default() && NormConfig::DEFAULT.is_default());
+        assert!(!NormConfig::SWEEP[1].is_default());
+        assert!(all_for("sm_90a").contains(&allreduce_rmsnorm_spec(Dtype::Bf16, NormConfig::PLAIN)));
+        assert!(all_for("sm_80").contains(&allreduce_rmsnorm_spec(Dtype::Bf16, NormConfig::PLAIN)));
         let oneshot = NormConfig::with(512, 4, 4, true).unwrap();
         assert!(oneshot.ringed(true).is_err());
         assert!(oneshot.ringed(false).is_ok());
         assert!(NormConfig::new(1024, 4, 8).unwrap().ringed(true).is_err());
         assert!(all_for("sm_90a").contains(&ring));
         assert!(!all_for("sm_80").contains(&ring));
+        assert!(NormConfig::DEFAULT.ringed(false).unwrap() == NormConfig::PLAIN);
     }
 
     #[test]

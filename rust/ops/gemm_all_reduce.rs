@@ -837,7 +837,7 @@ impl PeerNorm {
     /// The config the group's calls of hidden size `n` run with on a device
     /// of compute capability `major` ([`arn::effective`]).
     pub fn config_for(&self, n: u32, dtype: crate::dtype::Dtype, major: i32) -> crate::cuda::kernels::NormConfig {
-        arn::effective(self.config, self.world, n, dtype, major)
+        arn::effective(self.config, self.world, n, dtype, major, true)
     }
 
     /// The pull-mode call over rows `first..first + tokens` of an [m, n]
