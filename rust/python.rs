@@ -1159,7 +1159,9 @@ fn allreduce_rmsnorm_launch(
     py.detach(|| {
         let dev = driver::bind(device)?;
         let mut call = call;
-        call.config = arn::effective(config, call.bases.len(), hidden, dtype, dev.major, pull);
+        let world = call.bases.len();
+        let ring = arn::default_takes_ring(tokens, world, ctas, pull);
+        call.config = arn::effective(config, world, hidden, dtype, dev.major, ring);
         let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype, call.config))?;
         let stream = stream::from_handle(stream);
         let checked = arn::checked(&call, ctas)?;

@@ -161,8 +161,7 @@ pub fn stages(
     let warps = u64::from(config.threads / 32);
     let by_rows = (chunk_rows / warps).clamp(1, u64::from(config.stages));
     let parts = (by_rows as u32).min(FLAG_SLOTS / ctas.max(1)).max(1);
-    if config.is_default() && (pull || parts < DEFAULT_MIN_PARTS || ctas < DEFAULT_MIN_CTAS)
-    {
+    if config.is_default() && (pull || parts < DEFAULT_MIN_PARTS || ctas < DEFAULT_MIN_CTAS) {
         return 1;
     }
     parts
@@ -176,18 +175,34 @@ pub const DEFAULT_MIN_CTAS: u32 = 32;
 /// The config a call of `world` ranks and `hidden` columns runs with on a
 /// device of compute capability `major`: the ring's only on Hopper or later
 /// (bulk copies) where two slots fit in its shared memory, and for the
-/// default only in push mode (the standalone calls, where it was timed
-/// faster: 1.14x at 8K tokens on 32 CTAs; gemm_all_reduce_rmsnorm's pull
-/// calls keep what their bars were measured with); else the same shape on
-/// plain loads and stores.
-pub fn effective(config: NormConfig, world: usize, hidden: u32, dtype: Dtype, major: i32, pull: bool) -> NormConfig {
+/// default only where `default_ring` ([`default_takes_ring`]); else the
+/// same shape on plain loads and stores.
+pub fn effective(
+    config: NormConfig,
+    world: usize,
+    hidden: u32,
+    dtype: Dtype,
+    major: i32,
+    default_ring: bool,
+) -> NormConfig {
     let row = u64::from(hidden) * u64::from(dtype.bytes());
     let fits = 2 * (world as u64 + 1) * row <= u64::from(NORM_RING_BYTES);
     NormConfig {
-        ring: config.ring && major >= 9 && fits && !(pull && config.is_default()),
+        ring: config.ring && major >= 9 && fits && (default_ring || !config.is_default()),
         ..config
     }
 }
+
+/// Whether the default config takes the ring for a call of `tokens` rows on
+/// `ctas` CTAs: push mode (the standalone calls; gemm_all_reduce_rmsnorm's
+/// pull calls keep what their bars were measured with) where each CTA's
+/// chunk of a slice has at least [`RING_MIN_ROWS`] rows. On 2x H200 (hidden
+/// 8192, 32 CTAs) the ring took 0.94x the plain kernel's time at 1K tokens
+/// (16 rows a chunk) and 0.86x at 8K-16K, but 1.02x at 512 and 1.08x at 128.
+pub fn default_takes_ring(tokens: u64, world: usize, ctas: u32, pull: bool) -> bool {
+    !pull && tokens.div_ceil(world.max(1) as u64) >= RING_MIN_ROWS * u64::from(ctas.max(1))
+}
+pub const RING_MIN_ROWS: u64 = 16;
 
 /// Whether a call runs one-shot: asked for by its config, and a push of two
 /// ranks keeping the full residual (elsewhere one-shot would move more bytes,
@@ -449,7 +464,8 @@ mod tests {
     #[test]
     fn the_ring_runs_on_hopper_where_two_slots_fit() {
         let ring = NormConfig::DEFAULT;
-        let runs = |world, hidden, dtype, major| effective(ring, world, hidden, dtype, major, false).ring;
+        let runs =
+            |world, hidden, dtype, major| effective(ring, world, hidden, dtype, major, true).ring;
         assert!(runs(2, 8192, Dtype::Bf16, 9));
         assert!(runs(2, 16384, Dtype::Bf16, 9)); // 2 slots of 3 rows of 32 KiB
         assert!(runs(4, 8192, Dtype::F16, 9));
@@ -457,12 +473,20 @@ mod tests {
         assert!(!runs(4, 16384, Dtype::Bf16, 9));
         assert!(!runs(8, 8192, Dtype::Bf16, 9));
         // Elsewhere the same shape on plain loads; a plain config stays plain.
-        assert_eq!(effective(ring, 2, 8192, Dtype::Bf16, 8, false), NormConfig::PLAIN);
-        assert!(!effective(NormConfig::PLAIN, 2, 8192, Dtype::Bf16, 9, false).ring);
-        // The default's pull calls keep plain loads; a ring asked for runs there too.
-        assert!(!effective(ring, 2, 8192, Dtype::Bf16, 9, true).ring);
+        assert_eq!(
+            effective(ring, 2, 8192, Dtype::Bf16, 8, true),
+            NormConfig::PLAIN
+        );
+        assert!(!effective(NormConfig::PLAIN, 2, 8192, Dtype::Bf16, 9, true).ring);
+        // The default takes it only where it pays; a ring asked for runs anyway.
+        assert!(!effective(ring, 2, 8192, Dtype::Bf16, 9, false).ring);
         let asked = NormConfig::new(512, 4, 4).unwrap().ringed(true).unwrap();
-        assert!(effective(asked, 2, 8192, Dtype::Bf16, 9, true).ring);
+        assert!(effective(asked, 2, 8192, Dtype::Bf16, 9, false).ring);
+        assert!(default_takes_ring(1024, 2, 32, false));
+        assert!(!default_takes_ring(1022, 2, 32, false));
+        assert!(!default_takes_ring(512, 2, 32, false));
+        assert!(default_takes_ring(512, 2, 8, false));
+        assert!(!default_takes_ring(16384, 2, 32, true));
         // The default's stage rule holds ring or not.
         for tokens in [1024, 4096, 8192] {
             assert_eq!(

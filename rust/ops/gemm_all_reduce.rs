@@ -835,9 +835,15 @@ pub struct PeerNorm {
 
 impl PeerNorm {
     /// The config the group's calls of hidden size `n` run with on a device
-    /// of compute capability `major` ([`arn::effective`]).
-    pub fn config_for(&self, n: u32, dtype: crate::dtype::Dtype, major: i32) -> crate::cuda::kernels::NormConfig {
-        arn::effective(self.config, self.world, n, dtype, major, true)
+    /// of compute capability `major` ([`arn::effective`]: pull calls, so the
+    /// default keeps plain loads).
+    pub fn config_for(
+        &self,
+        n: u32,
+        dtype: crate::dtype::Dtype,
+        major: i32,
+    ) -> crate::cuda::kernels::NormConfig {
+        arn::effective(self.config, self.world, n, dtype, major, false)
     }
 
     /// The pull-mode call over rows `first..first + tokens` of an [m, n]

@@ -1,4 +1,9 @@
-// Per-SM copy throughput on 2 GPUs: ld/st vs bulk (TMA 1-D) copies, local/push/pull.
+// Copy throughput of 8-132 CTAs on 2 GPUs copying at once (one process, peer access): register
+// copies (512 threads, 4 or 8 x 16 B in flight each) against 1-D bulk copies through a shared-memory
+// ring driven by one thread, into local memory (local), into the peer's (push) and from the peer's
+// (pull), 128 MiB; the destination is checked at 32 CTAs. What the all_reduce_rmsnorm ring was
+// designed from (evaluation/results/copy_paths_h200x2.txt).
+//   nvcc -O3 -arch=sm_90a -std=c++17 -o /tmp/copy_paths evaluation/copy_paths.cu && /tmp/copy_paths
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -95,11 +100,10 @@ int main() {
         if (it >= 2) ts.push_back(worst);
       }
       if (g == 32) {  // the destination must now hold the source's bytes
-        int d = 0; char* dst = m == 1 ? b[1] : b[0];
+        char* dst = m == 1 ? b[1] : b[0];
         std::vector<char> h(bytes);
         CK(cudaSetDevice(m == 1 ? 1 : 0)); CK(cudaMemcpy(h.data(), dst, bytes, cudaMemcpyDeviceToHost));
         for (long long i = 0; i < bytes; ++i) if (h[i] != 1) { printf(" BAD@%lld", i); break; }
-        (void)d;
       }
       std::sort(ts.begin(), ts.end());
       printf(" %8.1f", bytes / (ts[ts.size() / 2] * 1e-3) / 1e9);
