@@ -24,9 +24,11 @@ computes r = all_reduce(x) + residual, out = r * rsqrt(mean(r^2) + eps) * weight
                    8192 tokens, 2, 4, 64 and 132 for the CTA curve; clamped to the SM count)
   fo_sharded_<c>   the same with residual_out="sharded" (each rank gets only its rows of r)
   api_16           flashoverlap.all_reduce_rmsnorm(..., ctas=16), the public function, timed alone
-  fo_<c>@<T>x<U>[s<S>][o]  (--configs) the fused kernel compiled with T threads per CTA and U
+  fo_<c>@<T>x<U>[s<S>][o|r]  (--configs) the fused kernel compiled with T threads per CTA and U
                    vectors in flight per lane, each CTA pipelining its rows in up to S parts (the
-                   default is 512x4s8: up to 8 on >= 32 CTAs where at least 4 fit, else one), one-shot where o is given (on 2 ranks every rank
+                   default is 512x4s8r: up to 8 on >= 32 CTAs where at least 4 fit, else one; the
+                   ring from 16 rows a CTA; 512x4s8: the same on plain loads), the shared-memory
+                   ring where r is given (Hopper), one-shot where o is given (on 2 ranks every rank
                    reduces every row), full residual, c in 8, 16, 32: the sweep that picks the
                    kernel's shape (its best<=32 per config is listed)
 
