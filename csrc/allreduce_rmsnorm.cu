@@ -49,6 +49,8 @@
 // by the last CTA to finish), so they never need resetting and CUDA-graph
 // replays work. A wait that lasts longer than `timeout_ns` (0: forever)
 // records an error in the buffer's header and abandons the call.
+// FO_RING (Hopper, two-shot): the same steps, flags and buffers, with the
+// rows moved by bulk copies through a shared-memory ring (see "Ring" below).
 #include "ptx.cuh"
 #ifndef FO_RING
 #define FO_RING 0

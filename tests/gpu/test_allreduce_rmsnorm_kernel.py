@@ -261,14 +261,17 @@ def test_graph_replays_with_fresh_inputs(config) -> None:
     assert ranks.errors() == [0] * world
 
 
-def test_a_missing_peer_times_out_instead_of_hanging() -> None:
-    """Rank 1 never runs: rank 0's wait gives up after the timeout and records it."""
+@pytest.mark.parametrize("config", [(512, 4, 8, False), RING])
+def test_a_missing_peer_times_out_instead_of_hanging(config) -> None:
+    """Rank 1 never runs: rank 0's wait gives up after the timeout and records it (the ring's
+    producer keeps completing its slots' phases, so no thread of the CTA waits forever)."""
     world, tokens, hidden, dtype = 2, 64, 512, torch.bfloat16
     ranks = Ranks(world, tokens, hidden, dtype)
     xs, residual, weight = fresh(world, tokens, hidden, dtype, 3)
     out = torch.empty(tokens, hidden, device="cuda", dtype=dtype)
     _core.allreduce_rmsnorm_launch(0, (xs[0].data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
                                        out.data_ptr()), ranks.bases, ranks.nbytes, 0, tokens, hidden, EPS, True,
-                                   "bfloat16", 2, 200_000_000, torch.cuda.current_stream().cuda_stream)
+                                   "bfloat16", 2, 200_000_000, torch.cuda.current_stream().cuda_stream,
+                                   config=config)
     torch.cuda.synchronize()
     assert ranks.errors()[0] != 0
