@@ -211,6 +211,18 @@ __device__ __forceinline__ bool wait_all(const Params& p, int base_word, int at,
   return !abandoned;
 }
 
+// The last CTA of the call to finish moves this rank to the next epoch.
+__device__ __forceinline__ void finish(unsigned* own) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(own + FINISHED, 1u) == gridDim.x - 1) {
+      own[FINISHED] = 0;
+      atomicAdd(own + EPOCH, 1u);
+    }
+  }
+}
+
 // The warps that share a row. A part with fewer rows than the CTA has warps
 // gives each row `size` warps (a power of two, at most 15 groups: the named
 // barriers 1..15), so that a short call is not one warp's chain of loads per
@@ -787,14 +799,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
     ok = ring_step(p, t, pull, vecs, slots, slot_bytes, ring, at, weight, parity, epoch);
     if (ok && (pushes || reduces)) raise(p, pushes ? flag_slot(t + 1) : -1, reduces ? flag_slot(t) : -1, epoch);
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(own + FINISHED, 1u) == gridDim.x - 1) {
-      own[FINISHED] = 0;
-      atomicAdd(own + EPOCH, 1u);
-    }
-  }
+  finish(own);
 }
 #else
 extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Params p) {
@@ -828,14 +833,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
   // last done is up, so this rank's next call may write the slots again.
   if (ok && p.oneshot) ok = wait_all(p, DONE, flag_slot(stages - 1), epoch);
 
-  // The last CTA to finish moves this rank to the next epoch.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(own + FINISHED, 1u) == gridDim.x - 1) {
-      own[FINISHED] = 0;
-      atomicAdd(own + EPOCH, 1u);
-    }
-  }
+  finish(own);
 }
 #endif  // FO_RING
