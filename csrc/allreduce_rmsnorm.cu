@@ -469,19 +469,19 @@ __device__ __forceinline__ void gather(const Params& p, int stage, int vecs) {
 
 #if FO_RING
 namespace {
-// Ring (Hopper; FO_RING): a step's reduces and gathers are jobs whose rows
-// move between local memory and a ring of shared-memory slots in 1-D bulk
-// copies, each slot holding one row of every array a job loads (world
-// sources and the residual for a reduce). A producer warp (warp 0, its lane
-// 0 issuing) waits for the peers' flags, keeps loads for up to `slots` jobs
-// in flight and stores the results; the THREADS compute threads behind it
-// work a row once its slot is full (one row at a time: compute thread c
-// takes vectors c, c + THREADS, ...). The producer has a warp of its own so
-// that no lane of its warp spins on a slot while lane 0 issues. What goes
-// to the peers (the push, a reduce's rows for them) leaves from the compute
-// threads in plain stores: they drain over NVLink on their own, where a bulk
-// store would hold its slot until the link took it. Each step drains the
-// ring before it raises its flags.
+// Ring (Hopper; FO_RING): rows move between global memory (local or a
+// peer's) and shared memory in 1-D bulk copies. The CTA's rows of a step
+// (pushes, reduces, gathers, in that order) are jobs that pass through a
+// ring of slots, each slot holding one row of every array a job loads
+// (world sources and the residual for a reduce). A producer warp (warp 0,
+// its lane 0 issuing) keeps loads for up to `slots` jobs in flight, waits
+// for the peers' flags and stores the results; the THREADS compute threads
+// behind it work a row once its slot is full (one row at a time: compute
+// thread c takes vectors c, c + THREADS, ...). The producer has a warp of
+// its own so that no lane of its warp spins on a slot while lane 0 issues.
+// Far more bytes are in flight per SM than registers hold, and the SMs
+// issue no per-vector global loads or stores. Each step drains the ring
+// before it raises its flags.
 constexpr unsigned RING_BYTES = FO_RING_BYTES;
 constexpr int MAX_SLOTS = 8;
 constexpr int PRODUCER = 32;  // threads of the producer warp, ahead of the compute threads
@@ -490,22 +490,28 @@ constexpr int BAR_SUM = 1, BAR_HANDOFF = 2;
 __device__ __forceinline__ int compute_thread() { return static_cast<int>(threadIdx.x) - PRODUCER; }
 // A thread's vectors of a row (hidden <= 16384).
 constexpr int ROW_VECS = (2048 + THREADS - 1) / THREADS;
-enum Kind { REDUCE, GATHER };
+enum Kind { PUSH, REDUCE, GATHER };
 struct Job {
   int kind, row, owner, origin;  // origin: the first row of the owner's slice
 };
 __shared__ __align__(8) unsigned long long full_bars[MAX_SLOTS];
 
-// Step t's ring jobs as runs of rows: the reduces of part t of this rank's
-// slice, the gathers of part t - 1 of every other owner's slice. Worked out once per step: a
+// Step t's jobs as runs of rows: pushes of part t + 1 (every other
+// owner's rows), the reduces of part t of this rank's slice, the gathers of
+// part t - 1 of every other owner's slice. Worked out once per step: a
 // part's bounds take 64-bit divisions, far too slow to redo for every row.
 struct Run {
   int kind, first, count, owner, origin;
 };
 constexpr int MAX_RUNS = 2 * FO_MAX_WORLD - 1;
-__device__ __forceinline__ int step_runs(const Params& p, int t, Run (&runs)[MAX_RUNS]) {
-  const bool reduces = t >= 0 && t < p.stages, gathers = t >= 1;
+__device__ __forceinline__ int step_runs(const Params& p, int t, bool pull, Run (&runs)[MAX_RUNS]) {
+  const bool pushes = t + 1 < p.stages && !pull, reduces = t >= 0 && t < p.stages, gathers = t >= 1;
   int n = 0, first, last;
+  for (int i = 1; pushes && i < p.world; ++i) {
+    const int owner = (p.rank + i) % p.world;
+    part(p, owner, t + 1, first, last);
+    runs[n++] = {PUSH, first, last - first, owner, slice_first(p, owner)};
+  }
   if (reduces) {
     part(p, p.rank, t, first, last);
     runs[n++] = {REDUCE, first, last - first, p.rank, slice_first(p, p.rank)};
@@ -552,7 +558,10 @@ __device__ __forceinline__ char* row_at(void* base, long long row, unsigned row_
 __device__ __forceinline__ void ring_load(const Params& p, const Job& j, unsigned at, unsigned bar, unsigned row_bytes,
                                           bool pull) {
   const int s0 = j.origin;  // a reduce's: this rank's slice
-  if (j.kind == REDUCE) {
+  if (j.kind == PUSH) {
+    fo::mbar_arrive_expect_tx(bar, row_bytes);
+    fo::bulk_load(at, row_at(p.x, j.row, row_bytes), row_bytes, bar);
+  } else if (j.kind == REDUCE) {
     fo::mbar_arrive_expect_tx(bar, (p.world + 1) * row_bytes);
     for (int src = 0; src < p.world; ++src) {
       const void* from = pull ? row_at(area(p, src, p.x_offset), j.row, row_bytes)
@@ -570,15 +579,24 @@ __device__ __forceinline__ void ring_load(const Params& p, const Job& j, unsigne
   }
 }
 
-// Thread 0: the local stores of job j from slot `at` (array 0: r or the
-// row copied; array 1: the normalized row), as one bulk group. What goes to
-// the peers leaves from the compute threads' registers (ring_compute).
+// Thread 0: the stores of job j from slot `at` (array 0: r or the row
+// copied; array 1: the normalized row), as one bulk group.
 __device__ __forceinline__ void ring_store(const Params& p, const Job& j, unsigned at, unsigned row_bytes) {
   const unsigned out = at + row_bytes;
-  if (j.kind == REDUCE) {
+  if (j.kind == PUSH) {
+    fo::bulk_store(row_at(slot(p, j.owner, p.rank), j.row - j.origin, row_bytes), at, row_bytes);
+  } else if (j.kind == REDUCE) {
     const long long local = j.row - j.origin;
     fo::bulk_store(row_at(p.residual_out, p.residual_full ? j.row : local, row_bytes), at, row_bytes);
     fo::bulk_store(row_at(p.out, j.row, row_bytes), out, row_bytes);
+    for (int i = 1; i < p.world; ++i) {
+      const int peer = (p.rank + i) % p.world;
+      if (p.residual_full) {
+        fo::bulk_store(row_at(area(p, peer, p.res_offset), j.row, row_bytes), at, row_bytes);
+      } else {
+        fo::bulk_store(row_at(area(p, peer, p.out_offset), j.row, row_bytes), out, row_bytes);
+      }
+    }
   } else if (p.residual_full) {
     fo::bulk_store(row_at(p.residual_out, j.row, row_bytes), at, row_bytes);
     fo::bulk_store(row_at(p.out, j.row, row_bytes), out, row_bytes);
@@ -637,13 +655,6 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
         word(r[k], i) = pack2(low(s) + low(rw), high(s) + high(rw));
       }
       slot_ptr[v] = r[k];
-      // The full residual's r to every peer, straight from registers: plain
-      // stores drain over NVLink on their own, where a bulk store would hold
-      // its slot until the link took it.
-      for (int i = 1; p.residual_full && i < p.world; ++i) {
-        reinterpret_cast<uint4*>(area(p, (p.rank + i) % p.world, p.res_offset))[static_cast<long long>(j.row) * vecs + v] =
-            r[k];
-      }
     } else {
       r[k] = slot_ptr[v];
     }
@@ -657,42 +668,7 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
 #pragma unroll
   for (int k = 0; k < ROW_VECS; ++k) {
     const int v = compute_thread() + k * THREADS;
-    if (v >= vecs) continue;
-    const uint4 y = normalized(r[k], weight[k], scale);
-    slot_ptr[vecs + v] = y;
-    // Sharded residual: a reduce's normalized rows go to every peer.
-    for (int i = 1; j.kind == REDUCE && !p.residual_full && i < p.world; ++i) {
-      reinterpret_cast<uint4*>(area(p, (p.rank + i) % p.world, p.out_offset))[static_cast<long long>(j.row) * vecs + v] =
-          y;
-    }
-  }
-}
-
-// The compute threads' push of part t + 1: every other owner's rows of x
-// into that owner's slot for this rank, with plain loads and stores (8 CTAs
-// of them fill NVLink), while the producer waits for the peers' flags.
-__device__ __forceinline__ void ring_push(const Params& p, int t, int vecs) {
-  const int c = compute_thread();
-  for (int i = 1; i < p.world; ++i) {
-    const int owner = (p.rank + i) % p.world;
-    int first, last;
-    part(p, owner, t + 1, first, last);
-    uint4* to = slot(p, owner, p.rank) + static_cast<long long>(first - slice_first(p, owner)) * vecs;
-    const uint4* from = p.x + static_cast<long long>(first) * vecs;
-    const long long count = static_cast<long long>(last - first) * vecs;
-    for (long long i0 = c; i0 < count; i0 += static_cast<long long>(THREADS) * UNROLL) {
-      uint4 v[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const long long at = i0 + static_cast<long long>(u) * THREADS;
-        if (at < count) v[u] = from[at];
-      }
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const long long at = i0 + static_cast<long long>(u) * THREADS;
-        if (at < count) to[at] = v[u];
-      }
-    }
+    if (v < vecs) slot_ptr[vecs + v] = normalized(r[k], weight[k], scale);
   }
 }
 
@@ -715,10 +691,11 @@ __device__ __forceinline__ bool gate_wait(const Params& p, int base_word, int at
   return true;
 }
 
-// Runs step t through the ring from slot position `at` (moved past its
-// jobs): the compute threads push part t + 1 while the producer waits for
-// the peers' flags (the reduces and gathers read what the peers sent in
-// their step t - 1) and loads the first rows. Ends with every store complete and ordered before the flags
+// Runs step t's jobs through the ring from slot position `at` (moved past
+// them). The pushes read only this rank's x; the reduces and gathers read
+// what the peers sent in their step t - 1, so the producer waits for the
+// peers' flags only before its first load of those, with the pushes already
+// in flight. Ends with every store complete and ordered before the flags
 // raised next; false if a wait timed out (nothing stored after it).
 __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int vecs, unsigned slots,
                                           unsigned slot_bytes, char* ring, Cursor& at,
@@ -727,7 +704,7 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
   const unsigned base = fo::smem_addr(ring);
   const bool lead = threadIdx.x == 0;
   Run runs[MAX_RUNS];
-  const int n = step_runs(p, t, runs);
+  const int n = step_runs(p, t, pull, runs);
   at.run = at.offset = 0;
   Job j;
   if (threadIdx.x < PRODUCER) {
@@ -738,7 +715,7 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
     // it only completes the slot's phase (no bytes), so no thread waits forever.
     auto fill = [&](const Job& next) {
       const unsigned bar = fo::smem_addr(&full_bars[ahead.slot]);
-      if (!gated) {
+      if (!gated && next.kind != PUSH) {
         bool ok = live;
         if (lead && ok) {
           ok = (t < 0 || t >= p.stages || gate_wait(p, READY, flag_slot(t), epoch)) &&
@@ -777,7 +754,6 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
     }
     __syncwarp();
   } else {
-    if (t + 1 < p.stages && !pull) ring_push(p, t, vecs);
     for (; job_at(runs, n, at, j); advance(at, slots)) {
       // Every compute thread waits for every job, so that none runs a
       // slot's phase ahead: a parity wait two phases early would pass at once.
