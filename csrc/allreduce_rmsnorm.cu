@@ -188,25 +188,30 @@ __device__ __forceinline__ void raise(const Params& p, int ready_slot, int done_
   }
 }
 
+// Spins until `peer` raised flag[at][peer] of the kind at base_word in this
+// rank's buffer to `epoch` (an acquire), or the call was abandoned; after
+// `timeout_ns` records the error and abandons the call. True if the flag came.
+__device__ __forceinline__ bool await_peer(const Params& p, int base_word, int at, int peer, unsigned epoch) {
+  unsigned* h = header(p, p.rank);
+  const unsigned* flag = h + base_word + at * FO_MAX_WORLD + peer;
+  const unsigned long long start = p.timeout_ns ? now_ns() : 0;
+  // Signed distance: epochs wrap around without harm.
+  while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0 && !*static_cast<volatile int*>(&abandoned)) {
+    if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
+      atomicExch(h + ERROR, 1u + base_word);
+      abandoned = 1;
+    }
+  }
+  return !*static_cast<volatile int*>(&abandoned);
+}
+
 // Waits until every peer raised flag[at][peer] of the kind at base_word in
 // this rank's buffer to `epoch` (thread i watches peer rank + 1 + i; its
 // acquire, ordered before the other threads by the barrier after it, makes
 // the peer's data visible to all); false (and the error recorded) on timeout.
 __device__ __forceinline__ bool wait_all(const Params& p, int base_word, int at, unsigned epoch) {
   __syncthreads();  // no thread still reads the verdict of a wait before
-  if (threadIdx.x < p.world - 1) {
-    unsigned* h = header(p, p.rank);
-    const int peer = (p.rank + 1 + threadIdx.x) % p.world;
-    const unsigned* flag = h + base_word + at * FO_MAX_WORLD + peer;
-    const unsigned long long start = p.timeout_ns ? now_ns() : 0;
-    // Signed distance: epochs wrap around without harm.
-    while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0 && !*static_cast<volatile int*>(&abandoned)) {
-      if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
-        atomicExch(h + ERROR, 1u + base_word);
-        abandoned = 1;
-      }
-    }
-  }
+  if (threadIdx.x < p.world - 1) await_peer(p, base_word, at, (p.rank + 1 + threadIdx.x) % p.world, epoch);
   __syncthreads();
   return !abandoned;
 }
@@ -676,17 +681,8 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
 // base_word to `epoch` (wait_all's rule, one thread); false (the error
 // recorded, the call abandoned) on timeout.
 __device__ __forceinline__ bool gate_wait(const Params& p, int base_word, int at, unsigned epoch) {
-  unsigned* h = header(p, p.rank);
   for (int i = 1; i < p.world; ++i) {
-    const unsigned* flag = h + base_word + at * FO_MAX_WORLD + (p.rank + i) % p.world;
-    const unsigned long long start = p.timeout_ns ? now_ns() : 0;
-    while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0) {
-      if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
-        atomicExch(h + ERROR, 1u + base_word);
-        abandoned = 1;
-        return false;
-      }
-    }
+    if (!await_peer(p, base_word, at, (p.rank + i) % p.world, epoch)) return false;
   }
   return true;
 }

@@ -572,7 +572,7 @@ fn gemm_all_reduce(
 
 /// Peer buffers as PeerGroup.core_buffers gives them: (every rank's base,
 /// bytes each, this rank, wait timeout in ns, kernel config (threads,
-/// unroll, stages, oneshot)).
+/// unroll, stages, oneshot[, ring])).
 type PeerBuffers = (Vec<u64>, u64, usize, u64, NormTuple);
 
 /// The fused norm of gemm_all_reduce_rmsnorm: (residual_in, residual_out,

@@ -410,8 +410,9 @@ impl NormConfig {
 /// array a reduce loads (world sources and the residual).
 pub const NORM_RING_BYTES: u32 = 196_608;
 
-/// The peer-memory AllReduce + residual add + RMSNorm (one warp per row,
-/// plain loads, `config.unroll` vectors per lane in flight; no shared-memory ring).
+/// The peer-memory AllReduce + residual add + RMSNorm: one warp per row,
+/// plain loads, `config.unroll` vectors per lane in flight; or, with
+/// `config.ring`, rows through a shared-memory ring in bulk copies.
 pub fn allreduce_rmsnorm_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
     let bf16 = if dtype == Dtype::Bf16 { "1" } else { "0" }.to_string();
     KernelSpec {
