@@ -116,6 +116,7 @@ struct Params {
   int stages;                              // parts per chunk, CTAs x stages <= FLAG_SLOTS
   int oneshot;                             // every rank reduces every row (2 ranks, full, push)
   int residual_sliced;                     // sharded: residual holds this rank's slice rows only
+  int link_ctas;                           // the ring's CTAs that move rows across NVLink
 };
 
 namespace {
@@ -474,74 +475,144 @@ __device__ __forceinline__ void gather(const Params& p, int stage, int vecs) {
 
 #if FO_RING
 namespace {
-// Ring (Hopper; FO_RING): rows move between global memory (local or a
-// peer's) and shared memory in 1-D bulk copies. The CTA's rows of a step
-// (pushes, reduces, gathers, in that order) are jobs that pass through a
-// ring of slots, each slot holding one row of every array a job loads
-// (world sources and the residual for a reduce). A producer warp (warp 0,
-// its lane 0 issuing) keeps loads for up to `slots` jobs in flight, waits
-// for the peers' flags and stores the results; the THREADS compute threads
-// behind it work a row once its slot is full (one row at a time: compute
-// thread c takes vectors c, c + THREADS, ...). The producer has a warp of
-// its own so that no lane of its warp spins on a slot while lane 0 issues.
-// Far more bytes are in flight per SM than registers hold, and the SMs
-// issue no per-vector global loads or stores. Each step drains the ring
-// before it raises its flags.
+// Ring (Hopper; FO_RING; two-shot, push mode): the CTAs take one of two
+// roles, so that NVLink streams without a pause while the local work goes on
+// beside it.
+//  - Link CTAs (the last `link_ctas` of the grid) only move rows across
+//    NVLink: one thread bulk-copies local rows into a ring of shared-memory
+//    slots and from there into the peers' buffers. First every other
+//    owner's slice of x, part by part, raising ready[part][rank] in the
+//    owner's buffer after each; then what each part of this rank's slice
+//    leaves for the peers (r when every rank keeps the full residual, else
+//    the normalized rows), each part once the compute CTAs stored it (they
+//    raise ready[part][rank] in this rank's own buffer, a column no peer
+//    writes), raising done[part][rank] in every peer's buffer after it.
+//  - Compute CTAs: a producer warp (warp 0, lane 0 issuing) keeps the local
+//    loads of up to `slots` rows in flight into a ring of slots (a slot
+//    holds one row of every array a row loads: world sources and the
+//    residual for a reduce), waits for a part's flags before its first
+//    load, and stores the results; the THREADS compute threads behind it
+//    work one row at a time (compute thread c takes vectors c, c + THREADS,
+//    ...). A compute CTA reduces its parts of this rank's slice, then
+//    gathers its parts of every other owner's slice as they arrive.
+// A slice is cut into `parts` parts (ring_parts); part k's reduce and
+// gathers belong to compute CTA k mod computes, its pushes to link CTA
+// k mod links. Every wait is for flags raised by work that waits on nothing
+// its waiter has still to do, once every CTA of every rank is resident (one
+// per SM: the ring takes its shared memory).
 constexpr unsigned RING_BYTES = FO_RING_BYTES;
-constexpr int MAX_SLOTS = 8;
+constexpr int MAX_SLOTS = 8;        // a compute CTA's slots
+constexpr int MAX_LINK_SLOTS = 16;  // a link CTA's (one row each)
+constexpr int PART_ROWS = 16;       // the most rows a part takes while parts fit the flags
+// A link CTA raises a part's flag once all but its newest `keep` store
+// groups completed (p.stages on the ring, even, at most MAX_KEEP): up to
+// `keep` rows stay in flight across the wait.
+constexpr int MAX_KEEP = 14;
+__device__ __forceinline__ void bulk_wait_keep(int keep) {
+  switch (keep) {
+    case 0: fo::bulk_wait_but_newest<0>(); break;
+    case 2: fo::bulk_wait_but_newest<2>(); break;
+    case 4: fo::bulk_wait_but_newest<4>(); break;
+    case 6: fo::bulk_wait_but_newest<6>(); break;
+    case 8: fo::bulk_wait_but_newest<8>(); break;
+    case 10: fo::bulk_wait_but_newest<10>(); break;
+    case 12: fo::bulk_wait_but_newest<12>(); break;
+    default: fo::bulk_wait_but_newest<14>(); break;
+  }
+}
 constexpr int PRODUCER = 32;  // threads of the producer warp, ahead of the compute threads
 // Named barriers: the compute threads' row sum, and a row's hand-off from them to the producer.
 constexpr int BAR_SUM = 1, BAR_HANDOFF = 2;
 __device__ __forceinline__ int compute_thread() { return static_cast<int>(threadIdx.x) - PRODUCER; }
 // A thread's vectors of a row (hidden <= 16384).
 constexpr int ROW_VECS = (2048 + THREADS - 1) / THREADS;
-enum Kind { PUSH, REDUCE, GATHER };
-struct Job {
-  int kind, row, owner, origin;  // origin: the first row of the owner's slice
-};
-__shared__ __align__(8) unsigned long long full_bars[MAX_SLOTS];
+enum Kind { REDUCE, GATHER };
+__shared__ __align__(8) unsigned long long full_bars[MAX_LINK_SLOTS];
 
-// Step t's jobs as runs of rows: pushes of part t + 1 (every other
-// owner's rows), the reduces of part t of this rank's slice, the gathers of
-// part t - 1 of every other owner's slice. Worked out once per step: a
-// part's bounds take 64-bit divisions, far too slow to redo for every row.
-struct Run {
-  int kind, first, count, owner, origin;
-};
-constexpr int MAX_RUNS = 2 * FO_MAX_WORLD - 1;
-__device__ __forceinline__ int step_runs(const Params& p, int t, bool pull, Run (&runs)[MAX_RUNS]) {
-  const bool pushes = t + 1 < p.stages && !pull, reduces = t >= 0 && t < p.stages, gathers = t >= 1;
-  int n = 0, first, last;
-  for (int i = 1; pushes && i < p.world; ++i) {
-    const int owner = (p.rank + i) % p.world;
-    part(p, owner, t + 1, first, last);
-    runs[n++] = {PUSH, first, last - first, owner, slice_first(p, owner)};
-  }
-  if (reduces) {
-    part(p, p.rank, t, first, last);
-    runs[n++] = {REDUCE, first, last - first, p.rank, slice_first(p, p.rank)};
-  }
-  for (int i = 1; gathers && i < p.world; ++i) {
-    const int owner = (p.rank + i) % p.world;
-    part(p, owner, t - 1, first, last);
-    runs[n++] = {GATHER, first, last - first, owner, slice_first(p, owner)};
-  }
-  return n;
+// Parts per slice, the same on every rank: about two per compute CTA, of
+// 1 to PART_ROWS rows (of the largest slice), at most FLAG_SLOTS.
+__device__ __forceinline__ int ring_parts(const Params& p, int computes) {
+  const int rows = (p.tokens + p.world - 1) / p.world;
+  const int per = min(max((rows + 2 * computes - 1) / (2 * computes), 1), PART_ROWS);
+  return max(min((rows + per - 1) / per, FLAG_SLOTS), 1);
+}
+// Part k of `parts` of owner's slice: rows [first, last), possibly none.
+__device__ __forceinline__ void ring_part(const Params& p, int owner, int k, int parts, int& first, int& last) {
+  const int s0 = slice_start(p, owner);
+  const long long rows = slice_start(p, owner + 1) - s0;
+  first = s0 + static_cast<int>(rows * k / parts);
+  last = s0 + static_cast<int>(rows * (k + 1) / parts);
 }
 
-// A position in the step's jobs and in the ring (its slot and that slot's phase).
+__device__ __forceinline__ const char* row_at(const void* base, long long row, unsigned row_bytes) {
+  return static_cast<const char*>(base) + row * row_bytes;
+}
+__device__ __forceinline__ char* row_at(void* base, long long row, unsigned row_bytes) {
+  return static_cast<char*>(base) + row * row_bytes;
+}
+__device__ __forceinline__ unsigned* flag_at(const Params& p, int in_rank, int base_word, int part, int from) {
+  return header(p, in_rank) + base_word + part * FO_MAX_WORLD + from;
+}
+
+// Thread 0: waits until every peer raised flag[at] of the kind at
+// base_word to `epoch` (wait_all's rule, one thread); false (the error
+// recorded, the call abandoned) on timeout.
+__device__ __forceinline__ bool gate_wait(const Params& p, int base_word, int at, unsigned epoch) {
+  for (int i = 1; i < p.world; ++i) {
+    if (!await_peer(p, base_word, at, (p.rank + i) % p.world, epoch)) return false;
+  }
+  return true;
+}
+
+// ---- Compute CTAs ----
+
+// A run of rows: one part's reduce or its gather from one owner.
+struct Run {
+  int kind, part, owner, first, count;
+};
+struct Job {
+  int kind, part, owner, row;
+  bool first, last;  // of its run
+};
+// Run i of compute CTA c of `computes`: its reduces in part order, then its
+// gathers part by part, owner by owner; false past the last.
+__device__ __forceinline__ bool run_of(const Params& p, int i, int c, int computes, int parts, Run& r) {
+  const int mine = c < parts ? (parts - 1 - c) / computes + 1 : 0;
+  if (i >= mine * p.world) return false;
+  int k, owner;
+  if (i < mine) {
+    k = c + i * computes;
+    owner = p.rank;
+  } else {
+    const int g = i - mine;
+    k = c + (g / (p.world - 1)) * computes;
+    owner = (p.rank + 1 + g % (p.world - 1)) % p.world;
+  }
+  int first, last;
+  ring_part(p, owner, k, parts, first, last);
+  r = {i < mine ? REDUCE : GATHER, k, owner, first, last - first};
+  return true;
+}
+
+// A position in the CTA's jobs (its run, cached) and in the ring (its slot and that slot's phase).
 struct Cursor {
-  int run, offset;
+  int run, offset, cached;
+  Run r;
   unsigned slot, phase;
 };
-// The job at `c`; false past the step's last.
-__device__ __forceinline__ bool job_at(const Run (&runs)[MAX_RUNS], int n, Cursor& c, Job& j) {
-  while (c.run < n && c.offset >= runs[c.run].count) {
+// The job at `c`; false at run `end` or past the CTA's last.
+__device__ __forceinline__ bool job_at(const Params& p, Cursor& c, int end, int cta, int computes, int parts, Job& j) {
+  for (;;) {
+    if (c.run >= end) return false;
+    if (c.cached != c.run) {
+      if (!run_of(p, c.run, cta, computes, parts, c.r)) return false;
+      c.cached = c.run;
+    }
+    if (c.offset < c.r.count) break;
     ++c.run;
     c.offset = 0;
   }
-  if (c.run >= n) return false;
-  j = {runs[c.run].kind, runs[c.run].first + c.offset, runs[c.run].owner, runs[c.run].origin};
+  j = {c.r.kind, c.r.part, c.r.owner, c.r.first + c.offset, c.offset == 0, c.offset == c.r.count - 1};
   return true;
 }
 __device__ __forceinline__ void advance(Cursor& c, unsigned slots) {
@@ -552,26 +623,13 @@ __device__ __forceinline__ void advance(Cursor& c, unsigned slots) {
   }
 }
 
-__device__ __forceinline__ const char* row_at(const void* base, long long row, unsigned row_bytes) {
-  return static_cast<const char*>(base) + row * row_bytes;
-}
-__device__ __forceinline__ char* row_at(void* base, long long row, unsigned row_bytes) {
-  return static_cast<char*>(base) + row * row_bytes;
-}
-
 // Thread 0: the loads of job j into slot `at` (shared address), completing on `bar`.
-__device__ __forceinline__ void ring_load(const Params& p, const Job& j, unsigned at, unsigned bar, unsigned row_bytes,
-                                          bool pull) {
-  const int s0 = j.origin;  // a reduce's: this rank's slice
-  if (j.kind == PUSH) {
-    fo::mbar_arrive_expect_tx(bar, row_bytes);
-    fo::bulk_load(at, row_at(p.x, j.row, row_bytes), row_bytes, bar);
-  } else if (j.kind == REDUCE) {
+__device__ __forceinline__ void ring_load(const Params& p, const Job& j, unsigned at, unsigned bar, unsigned row_bytes) {
+  if (j.kind == REDUCE) {
+    const int s0 = slice_start(p, p.rank);
     fo::mbar_arrive_expect_tx(bar, (p.world + 1) * row_bytes);
     for (int src = 0; src < p.world; ++src) {
-      const void* from = pull ? row_at(area(p, src, p.x_offset), j.row, row_bytes)
-                         : src == p.rank ? row_at(p.x, j.row, row_bytes)
-                                         : row_at(slot(p, p.rank, src), j.row - s0, row_bytes);
+      const void* from = src == p.rank ? row_at(p.x, j.row, row_bytes) : row_at(slot(p, p.rank, src), j.row - s0, row_bytes);
       fo::bulk_load(at + src * row_bytes, from, row_bytes, bar);
     }
     const long long res_row = p.residual_sliced ? j.row - s0 : j.row;
@@ -588,20 +646,10 @@ __device__ __forceinline__ void ring_load(const Params& p, const Job& j, unsigne
 // copied; array 1: the normalized row), as one bulk group.
 __device__ __forceinline__ void ring_store(const Params& p, const Job& j, unsigned at, unsigned row_bytes) {
   const unsigned out = at + row_bytes;
-  if (j.kind == PUSH) {
-    fo::bulk_store(row_at(slot(p, j.owner, p.rank), j.row - j.origin, row_bytes), at, row_bytes);
-  } else if (j.kind == REDUCE) {
-    const long long local = j.row - j.origin;
+  if (j.kind == REDUCE) {
+    const long long local = j.row - slice_start(p, p.rank);
     fo::bulk_store(row_at(p.residual_out, p.residual_full ? j.row : local, row_bytes), at, row_bytes);
     fo::bulk_store(row_at(p.out, j.row, row_bytes), out, row_bytes);
-    for (int i = 1; i < p.world; ++i) {
-      const int peer = (p.rank + i) % p.world;
-      if (p.residual_full) {
-        fo::bulk_store(row_at(area(p, peer, p.res_offset), j.row, row_bytes), at, row_bytes);
-      } else {
-        fo::bulk_store(row_at(area(p, peer, p.out_offset), j.row, row_bytes), out, row_bytes);
-      }
-    }
   } else if (p.residual_full) {
     fo::bulk_store(row_at(p.residual_out, j.row, row_bytes), at, row_bytes);
     fo::bulk_store(row_at(p.out, j.row, row_bytes), out, row_bytes);
@@ -677,93 +725,231 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
   }
 }
 
-// Thread 0: waits until every peer raised flag[at] of the kind at
-// base_word to `epoch` (wait_all's rule, one thread); false (the error
-// recorded, the call abandoned) on timeout.
-__device__ __forceinline__ bool gate_wait(const Params& p, int base_word, int at, unsigned epoch) {
-  for (int i = 1; i < p.world; ++i) {
-    if (!await_peer(p, base_word, at, (p.rank + i) % p.world, epoch)) return false;
-  }
-  return true;
-}
-
-// Runs step t's jobs through the ring from slot position `at` (moved past
-// them). The pushes read only this rank's x; the reduces and gathers read
-// what the peers sent in their step t - 1, so the producer waits for the
-// peers' flags only before its first load of those, with the pushes already
-// in flight. Ends with every store complete and ordered before the flags
-// raised next; false if a wait timed out (nothing stored after it).
-__device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int vecs, unsigned slots,
-                                          unsigned slot_bytes, char* ring, Cursor& at,
-                                          const uint4 (&weight)[ROW_VECS], int& parity, unsigned epoch) {
+// A compute CTA's work (every thread): its reduce runs through the ring,
+// then its gather runs. The producer waits for a run's flags before its
+// first load (ready from every peer for a reduce, done from the owner for a
+// gather) and, once a reduce run's rows are stored, raises ready[part][rank]
+// in this rank's buffer for the link CTAs. No gather is waited for before
+// every reduce is stored and flagged: the peers' done flags wait for theirs,
+// which wait for this rank's pushes only. Once abandoned, the producer only
+// completes each slot's phase (no bytes), so no thread waits forever.
+__device__ __forceinline__ void compute_work(const Params& p, int cta, int computes, int parts, int vecs, char* ring,
+                                             unsigned epoch) {
   const unsigned row_bytes = static_cast<unsigned>(vecs) * 16u;
+  const unsigned slot_bytes = static_cast<unsigned>(p.world + 1) * row_bytes;
+  const unsigned slots = min(static_cast<unsigned>(MAX_SLOTS), RING_BYTES / slot_bytes);
   const unsigned base = fo::smem_addr(ring);
   const bool lead = threadIdx.x == 0;
-  Run runs[MAX_RUNS];
-  const int n = step_runs(p, t, pull, runs);
-  at.run = at.offset = 0;
-  Job j;
-  if (threadIdx.x < PRODUCER) {
-    // The producer's loads run `slots` jobs ahead of the job being worked on.
-    Cursor ahead = at;
-    bool gated = false, live = true;
-    // Job `next`'s loads into the slot at `ahead` (lane 0). Once abandoned
-    // it only completes the slot's phase (no bytes), so no thread waits forever.
-    auto fill = [&](const Job& next) {
-      const unsigned bar = fo::smem_addr(&full_bars[ahead.slot]);
-      if (!gated && next.kind != PUSH) {
-        bool ok = live;
-        if (lead && ok) {
-          ok = (t < 0 || t >= p.stages || gate_wait(p, READY, flag_slot(t), epoch)) &&
-               (t < 1 || gate_wait(p, DONE, flag_slot(t - 1), epoch));
-          fo::fence_async_global();  // the peers' rows, acquired above, read by TMA next
+  const int reduces = cta < parts ? (parts - 1 - cta) / computes + 1 : 0;
+  uint4 weight[ROW_VECS];
+#pragma unroll
+  for (int k = 0; k < ROW_VECS; ++k) {
+    const int v = compute_thread() + k * THREADS;
+    if (compute_thread() >= 0 && v < vecs) weight[k] = p.weight[v];
+  }
+  Cursor at = {0, 0, -1, {}, 0, 0};
+  int parity = 0;
+  bool live = true;
+  for (int end : {reduces, reduces * p.world}) {
+    Job j;
+    if (threadIdx.x < PRODUCER) {
+      Cursor ahead = at;  // the loads run `slots` jobs ahead of the job being stored
+      auto fill = [&](const Job& next) {
+        const unsigned bar = fo::smem_addr(&full_bars[ahead.slot]);
+        if (next.first) {
+          bool ok = live;
+          if (lead && ok) {
+            ok = next.kind == REDUCE ? gate_wait(p, READY, next.part, epoch)
+                                     : await_peer(p, DONE, next.part, next.owner, epoch);
+            fo::fence_async_global();  // the peers' rows, acquired above, read by TMA next
+          }
+          live = __shfl_sync(0xffffffffu, ok, 0);
         }
-        live = __shfl_sync(0xffffffffu, ok, 0);
-        gated = true;
-      }
-      if (lead && live) ring_load(p, next, base + ahead.slot * slot_bytes, bar, row_bytes, pull);
-      if (lead && !live) fo::mbar_arrive(bar);
-      __syncwarp();
-      advance(ahead, slots);
-    };
-    for (unsigned k = 0; k < slots && job_at(runs, n, ahead, j); ++k) fill(j);
-    for (bool first = true; job_at(runs, n, at, j); advance(at, slots), first = false) {
-      const bool computes = j.kind == REDUCE || (j.kind == GATHER && p.residual_full);
-      if (computes) {
-        fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);  // the compute threads wrote the row
-      } else {
-        fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
-      }
-      if (lead && live) ring_store(p, j, base + at.slot * slot_bytes, row_bytes);
-      // The previous job's slot, once its stores have read it, takes the
-      // job `slots` after it.
-      Job next;
-      if (!first && job_at(runs, n, ahead, next)) {
-        if (lead) fo::bulk_wait_read_but_newest();
+        if (lead && live) ring_load(p, next, base + ahead.slot * slot_bytes, bar, row_bytes);
+        if (lead && !live) fo::mbar_arrive(bar);
         __syncwarp();
-        fill(next);
+        advance(ahead, slots);
+      };
+      for (unsigned k = 0; k < slots && job_at(p, ahead, end, cta, computes, parts, j); ++k) fill(j);
+      for (bool first = true; job_at(p, at, end, cta, computes, parts, j); advance(at, slots), first = false) {
+        if (j.kind == REDUCE || p.residual_full) {
+          fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);  // the compute threads wrote the row
+        } else {
+          fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
+        }
+        if (lead && live) {
+          ring_store(p, j, base + at.slot * slot_bytes, row_bytes);
+          if (j.kind == REDUCE && j.last) {
+            // The part's rows complete, then its flag for the link CTAs (the loads ahead stay in flight).
+            fo::bulk_wait_all();
+            fo::fence_async_global();
+            store_release_sys(flag_at(p, p.rank, READY, j.part, p.rank), epoch);
+          }
+        }
+        // The previous job's slot, once its stores have read it, takes the job `slots` after it.
+        Job next;
+        if (!first && job_at(p, ahead, end, cta, computes, parts, next)) {
+          if (lead) fo::bulk_wait_read_but_newest();
+          __syncwarp();
+          fill(next);
+        }
       }
-    }
-    if (lead) {
-      fo::bulk_wait_all();
-      fo::fence_async_global();  // the stores complete before the flags' release
-    }
-    __syncwarp();
-  } else {
-    for (; job_at(runs, n, at, j); advance(at, slots)) {
-      // Every compute thread waits for every job, so that none runs a
-      // slot's phase ahead: a parity wait two phases early would pass at once.
-      fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
-      if (j.kind == REDUCE || (j.kind == GATHER && p.residual_full)) {
-        ring_compute(p, j, reinterpret_cast<uint4*>(ring + at.slot * slot_bytes), vecs, weight, parity);
-        parity ^= 1;
-        fo::fence_async_shared();  // the rows written above, read by the bulk stores
-        fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);
+      if (lead) fo::bulk_wait_all();
+      __syncwarp();
+    } else {
+      for (; job_at(p, at, end, cta, computes, parts, j); advance(at, slots)) {
+        // Every compute thread waits for every job, so that none runs a
+        // slot's phase ahead: a parity wait two phases early would pass at once.
+        fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
+        if (j.kind == REDUCE || p.residual_full) {
+          ring_compute(p, j, reinterpret_cast<uint4*>(ring + at.slot * slot_bytes), vecs, weight, parity);
+          parity ^= 1;
+          fo::fence_async_shared();  // the rows written above, read by the bulk stores
+          fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);
+        }
       }
     }
   }
-  __syncthreads();
-  return !abandoned;
+}
+
+// ---- Link CTAs ----
+
+// A row a link CTA moves: phase 0 pushes row `row` of x to owner `q`'s
+// slot for this rank; phase 1 sends row `row` of this rank's slice (r or
+// the normalized row) to every peer.
+struct LinkJob {
+  int phase, part, q, row;
+  bool first, last;  // of its group (a part, and in phase 0 one owner)
+};
+struct LinkCursor {
+  int phase, n, qi, offset, first, count;
+  bool cached;
+};
+// The next job of link CTA l of `links` in the cursor's phase; false past
+// its last. Groups of no rows are skipped: nobody waits for their flags.
+__device__ __forceinline__ bool link_next(const Params& p, LinkCursor& c, int l, int links, int parts, LinkJob& j) {
+  for (;;) {
+    const int k = l + c.n * links;
+    if (k >= parts) return false;
+    const int q = c.phase == 0 ? (p.rank + 1 + c.qi) % p.world : p.rank;
+    if (!c.cached) {
+      int first, last;
+      ring_part(p, q, k, parts, first, last);
+      c.first = first;
+      c.count = last - first;
+      c.cached = true;
+    }
+    if (c.offset < c.count) {
+      j = {c.phase, k, q, c.first + c.offset, c.offset == 0, c.offset == c.count - 1};
+      ++c.offset;
+      return true;
+    }
+    c.offset = 0;
+    c.cached = false;
+    if (c.phase == 0 && ++c.qi < p.world - 1) continue;
+    c.qi = 0;
+    ++c.n;
+  }
+}
+
+// Raises the flag that ends job j's group: ready[part][rank] in the owner's
+// buffer (phase 0), done[part][rank] in every peer's (phase 1).
+__device__ __forceinline__ void link_raise(const Params& p, const LinkJob& j, unsigned epoch) {
+  if (j.phase == 0) {
+    store_release_sys(flag_at(p, j.q, READY, j.part, p.rank), epoch);
+    return;
+  }
+  for (int i = 1; i < p.world; ++i) store_release_sys(flag_at(p, (p.rank + i) % p.world, DONE, j.part, p.rank), epoch);
+}
+
+// A link CTA's work (thread 0 only), phase 0 and then phase 1, each through
+// the ring: loads run up to `slots` rows ahead of the stores; a group's flag
+// goes up once its stores completed (checked `keep` groups later, so that the
+// stream does not drain for it). Phase 1 waits for the compute CTAs' flag
+// of a part before its first load, and starts only once every push of
+// phase 0 is stored and flagged: the flag it waits for comes after the
+// peers' pushes, which may wait for this rank's. Once a wait timed out
+// nothing more is loaded or stored; the loads in flight land.
+__device__ __forceinline__ void link_work(const Params& p, int l, int links, int parts, int vecs, char* ring,
+                                          unsigned epoch) {
+  const unsigned row_bytes = static_cast<unsigned>(vecs) * 16u;
+  const unsigned slots = min(static_cast<unsigned>(MAX_LINK_SLOTS), RING_BYTES / row_bytes);
+  const unsigned base = fo::smem_addr(ring);
+  LinkJob held[MAX_LINK_SLOTS];  // the job in each slot
+  const int keep = min(max(p.stages, 0), MAX_KEEP) & ~1;
+  LinkJob pending[MAX_KEEP + 1];  // groups stored, flags not yet raised
+  long long group_of[MAX_KEEP + 1];
+  int pend_head = 0, pend_count = 0;
+  long long loaded = 0, stored = 0;
+  bool live = true;
+  auto load = [&](const LinkJob& j) {
+    if (j.phase == 1 && j.first) {
+      live = await_peer(p, READY, j.part, p.rank, epoch);  // this rank's own column: the compute CTAs'
+      fo::fence_async_global();
+      if (!live) return;
+    }
+    const unsigned s = static_cast<unsigned>(loaded % slots), bar = fo::smem_addr(&full_bars[s]);
+    const void* from = j.phase == 0 ? row_at(p.x, j.row, row_bytes)
+                       : p.residual_full ? row_at(p.residual_out, j.row, row_bytes)
+                                         : row_at(p.out, j.row, row_bytes);
+    fo::mbar_arrive_expect_tx(bar, row_bytes);
+    fo::bulk_load(base + s * row_bytes, from, row_bytes, bar);
+    held[s] = j;
+    ++loaded;
+  };
+  auto store = [&](const LinkJob& j, unsigned s) {
+    const unsigned src = base + s * row_bytes;
+    if (j.phase == 0) {
+      fo::bulk_store(row_at(slot(p, j.q, p.rank), j.row - slice_start(p, j.q), row_bytes), src, row_bytes);
+    } else {
+      const unsigned long long offset = p.residual_full ? p.res_offset : p.out_offset;
+      for (int i = 1; i < p.world; ++i) {
+        fo::bulk_store(row_at(area(p, (p.rank + i) % p.world, offset), j.row, row_bytes), src, row_bytes);
+      }
+    }
+    fo::bulk_commit();
+  };
+  // Raises the oldest pending flags whose groups are `keep` groups or more behind the newest.
+  auto retire = [&](long long keep) {
+    while (live && pend_count > 0 && group_of[pend_head] <= stored - 1 - keep) {
+      link_raise(p, pending[pend_head], epoch);
+      pend_head = (pend_head + 1) % (MAX_KEEP + 1);
+      --pend_count;
+    }
+  };
+  for (int phase = 0; phase < 2 && live; ++phase) {
+    LinkCursor cur = {phase, 0, 0, 0, 0, 0, false};
+    LinkJob j;
+    const long long begin = stored;
+    while (live && loaded - begin < slots && link_next(p, cur, l, links, parts, j)) load(j);
+    while (stored < loaded) {
+      const unsigned s = static_cast<unsigned>(stored % slots);
+      fo::mbar_wait(fo::smem_addr(&full_bars[s]), static_cast<unsigned>((stored / slots) & 1));
+      if (live) {
+        store(held[s], s);
+        if (held[s].last) {
+          const int at = (pend_head + pend_count) % (MAX_KEEP + 1);
+          pending[at] = held[s];
+          group_of[at] = stored;
+          ++pend_count;
+        }
+      }
+      ++stored;
+      if (live && pend_count > 0 && group_of[pend_head] <= stored - 1 - keep) {
+        bulk_wait_keep(keep);  // groups `keep` or more behind the newest are complete
+        fo::fence_async_global();
+        retire(keep);
+      }
+      // The previous job's slot, once its stores have read it, takes the next job.
+      if (live && stored - begin >= 2) {
+        fo::bulk_wait_read_but_newest();
+        if (link_next(p, cur, l, links, parts, j)) load(j);
+      }
+    }
+    fo::bulk_wait_all();
+    fo::fence_async_global();
+    retire(0);
+  }
 }
 }  // namespace
 
@@ -772,28 +958,22 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
   const int vecs = p.hidden / VEC;
   unsigned* own = header(p, p.rank);
   const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own + EPOCH) + 1;
-  const bool pull = p.x_offset != 0;
-  const unsigned slot_bytes = static_cast<unsigned>(p.world + 1) * static_cast<unsigned>(vecs) * 16u;
-  const unsigned slots = min(static_cast<unsigned>(MAX_SLOTS), RING_BYTES / slot_bytes);
+  // The host launches the ring on 2 CTAs or more; at least one of each role.
+  const int links = min(max(p.link_ctas, 1), static_cast<int>(gridDim.x) - 1);
+  const int computes = static_cast<int>(gridDim.x) - links;
+  const int parts = ring_parts(p, computes);
   if (threadIdx.x == 0) {
     abandoned = 0;
-    for (unsigned s = 0; s < slots; ++s) fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
+    for (int s = 0; s < MAX_LINK_SLOTS; ++s) fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
     fo::mbar_init_fence();
   }
-  uint4 weight[ROW_VECS];
-#pragma unroll
-  for (int k = 0; k < ROW_VECS; ++k) {
-    const int v = compute_thread() + k * THREADS;
-    if (compute_thread() >= 0 && v < vecs) weight[k] = p.weight[v];
-  }
   __syncthreads();
-  Cursor at = {0, 0, 0, 0};
-  int parity = 0;
-  bool ok = true;
-  for (int t = -1; ok && t <= p.stages; ++t) {
-    const bool pushes = t + 1 < p.stages, reduces = t >= 0 && t < p.stages;
-    ok = ring_step(p, t, pull, vecs, slots, slot_bytes, ring, at, weight, parity, epoch);
-    if (ok && (pushes || reduces)) raise(p, pushes ? flag_slot(t + 1) : -1, reduces ? flag_slot(t) : -1, epoch);
+  if (gridDim.x < 2) {
+    if (threadIdx.x == 0) atomicExch(own + ERROR, 1u);  // never launched so: recorded, not hung
+  } else if (static_cast<int>(blockIdx.x) >= computes) {
+    if (threadIdx.x == 0) link_work(p, static_cast<int>(blockIdx.x) - computes, links, parts, vecs, ring, epoch);
+  } else {
+    compute_work(p, static_cast<int>(blockIdx.x), computes, parts, vecs, ring, epoch);
   }
   finish(own);
 }
