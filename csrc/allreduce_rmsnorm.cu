@@ -502,24 +502,7 @@ namespace {
 // per SM: the ring takes its shared memory).
 constexpr unsigned RING_BYTES = FO_RING_BYTES;
 constexpr int MAX_SLOTS = 8;        // a compute CTA's slots
-constexpr int MAX_LINK_SLOTS = 16;  // a link CTA's (one row each)
 constexpr int PART_ROWS = 16;       // the most rows a part takes while parts fit the flags
-// A link CTA raises a part's flag once all but its newest `keep` store
-// groups completed (p.stages on the ring, even, at most MAX_KEEP): up to
-// `keep` rows stay in flight across the wait.
-constexpr int MAX_KEEP = 14;
-__device__ __forceinline__ void bulk_wait_keep(int keep) {
-  switch (keep) {
-    case 0: fo::bulk_wait_but_newest<0>(); break;
-    case 2: fo::bulk_wait_but_newest<2>(); break;
-    case 4: fo::bulk_wait_but_newest<4>(); break;
-    case 6: fo::bulk_wait_but_newest<6>(); break;
-    case 8: fo::bulk_wait_but_newest<8>(); break;
-    case 10: fo::bulk_wait_but_newest<10>(); break;
-    case 12: fo::bulk_wait_but_newest<12>(); break;
-    default: fo::bulk_wait_but_newest<14>(); break;
-  }
-}
 constexpr int PRODUCER = 32;  // threads of the producer warp, ahead of the compute threads
 // Named barriers: the compute threads' row sum, and a row's hand-off from them to the producer.
 constexpr int BAR_SUM = 1, BAR_HANDOFF = 2;
@@ -527,7 +510,7 @@ __device__ __forceinline__ int compute_thread() { return static_cast<int>(thread
 // A thread's vectors of a row (hidden <= 16384).
 constexpr int ROW_VECS = (2048 + THREADS - 1) / THREADS;
 enum Kind { REDUCE, GATHER };
-__shared__ __align__(8) unsigned long long full_bars[MAX_LINK_SLOTS];
+__shared__ __align__(8) unsigned long long full_bars[MAX_SLOTS];
 
 // Parts per slice, the same on every rank: about two per compute CTA, of
 // 1 to PART_ROWS rows (of the largest slice), at most FLAG_SLOTS.
@@ -852,103 +835,79 @@ __device__ __forceinline__ bool link_next(const Params& p, LinkCursor& c, int l,
   }
 }
 
-// Raises the flag that ends job j's group: ready[part][rank] in the owner's
-// buffer (phase 0), done[part][rank] in every peer's (phase 1).
-__device__ __forceinline__ void link_raise(const Params& p, const LinkJob& j, unsigned epoch) {
-  if (j.phase == 0) {
-    store_release_sys(flag_at(p, j.q, READY, j.part, p.rank), epoch);
-    return;
-  }
-  for (int i = 1; i < p.world; ++i) store_release_sys(flag_at(p, (p.rank + i) % p.world, DONE, j.part, p.rank), epoch);
-}
-
-// A link CTA's work (thread 0 only), phase 0 and then phase 1, each through
-// the ring: loads run up to `slots` rows ahead of the stores; a group's flag
-// goes up once its stores completed (checked `keep` groups later, so that the
-// stream does not drain for it). Phase 1 waits for the compute CTAs' flag
-// of a part before its first load, and starts only once every push of
-// phase 0 is stored and flagged: the flag it waits for comes after the
-// peers' pushes, which may wait for this rank's. Once a wait timed out
-// nothing more is loaded or stored; the loads in flight land.
-__device__ __forceinline__ void link_work(const Params& p, int l, int links, int parts, int vecs, char* ring,
-                                          unsigned epoch) {
-  const unsigned row_bytes = static_cast<unsigned>(vecs) * 16u;
-  const unsigned slots = min(static_cast<unsigned>(MAX_LINK_SLOTS), RING_BYTES / row_bytes);
-  const unsigned base = fo::smem_addr(ring);
-  LinkJob held[MAX_LINK_SLOTS];  // the job in each slot
-  const int keep = min(max(p.stages, 0), MAX_KEEP) & ~1;
-  LinkJob pending[MAX_KEEP + 1];  // groups stored, flags not yet raised
-  long long group_of[MAX_KEEP + 1];
-  int pend_head = 0, pend_count = 0;
-  long long loaded = 0, stored = 0;
-  bool live = true;
-  auto load = [&](const LinkJob& j) {
-    if (j.phase == 1 && j.first) {
-      live = await_peer(p, READY, j.part, p.rank, epoch);  // this rank's own column: the compute CTAs'
-      fo::fence_async_global();
-      if (!live) return;
-    }
-    const unsigned s = static_cast<unsigned>(loaded % slots), bar = fo::smem_addr(&full_bars[s]);
-    const void* from = j.phase == 0 ? row_at(p.x, j.row, row_bytes)
-                       : p.residual_full ? row_at(p.residual_out, j.row, row_bytes)
-                                         : row_at(p.out, j.row, row_bytes);
-    fo::mbar_arrive_expect_tx(bar, row_bytes);
-    fo::bulk_load(base + s * row_bytes, from, row_bytes, bar);
-    held[s] = j;
-    ++loaded;
-  };
-  auto store = [&](const LinkJob& j, unsigned s) {
-    const unsigned src = base + s * row_bytes;
-    if (j.phase == 0) {
-      fo::bulk_store(row_at(slot(p, j.q, p.rank), j.row - slice_start(p, j.q), row_bytes), src, row_bytes);
-    } else {
-      const unsigned long long offset = p.residual_full ? p.res_offset : p.out_offset;
-      for (int i = 1; i < p.world; ++i) {
-        fo::bulk_store(row_at(area(p, (p.rank + i) % p.world, offset), j.row, row_bytes), src, row_bytes);
-      }
-    }
-    fo::bulk_commit();
-  };
-  // Raises the oldest pending flags whose groups are `keep` groups or more behind the newest.
-  auto retire = [&](long long keep) {
-    while (live && pend_count > 0 && group_of[pend_head] <= stored - 1 - keep) {
-      link_raise(p, pending[pend_head], epoch);
-      pend_head = (pend_head + 1) % (MAX_KEEP + 1);
-      --pend_count;
-    }
-  };
-  for (int phase = 0; phase < 2 && live; ++phase) {
-    LinkCursor cur = {phase, 0, 0, 0, 0, 0, false};
-    LinkJob j;
-    const long long begin = stored;
-    while (live && loaded - begin < slots && link_next(p, cur, l, links, parts, j)) load(j);
-    while (stored < loaded) {
-      const unsigned s = static_cast<unsigned>(stored % slots);
-      fo::mbar_wait(fo::smem_addr(&full_bars[s]), static_cast<unsigned>((stored / slots) & 1));
-      if (live) {
-        store(held[s], s);
-        if (held[s].last) {
-          const int at = (pend_head + pend_count) % (MAX_KEEP + 1);
-          pending[at] = held[s];
-          group_of[at] = stored;
-          ++pend_count;
+// A link CTA's work (every thread): its groups in order, phase 0 and then
+// phase 1, in plain 16-byte loads and stores. Two halves of 8 warps take
+// alternate groups, so that one streams while the other waits for its
+// stores to land before raising its group's flag (a release after the half's
+// barrier: cumulative, it orders every thread's stores of the group before
+// the flag). Phase 1 waits for the compute CTAs' flag of a part before
+// copying it, and starts only once every group of phase 0 of this CTA is
+// flagged: the flag it waits for comes after the peers' pushes, which may
+// wait for this rank's. The 17th warp only waits. Once a wait timed out
+// nothing more is copied.
+constexpr int LINK_WARPS = 8, LINK_UNROLL = 8;
+__device__ __forceinline__ void link_work(const Params& p, int l, int links, int parts, int vecs, unsigned epoch) {
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int half = warp / LINK_WARPS, t = static_cast<int>(threadIdx.x) % (LINK_WARPS * 32);
+  constexpr int HALF_THREADS = LINK_WARPS * 32;
+  for (int phase = 0; phase < 2; ++phase) {
+    if (half < 2) {
+      LinkCursor cur = {phase, 0, 0, 0, 0, 0, false};
+      LinkJob j;
+      // Group g of this CTA's phase goes to half g % 2; link_next yields rows, so skip by groups.
+      int group = 0;
+      bool more = link_next(p, cur, l, links, parts, j);
+      while (more) {
+        const LinkJob head = j;
+        int rows = 1;
+        while ((more = link_next(p, cur, l, links, parts, j)) && !j.first) ++rows;
+        if (group++ % 2 != half) continue;
+        // One verdict per half and group (the other half may abandon at any time).
+        __shared__ int stop[2];
+        if (t == 0) {
+          // Phase 1: this rank's own column, raised by the compute CTAs.
+          stop[half] = head.phase == 1 ? !await_peer(p, READY, head.part, p.rank, epoch)
+                                       : *static_cast<volatile int*>(&abandoned);
+        }
+        fo::named_barrier(3 + half, HALF_THREADS);
+        if (stop[half]) break;
+        const unsigned long long off = p.residual_full ? p.res_offset : p.out_offset;
+        const uint4* from = head.phase == 0 ? p.x + static_cast<long long>(head.row) * vecs
+                            : p.residual_full ? p.residual_out + static_cast<long long>(head.row) * vecs
+                                              : p.out + static_cast<long long>(head.row) * vecs;
+        const long long count = static_cast<long long>(rows) * vecs;
+        for (int i = 1; i < (head.phase == 0 ? 2 : p.world); ++i) {
+          uint4* to = head.phase == 0
+                          ? slot(p, head.q, p.rank) + static_cast<long long>(head.row - slice_start(p, head.q)) * vecs
+                          : reinterpret_cast<uint4*>(area(p, (p.rank + i) % p.world, off)) +
+                                static_cast<long long>(head.row) * vecs;
+          for (long long i0 = t; i0 < count; i0 += static_cast<long long>(HALF_THREADS) * LINK_UNROLL) {
+            uint4 v[LINK_UNROLL];
+#pragma unroll
+            for (int u = 0; u < LINK_UNROLL; ++u) {
+              const long long at = i0 + static_cast<long long>(u) * HALF_THREADS;
+              if (at < count) v[u] = from[at];
+            }
+#pragma unroll
+            for (int u = 0; u < LINK_UNROLL; ++u) {
+              const long long at = i0 + static_cast<long long>(u) * HALF_THREADS;
+              if (at < count) to[at] = v[u];
+            }
+          }
+        }
+        fo::named_barrier(3 + half, HALF_THREADS);
+        if (t == 0) {
+          if (head.phase == 0) {
+            store_release_sys(flag_at(p, head.q, READY, head.part, p.rank), epoch);
+          } else {
+            for (int i = 1; i < p.world; ++i) {
+              store_release_sys(flag_at(p, (p.rank + i) % p.world, DONE, head.part, p.rank), epoch);
+            }
+          }
         }
       }
-      ++stored;
-      if (live && pend_count > 0 && group_of[pend_head] <= stored - 1 - keep) {
-        bulk_wait_keep(keep);  // groups `keep` or more behind the newest are complete
-        fo::fence_async_global();
-        retire(keep);
-      }
-      // The previous job's slot, once its stores have read it, takes the next job.
-      if (live && stored - begin >= 2) {
-        fo::bulk_wait_read_but_newest();
-        if (link_next(p, cur, l, links, parts, j)) load(j);
-      }
     }
-    fo::bulk_wait_all();
-    fo::fence_async_global();
-    retire(0);
+    __syncthreads();  // phase 0 of both halves flagged before phase 1
   }
 }
 }  // namespace
@@ -964,14 +923,14 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
   const int parts = ring_parts(p, computes);
   if (threadIdx.x == 0) {
     abandoned = 0;
-    for (int s = 0; s < MAX_LINK_SLOTS; ++s) fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
+    for (int s = 0; s < MAX_SLOTS; ++s) fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
     fo::mbar_init_fence();
   }
   __syncthreads();
   if (gridDim.x < 2) {
     if (threadIdx.x == 0) atomicExch(own + ERROR, 1u);  // never launched so: recorded, not hung
   } else if (static_cast<int>(blockIdx.x) >= computes) {
-    if (threadIdx.x == 0) link_work(p, static_cast<int>(blockIdx.x) - computes, links, parts, vecs, ring, epoch);
+    link_work(p, static_cast<int>(blockIdx.x) - computes, links, parts, vecs, epoch);
   } else {
     compute_work(p, static_cast<int>(blockIdx.x), computes, parts, vecs, ring, epoch);
   }
