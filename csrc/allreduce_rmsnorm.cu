@@ -116,7 +116,6 @@ struct Params {
   int stages;                              // parts per chunk, CTAs x stages <= FLAG_SLOTS
   int oneshot;                             // every rank reduces every row (2 ranks, full, push)
   int residual_sliced;                     // sharded: residual holds this rank's slice rows only
-  int link_ctas;                           // the ring's CTAs that move rows across NVLink
 };
 
 namespace {
@@ -475,127 +474,74 @@ __device__ __forceinline__ void gather(const Params& p, int stage, int vecs) {
 
 #if FO_RING
 namespace {
-// Ring (Hopper; FO_RING; two-shot, push mode): the CTAs take one of two
-// roles, so that NVLink streams without a pause while the local work goes on
-// beside it.
-//  - Link CTAs (the last `link_ctas` of the grid) only move rows across
-//    NVLink: one thread bulk-copies local rows into a ring of shared-memory
-//    slots and from there into the peers' buffers. First every other
-//    owner's slice of x, part by part, raising ready[part][rank] in the
-//    owner's buffer after each; then what each part of this rank's slice
-//    leaves for the peers (r when every rank keeps the full residual, else
-//    the normalized rows), each part once the compute CTAs stored it (they
-//    raise ready[part][rank] in this rank's own buffer, a column no peer
-//    writes), raising done[part][rank] in every peer's buffer after it.
-//  - Compute CTAs: a producer warp (warp 0, lane 0 issuing) keeps the local
-//    loads of up to `slots` rows in flight into a ring of slots (a slot
-//    holds one row of every array a row loads: world sources and the
-//    residual for a reduce), waits for a part's flags before its first
-//    load, and stores the results; the THREADS compute threads behind it
-//    work one row at a time (compute thread c takes vectors c, c + THREADS,
-//    ...). A compute CTA reduces its parts of this rank's slice, then
-//    gathers its parts of every other owner's slice as they arrive.
-// A slice is cut into `parts` parts (ring_parts); part k's reduce and
-// gathers belong to compute CTA k mod computes, its pushes to link CTA
-// k mod links. Every wait is for flags raised by work that waits on nothing
-// its waiter has still to do, once every CTA of every rank is resident (one
-// per SM: the ring takes its shared memory).
+// Ring (Hopper; FO_RING): rows move between global memory (local or a
+// peer's) and shared memory in 1-D bulk copies. The CTA's rows of a step
+// (pushes, reduces, gathers, in that order) are jobs that pass through a
+// ring of slots, each slot holding one row of every array a job loads
+// (world sources and the residual for a reduce). A producer warp (warp 0,
+// its lane 0 issuing) keeps loads for up to `slots` jobs in flight, waits
+// for the peers' flags and stores the results; the THREADS compute threads
+// behind it work a row once its slot is full (one row at a time: compute
+// thread c takes vectors c, c + THREADS, ...). The producer has a warp of
+// its own so that no lane of its warp spins on a slot while lane 0 issues.
+// Far more bytes are in flight per SM than registers hold, and the SMs
+// issue no per-vector global loads or stores. Each step drains the ring
+// before it raises its flags.
 constexpr unsigned RING_BYTES = FO_RING_BYTES;
-constexpr int MAX_SLOTS = 8;        // a compute CTA's slots
-constexpr int PART_ROWS = 16;       // the most rows a part takes while parts fit the flags
+constexpr int MAX_SLOTS = 8;
 constexpr int PRODUCER = 32;  // threads of the producer warp, ahead of the compute threads
 // Named barriers: the compute threads' row sum, and a row's hand-off from them to the producer.
 constexpr int BAR_SUM = 1, BAR_HANDOFF = 2;
 __device__ __forceinline__ int compute_thread() { return static_cast<int>(threadIdx.x) - PRODUCER; }
 // A thread's vectors of a row (hidden <= 16384).
 constexpr int ROW_VECS = (2048 + THREADS - 1) / THREADS;
-enum Kind { REDUCE, GATHER };
+enum Kind { PUSH, REDUCE, GATHER };
+struct Job {
+  int kind, row, owner, origin;  // origin: the first row of the owner's slice
+};
 __shared__ __align__(8) unsigned long long full_bars[MAX_SLOTS];
 
-// Parts per slice, the same on every rank: about two per compute CTA, of
-// 1 to PART_ROWS rows (of the largest slice), at most FLAG_SLOTS.
-__device__ __forceinline__ int ring_parts(const Params& p, int computes) {
-  const int rows = (p.tokens + p.world - 1) / p.world;
-  const int per = min(max((rows + 2 * computes - 1) / (2 * computes), 1), PART_ROWS);
-  return max(min((rows + per - 1) / per, FLAG_SLOTS), 1);
-}
-// Part k of `parts` of owner's slice: rows [first, last), possibly none.
-__device__ __forceinline__ void ring_part(const Params& p, int owner, int k, int parts, int& first, int& last) {
-  const int s0 = slice_start(p, owner);
-  const long long rows = slice_start(p, owner + 1) - s0;
-  first = s0 + static_cast<int>(rows * k / parts);
-  last = s0 + static_cast<int>(rows * (k + 1) / parts);
-}
-
-__device__ __forceinline__ const char* row_at(const void* base, long long row, unsigned row_bytes) {
-  return static_cast<const char*>(base) + row * row_bytes;
-}
-__device__ __forceinline__ char* row_at(void* base, long long row, unsigned row_bytes) {
-  return static_cast<char*>(base) + row * row_bytes;
-}
-__device__ __forceinline__ unsigned* flag_at(const Params& p, int in_rank, int base_word, int part, int from) {
-  return header(p, in_rank) + base_word + part * FO_MAX_WORLD + from;
-}
-
-// Thread 0: waits until every peer raised flag[at] of the kind at
-// base_word to `epoch` (wait_all's rule, one thread); false (the error
-// recorded, the call abandoned) on timeout.
-__device__ __forceinline__ bool gate_wait(const Params& p, int base_word, int at, unsigned epoch) {
-  for (int i = 1; i < p.world; ++i) {
-    if (!await_peer(p, base_word, at, (p.rank + i) % p.world, epoch)) return false;
-  }
-  return true;
-}
-
-// ---- Compute CTAs ----
-
-// A run of rows: one part's reduce or its gather from one owner.
+// Step t's jobs as runs of rows: pushes of part t + 1 (every other
+// owner's rows), the reduces of part t of this rank's slice, the gathers of
+// part t - 1 of every other owner's slice. Worked out once per step: a
+// part's bounds take 64-bit divisions, far too slow to redo for every row.
 struct Run {
-  int kind, part, owner, first, count;
+  int kind, first, count, owner, origin;
 };
-struct Job {
-  int kind, part, owner, row;
-  bool first, last;  // of its run
-};
-// Run i of compute CTA c of `computes`: its reduces in part order, then its
-// gathers part by part, owner by owner; false past the last.
-__device__ __forceinline__ bool run_of(const Params& p, int i, int c, int computes, int parts, Run& r) {
-  const int mine = c < parts ? (parts - 1 - c) / computes + 1 : 0;
-  if (i >= mine * p.world) return false;
-  int k, owner;
-  if (i < mine) {
-    k = c + i * computes;
-    owner = p.rank;
-  } else {
-    const int g = i - mine;
-    k = c + (g / (p.world - 1)) * computes;
-    owner = (p.rank + 1 + g % (p.world - 1)) % p.world;
+constexpr int MAX_RUNS = 2 * FO_MAX_WORLD - 1;
+__device__ __forceinline__ int step_runs(const Params& p, int t, bool pull, Run (&runs)[MAX_RUNS]) {
+  const bool pushes = t + 1 < p.stages && !pull, reduces = t >= 0 && t < p.stages, gathers = t >= 1;
+  int n = 0, first, last;
+  for (int i = 1; pushes && i < p.world; ++i) {
+    const int owner = (p.rank + i) % p.world;
+    part(p, owner, t + 1, first, last);
+    runs[n++] = {PUSH, first, last - first, owner, slice_first(p, owner)};
   }
-  int first, last;
-  ring_part(p, owner, k, parts, first, last);
-  r = {i < mine ? REDUCE : GATHER, k, owner, first, last - first};
-  return true;
+  if (reduces) {
+    part(p, p.rank, t, first, last);
+    runs[n++] = {REDUCE, first, last - first, p.rank, slice_first(p, p.rank)};
+  }
+  for (int i = 1; gathers && i < p.world; ++i) {
+    const int owner = (p.rank + i) % p.world;
+    part(p, owner, t - 1, first, last);
+    runs[n++] = {GATHER, first, last - first, owner, slice_first(p, owner)};
+  }
+  return n;
 }
 
-// A position in the CTA's jobs (its run, cached) and in the ring (its slot and that slot's phase).
+// A position in the step's jobs and in the ring (its slot and that slot's phase).
 struct Cursor {
-  int run, offset, cached;
-  Run r;
+  int run, offset;
   unsigned slot, phase;
 };
-// The job at `c`; false at run `end` or past the CTA's last.
-__device__ __forceinline__ bool job_at(const Params& p, Cursor& c, int end, int cta, int computes, int parts, Job& j) {
-  for (;;) {
-    if (c.run >= end) return false;
-    if (c.cached != c.run) {
-      if (!run_of(p, c.run, cta, computes, parts, c.r)) return false;
-      c.cached = c.run;
-    }
-    if (c.offset < c.r.count) break;
+// The job at `c`; false past the step's last.
+__device__ __forceinline__ bool job_at(const Run (&runs)[MAX_RUNS], int n, Cursor& c, Job& j) {
+  while (c.run < n && c.offset >= runs[c.run].count) {
     ++c.run;
     c.offset = 0;
   }
-  j = {c.r.kind, c.r.part, c.r.owner, c.r.first + c.offset, c.offset == 0, c.offset == c.r.count - 1};
+  if (c.run >= n) return false;
+  j = {runs[c.run].kind, runs[c.run].first + c.offset, runs[c.run].owner, runs[c.run].origin};
   return true;
 }
 __device__ __forceinline__ void advance(Cursor& c, unsigned slots) {
@@ -606,13 +552,26 @@ __device__ __forceinline__ void advance(Cursor& c, unsigned slots) {
   }
 }
 
+__device__ __forceinline__ const char* row_at(const void* base, long long row, unsigned row_bytes) {
+  return static_cast<const char*>(base) + row * row_bytes;
+}
+__device__ __forceinline__ char* row_at(void* base, long long row, unsigned row_bytes) {
+  return static_cast<char*>(base) + row * row_bytes;
+}
+
 // Thread 0: the loads of job j into slot `at` (shared address), completing on `bar`.
-__device__ __forceinline__ void ring_load(const Params& p, const Job& j, unsigned at, unsigned bar, unsigned row_bytes) {
-  if (j.kind == REDUCE) {
-    const int s0 = slice_start(p, p.rank);
+__device__ __forceinline__ void ring_load(const Params& p, const Job& j, unsigned at, unsigned bar, unsigned row_bytes,
+                                          bool pull) {
+  const int s0 = j.origin;  // a reduce's: this rank's slice
+  if (j.kind == PUSH) {
+    fo::mbar_arrive_expect_tx(bar, row_bytes);
+    fo::bulk_load(at, row_at(p.x, j.row, row_bytes), row_bytes, bar);
+  } else if (j.kind == REDUCE) {
     fo::mbar_arrive_expect_tx(bar, (p.world + 1) * row_bytes);
     for (int src = 0; src < p.world; ++src) {
-      const void* from = src == p.rank ? row_at(p.x, j.row, row_bytes) : row_at(slot(p, p.rank, src), j.row - s0, row_bytes);
+      const void* from = pull ? row_at(area(p, src, p.x_offset), j.row, row_bytes)
+                         : src == p.rank ? row_at(p.x, j.row, row_bytes)
+                                         : row_at(slot(p, p.rank, src), j.row - s0, row_bytes);
       fo::bulk_load(at + src * row_bytes, from, row_bytes, bar);
     }
     const long long res_row = p.residual_sliced ? j.row - s0 : j.row;
@@ -629,10 +588,20 @@ __device__ __forceinline__ void ring_load(const Params& p, const Job& j, unsigne
 // copied; array 1: the normalized row), as one bulk group.
 __device__ __forceinline__ void ring_store(const Params& p, const Job& j, unsigned at, unsigned row_bytes) {
   const unsigned out = at + row_bytes;
-  if (j.kind == REDUCE) {
-    const long long local = j.row - slice_start(p, p.rank);
+  if (j.kind == PUSH) {
+    fo::bulk_store(row_at(slot(p, j.owner, p.rank), j.row - j.origin, row_bytes), at, row_bytes);
+  } else if (j.kind == REDUCE) {
+    const long long local = j.row - j.origin;
     fo::bulk_store(row_at(p.residual_out, p.residual_full ? j.row : local, row_bytes), at, row_bytes);
     fo::bulk_store(row_at(p.out, j.row, row_bytes), out, row_bytes);
+    for (int i = 1; i < p.world; ++i) {
+      const int peer = (p.rank + i) % p.world;
+      if (p.residual_full) {
+        fo::bulk_store(row_at(area(p, peer, p.res_offset), j.row, row_bytes), at, row_bytes);
+      } else {
+        fo::bulk_store(row_at(area(p, peer, p.out_offset), j.row, row_bytes), out, row_bytes);
+      }
+    }
   } else if (p.residual_full) {
     fo::bulk_store(row_at(p.residual_out, j.row, row_bytes), at, row_bytes);
     fo::bulk_store(row_at(p.out, j.row, row_bytes), out, row_bytes);
@@ -708,207 +677,93 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
   }
 }
 
-// A compute CTA's work (every thread): its reduce runs through the ring,
-// then its gather runs. The producer waits for a run's flags before its
-// first load (ready from every peer for a reduce, done from the owner for a
-// gather) and, once a reduce run's rows are stored, raises ready[part][rank]
-// in this rank's buffer for the link CTAs. No gather is waited for before
-// every reduce is stored and flagged: the peers' done flags wait for theirs,
-// which wait for this rank's pushes only. Once abandoned, the producer only
-// completes each slot's phase (no bytes), so no thread waits forever.
-__device__ __forceinline__ void compute_work(const Params& p, int cta, int computes, int parts, int vecs, char* ring,
-                                             unsigned epoch) {
+// Thread 0: waits until every peer raised flag[at] of the kind at
+// base_word to `epoch` (wait_all's rule, one thread); false (the error
+// recorded, the call abandoned) on timeout.
+__device__ __forceinline__ bool gate_wait(const Params& p, int base_word, int at, unsigned epoch) {
+  for (int i = 1; i < p.world; ++i) {
+    if (!await_peer(p, base_word, at, (p.rank + i) % p.world, epoch)) return false;
+  }
+  return true;
+}
+
+// Runs step t's jobs through the ring from slot position `at` (moved past
+// them). The pushes read only this rank's x; the reduces and gathers read
+// what the peers sent in their step t - 1, so the producer waits for the
+// peers' flags only before its first load of those, with the pushes already
+// in flight. Ends with every store complete and ordered before the flags
+// raised next; false if a wait timed out (nothing stored after it).
+__device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int vecs, unsigned slots,
+                                          unsigned slot_bytes, char* ring, Cursor& at,
+                                          const uint4 (&weight)[ROW_VECS], int& parity, unsigned epoch) {
   const unsigned row_bytes = static_cast<unsigned>(vecs) * 16u;
-  const unsigned slot_bytes = static_cast<unsigned>(p.world + 1) * row_bytes;
-  const unsigned slots = min(static_cast<unsigned>(MAX_SLOTS), RING_BYTES / slot_bytes);
   const unsigned base = fo::smem_addr(ring);
   const bool lead = threadIdx.x == 0;
-  const int reduces = cta < parts ? (parts - 1 - cta) / computes + 1 : 0;
-  uint4 weight[ROW_VECS];
-#pragma unroll
-  for (int k = 0; k < ROW_VECS; ++k) {
-    const int v = compute_thread() + k * THREADS;
-    if (compute_thread() >= 0 && v < vecs) weight[k] = p.weight[v];
-  }
-  Cursor at = {0, 0, -1, {}, 0, 0};
-  int parity = 0;
-  bool live = true;
-  for (int end : {reduces, reduces * p.world}) {
-    Job j;
-    if (threadIdx.x < PRODUCER) {
-      Cursor ahead = at;  // the loads run `slots` jobs ahead of the job being stored
-      auto fill = [&](const Job& next) {
-        const unsigned bar = fo::smem_addr(&full_bars[ahead.slot]);
-        if (next.first) {
-          bool ok = live;
-          if (lead && ok) {
-            ok = next.kind == REDUCE ? gate_wait(p, READY, next.part, epoch)
-                                     : await_peer(p, DONE, next.part, next.owner, epoch);
-            fo::fence_async_global();  // the peers' rows, acquired above, read by TMA next
-          }
-          live = __shfl_sync(0xffffffffu, ok, 0);
+  Run runs[MAX_RUNS];
+  const int n = step_runs(p, t, pull, runs);
+  at.run = at.offset = 0;
+  Job j;
+  if (threadIdx.x < PRODUCER) {
+    // The producer's loads run `slots` jobs ahead of the job being worked on.
+    Cursor ahead = at;
+    bool gated = false, live = true;
+    // Job `next`'s loads into the slot at `ahead` (lane 0). Once abandoned
+    // it only completes the slot's phase (no bytes), so no thread waits forever.
+    auto fill = [&](const Job& next) {
+      const unsigned bar = fo::smem_addr(&full_bars[ahead.slot]);
+      if (!gated && next.kind != PUSH) {
+        bool ok = live;
+        if (lead && ok) {
+          ok = (t < 0 || t >= p.stages || gate_wait(p, READY, flag_slot(t), epoch)) &&
+               (t < 1 || gate_wait(p, DONE, flag_slot(t - 1), epoch));
+          fo::fence_async_global();  // the peers' rows, acquired above, read by TMA next
         }
-        if (lead && live) ring_load(p, next, base + ahead.slot * slot_bytes, bar, row_bytes);
-        if (lead && !live) fo::mbar_arrive(bar);
-        __syncwarp();
-        advance(ahead, slots);
-      };
-      for (unsigned k = 0; k < slots && job_at(p, ahead, end, cta, computes, parts, j); ++k) fill(j);
-      for (bool first = true; job_at(p, at, end, cta, computes, parts, j); advance(at, slots), first = false) {
-        if (j.kind == REDUCE || p.residual_full) {
-          fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);  // the compute threads wrote the row
-        } else {
-          fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
-        }
-        if (lead && live) {
-          ring_store(p, j, base + at.slot * slot_bytes, row_bytes);
-          if (j.kind == REDUCE && j.last) {
-            // The part's rows complete, then its flag for the link CTAs (the loads ahead stay in flight).
-            fo::bulk_wait_all();
-            fo::fence_async_global();
-            store_release_sys(flag_at(p, p.rank, READY, j.part, p.rank), epoch);
-          }
-        }
-        // The previous job's slot, once its stores have read it, takes the job `slots` after it.
-        Job next;
-        if (!first && job_at(p, ahead, end, cta, computes, parts, next)) {
-          if (lead) fo::bulk_wait_read_but_newest();
-          __syncwarp();
-          fill(next);
-        }
+        live = __shfl_sync(0xffffffffu, ok, 0);
+        gated = true;
       }
-      if (lead) fo::bulk_wait_all();
+      if (lead && live) ring_load(p, next, base + ahead.slot * slot_bytes, bar, row_bytes, pull);
+      if (lead && !live) fo::mbar_arrive(bar);
       __syncwarp();
-    } else {
-      for (; job_at(p, at, end, cta, computes, parts, j); advance(at, slots)) {
-        // Every compute thread waits for every job, so that none runs a
-        // slot's phase ahead: a parity wait two phases early would pass at once.
+      advance(ahead, slots);
+    };
+    for (unsigned k = 0; k < slots && job_at(runs, n, ahead, j); ++k) fill(j);
+    for (bool first = true; job_at(runs, n, at, j); advance(at, slots), first = false) {
+      const bool computes = j.kind == REDUCE || (j.kind == GATHER && p.residual_full);
+      if (computes) {
+        fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);  // the compute threads wrote the row
+      } else {
         fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
-        if (j.kind == REDUCE || p.residual_full) {
-          ring_compute(p, j, reinterpret_cast<uint4*>(ring + at.slot * slot_bytes), vecs, weight, parity);
-          parity ^= 1;
-          fo::fence_async_shared();  // the rows written above, read by the bulk stores
-          fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);
-        }
+      }
+      if (lead && live) ring_store(p, j, base + at.slot * slot_bytes, row_bytes);
+      // The previous job's slot, once its stores have read it, takes the
+      // job `slots` after it.
+      Job next;
+      if (!first && job_at(runs, n, ahead, next)) {
+        if (lead) fo::bulk_wait_read_but_newest();
+        __syncwarp();
+        fill(next);
+      }
+    }
+    if (lead) {
+      fo::bulk_wait_all();
+      fo::fence_async_global();  // the stores complete before the flags' release
+    }
+    __syncwarp();
+  } else {
+    for (; job_at(runs, n, at, j); advance(at, slots)) {
+      // Every compute thread waits for every job, so that none runs a
+      // slot's phase ahead: a parity wait two phases early would pass at once.
+      fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
+      if (j.kind == REDUCE || (j.kind == GATHER && p.residual_full)) {
+        ring_compute(p, j, reinterpret_cast<uint4*>(ring + at.slot * slot_bytes), vecs, weight, parity);
+        parity ^= 1;
+        fo::fence_async_shared();  // the rows written above, read by the bulk stores
+        fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);
       }
     }
   }
-}
-
-// ---- Link CTAs ----
-
-// A row a link CTA moves: phase 0 pushes row `row` of x to owner `q`'s
-// slot for this rank; phase 1 sends row `row` of this rank's slice (r or
-// the normalized row) to every peer.
-struct LinkJob {
-  int phase, part, q, row;
-  bool first, last;  // of its group (a part, and in phase 0 one owner)
-};
-struct LinkCursor {
-  int phase, n, qi, offset, first, count;
-  bool cached;
-};
-// The next job of link CTA l of `links` in the cursor's phase; false past
-// its last. Groups of no rows are skipped: nobody waits for their flags.
-__device__ __forceinline__ bool link_next(const Params& p, LinkCursor& c, int l, int links, int parts, LinkJob& j) {
-  for (;;) {
-    const int k = l + c.n * links;
-    if (k >= parts) return false;
-    const int q = c.phase == 0 ? (p.rank + 1 + c.qi) % p.world : p.rank;
-    if (!c.cached) {
-      int first, last;
-      ring_part(p, q, k, parts, first, last);
-      c.first = first;
-      c.count = last - first;
-      c.cached = true;
-    }
-    if (c.offset < c.count) {
-      j = {c.phase, k, q, c.first + c.offset, c.offset == 0, c.offset == c.count - 1};
-      ++c.offset;
-      return true;
-    }
-    c.offset = 0;
-    c.cached = false;
-    if (c.phase == 0 && ++c.qi < p.world - 1) continue;
-    c.qi = 0;
-    ++c.n;
-  }
-}
-
-// A link CTA's work (every thread): its groups in order, phase 0 and then
-// phase 1, in plain 16-byte loads and stores. Two halves of 8 warps take
-// alternate groups, so that one streams while the other waits for its
-// stores to land before raising its group's flag (a release after the half's
-// barrier: cumulative, it orders every thread's stores of the group before
-// the flag). Phase 1 waits for the compute CTAs' flag of a part before
-// copying it, and starts only once every group of phase 0 of this CTA is
-// flagged: the flag it waits for comes after the peers' pushes, which may
-// wait for this rank's. The 17th warp only waits. Once a wait timed out
-// nothing more is copied.
-constexpr int LINK_WARPS = 8, LINK_UNROLL = 8;
-__device__ __forceinline__ void link_work(const Params& p, int l, int links, int parts, int vecs, unsigned epoch) {
-  const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int half = warp / LINK_WARPS, t = static_cast<int>(threadIdx.x) % (LINK_WARPS * 32);
-  constexpr int HALF_THREADS = LINK_WARPS * 32;
-  for (int phase = 0; phase < 2; ++phase) {
-    if (half < 2) {
-      LinkCursor cur = {phase, 0, 0, 0, 0, 0, false};
-      LinkJob j;
-      // Group g of this CTA's phase goes to half g % 2; link_next yields rows, so skip by groups.
-      int group = 0;
-      bool more = link_next(p, cur, l, links, parts, j);
-      while (more) {
-        const LinkJob head = j;
-        int rows = 1;
-        while ((more = link_next(p, cur, l, links, parts, j)) && !j.first) ++rows;
-        if (group++ % 2 != half) continue;
-        // One verdict per half and group (the other half may abandon at any time).
-        __shared__ int stop[2];
-        if (t == 0) {
-          // Phase 1: this rank's own column, raised by the compute CTAs.
-          stop[half] = head.phase == 1 ? !await_peer(p, READY, head.part, p.rank, epoch)
-                                       : *static_cast<volatile int*>(&abandoned);
-        }
-        fo::named_barrier(3 + half, HALF_THREADS);
-        if (stop[half]) break;
-        const unsigned long long off = p.residual_full ? p.res_offset : p.out_offset;
-        const uint4* from = head.phase == 0 ? p.x + static_cast<long long>(head.row) * vecs
-                            : p.residual_full ? p.residual_out + static_cast<long long>(head.row) * vecs
-                                              : p.out + static_cast<long long>(head.row) * vecs;
-        const long long count = static_cast<long long>(rows) * vecs;
-        for (int i = 1; i < (head.phase == 0 ? 2 : p.world); ++i) {
-          uint4* to = head.phase == 0
-                          ? slot(p, head.q, p.rank) + static_cast<long long>(head.row - slice_start(p, head.q)) * vecs
-                          : reinterpret_cast<uint4*>(area(p, (p.rank + i) % p.world, off)) +
-                                static_cast<long long>(head.row) * vecs;
-          for (long long i0 = t; i0 < count; i0 += static_cast<long long>(HALF_THREADS) * LINK_UNROLL) {
-            uint4 v[LINK_UNROLL];
-#pragma unroll
-            for (int u = 0; u < LINK_UNROLL; ++u) {
-              const long long at = i0 + static_cast<long long>(u) * HALF_THREADS;
-              if (at < count) v[u] = from[at];
-            }
-#pragma unroll
-            for (int u = 0; u < LINK_UNROLL; ++u) {
-              const long long at = i0 + static_cast<long long>(u) * HALF_THREADS;
-              if (at < count) to[at] = v[u];
-            }
-          }
-        }
-        fo::named_barrier(3 + half, HALF_THREADS);
-        if (t == 0) {
-          if (head.phase == 0) {
-            store_release_sys(flag_at(p, head.q, READY, head.part, p.rank), epoch);
-          } else {
-            for (int i = 1; i < p.world; ++i) {
-              store_release_sys(flag_at(p, (p.rank + i) % p.world, DONE, head.part, p.rank), epoch);
-            }
-          }
-        }
-      }
-    }
-    __syncthreads();  // phase 0 of both halves flagged before phase 1
-  }
+  __syncthreads();
+  return !abandoned;
 }
 }  // namespace
 
@@ -917,22 +772,28 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
   const int vecs = p.hidden / VEC;
   unsigned* own = header(p, p.rank);
   const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own + EPOCH) + 1;
-  // The host launches the ring on 2 CTAs or more; at least one of each role.
-  const int links = min(max(p.link_ctas, 1), static_cast<int>(gridDim.x) - 1);
-  const int computes = static_cast<int>(gridDim.x) - links;
-  const int parts = ring_parts(p, computes);
+  const bool pull = p.x_offset != 0;
+  const unsigned slot_bytes = static_cast<unsigned>(p.world + 1) * static_cast<unsigned>(vecs) * 16u;
+  const unsigned slots = min(static_cast<unsigned>(MAX_SLOTS), RING_BYTES / slot_bytes);
   if (threadIdx.x == 0) {
     abandoned = 0;
-    for (int s = 0; s < MAX_SLOTS; ++s) fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
+    for (unsigned s = 0; s < slots; ++s) fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
     fo::mbar_init_fence();
   }
+  uint4 weight[ROW_VECS];
+#pragma unroll
+  for (int k = 0; k < ROW_VECS; ++k) {
+    const int v = compute_thread() + k * THREADS;
+    if (compute_thread() >= 0 && v < vecs) weight[k] = p.weight[v];
+  }
   __syncthreads();
-  if (gridDim.x < 2) {
-    if (threadIdx.x == 0) atomicExch(own + ERROR, 1u);  // never launched so: recorded, not hung
-  } else if (static_cast<int>(blockIdx.x) >= computes) {
-    link_work(p, static_cast<int>(blockIdx.x) - computes, links, parts, vecs, epoch);
-  } else {
-    compute_work(p, static_cast<int>(blockIdx.x), computes, parts, vecs, ring, epoch);
+  Cursor at = {0, 0, 0, 0};
+  int parity = 0;
+  bool ok = true;
+  for (int t = -1; ok && t <= p.stages; ++t) {
+    const bool pushes = t + 1 < p.stages, reduces = t >= 0 && t < p.stages;
+    ok = ring_step(p, t, pull, vecs, slots, slot_bytes, ring, at, weight, parity, epoch);
+    if (ok && (pushes || reduces)) raise(p, pushes ? flag_slot(t + 1) : -1, reduces ? flag_slot(t) : -1, epoch);
   }
   finish(own);
 }

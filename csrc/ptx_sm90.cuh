@@ -94,13 +94,6 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 // Waits until the issuing thread's stores are complete in global memory.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// Waits until all but the issuing thread's newest N store groups are
-// complete in global memory.
-template <int N>
-__device__ __forceinline__ void bulk_wait_but_newest() {
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // Generic-proxy writes to shared memory become visible to the async proxy
 // (a TMA store reading them).
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

@@ -1160,7 +1160,7 @@ fn allreduce_rmsnorm_launch(
         let dev = driver::bind(device)?;
         let mut call = call;
         let world = call.bases.len();
-        let ring = arn::ring_fits_call(config, tokens, world, ctas, pull);
+        let ring = arn::default_takes_ring(tokens, world, ctas, pull);
         call.config = arn::effective(config, world, hidden, dtype, dev.major, ring);
         let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype, call.config))?;
         let stream = stream::from_handle(stream);

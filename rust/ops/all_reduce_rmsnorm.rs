@@ -174,62 +174,35 @@ pub const DEFAULT_MIN_CTAS: u32 = 32;
 
 /// The config a call of `world` ranks and `hidden` columns runs with on a
 /// device of compute capability `major`: the ring's only on Hopper or later
-/// (bulk copies) where two slots fit in its shared memory and where
-/// `ring_ok` ([`ring_fits_call`]); else the same shape on plain loads and
-/// stores.
+/// (bulk copies) where two slots fit in its shared memory, and for the
+/// default only where `default_ring` ([`default_takes_ring`]); else the
+/// same shape on plain loads and stores.
 pub fn effective(
     config: NormConfig,
     world: usize,
     hidden: u32,
     dtype: Dtype,
     major: i32,
-    ring_ok: bool,
+    default_ring: bool,
 ) -> NormConfig {
     let row = u64::from(hidden) * u64::from(dtype.bytes());
     let fits = 2 * (world as u64 + 1) * row <= u64::from(NORM_RING_BYTES);
     NormConfig {
-        ring: config.ring && major >= 9 && fits && ring_ok,
+        ring: config.ring && major >= 9 && fits && (default_ring || !config.is_default()),
         ..config
     }
 }
 
-/// Whether a call of `tokens` rows on `ctas` CTAs may take the ring: a
-/// push-mode call (gemm_all_reduce_rmsnorm's pull calls keep plain loads)
-/// on at least 2 CTAs (a link CTA and a compute CTA), and for the default
-/// config only where it paid, [`RING_MIN_TOKENS`] tokens a rank or more.
-pub fn ring_fits_call(config: NormConfig, tokens: u64, world: usize, ctas: u32, pull: bool) -> bool {
-    let _ = (tokens, world);
-    !pull && ctas >= 2 && (!config.is_default() || tokens >= RING_MIN_TOKENS)
+/// Whether the default config takes the ring for a call of `tokens` rows on
+/// `ctas` CTAs: push mode (the standalone calls; gemm_all_reduce_rmsnorm's
+/// pull calls keep what their bars were measured with) where each CTA's
+/// chunk of a slice has at least [`RING_MIN_ROWS`] rows. On 2x H200 (hidden
+/// 8192, 32 CTAs) the ring took 0.94x the plain kernel's time at 1K tokens
+/// (16 rows a chunk) and 0.86x at 8K-16K, but 1.02x at 512 and 1.08x at 128.
+pub fn default_takes_ring(tokens: u64, world: usize, ctas: u32, pull: bool) -> bool {
+    !pull && tokens.div_ceil(world.max(1) as u64) >= RING_MIN_ROWS * u64::from(ctas.max(1))
 }
-pub const RING_MIN_TOKENS: u64 = 0;
-
-/// The ring's CTAs that move rows across NVLink, of `ctas` (the rest
-/// reduce and normalize): a third, at most 16.
-/// FLASHOVERLAP_NORM_LINK_CTAS overrides it (every rank must set it alike).
-pub fn link_ctas(ctas: u32) -> u32 {
-    static OVERRIDE: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-    let forced = *OVERRIDE.get_or_init(|| {
-        std::env::var("FLASHOVERLAP_NORM_LINK_CTAS")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-    });
-    let n = forced.unwrap_or_else(|| ctas.div_ceil(3).min(16));
-    n.clamp(1, ctas.saturating_sub(1).max(1))
-}
-
-/// The ring's link CTAs raise a part's flag once all but their newest
-/// `link_keep` row stores completed (the kernel's `stages` on the ring).
-/// FLASHOVERLAP_NORM_LINK_KEEP overrides it (every rank alike).
-pub fn link_keep() -> u32 {
-    static OVERRIDE: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-    OVERRIDE
-        .get_or_init(|| {
-            std::env::var("FLASHOVERLAP_NORM_LINK_KEEP")
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
-        })
-        .unwrap_or(8)
-}
+pub const RING_MIN_ROWS: u64 = 16;
 
 /// Whether a call runs one-shot: asked for by its config, and a push of two
 /// ranks keeping the full residual (elsewhere one-shot would move more bytes,
@@ -269,7 +242,6 @@ struct Params {
     stages: i32,
     oneshot: i32,
     residual_sliced: i32,
-    link_ctas: i32,
 }
 
 /// One call: device pointers of this rank's tensors, every rank's buffer
@@ -414,21 +386,16 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         eps: call.eps,
         residual_full: i32::from(call.residual_full),
         row0: row0 as i32,
-        stages: if call.config.ring {
-            link_keep() as i32
-        } else {
-            stages(
-                call.tokens,
-                world,
-                ctas,
-                call.config,
-                call.oneshot(),
-                call.pull.is_some(),
-            ) as i32
-        },
+        stages: stages(
+            call.tokens,
+            world,
+            ctas,
+            call.config,
+            call.oneshot(),
+            call.pull.is_some(),
+        ) as i32,
         oneshot: i32::from(call.oneshot()),
         residual_sliced: i32::from(call.residual_sliced),
-        link_ctas: link_ctas(ctas) as i32,
     };
     Ok(Checked {
         params: Some(params),
@@ -511,19 +478,15 @@ mod tests {
             NormConfig::PLAIN
         );
         assert!(!effective(NormConfig::PLAIN, 2, 8192, Dtype::Bf16, 9, true).ring);
-        // Only where the call may take it: push mode, 2 CTAs or more.
+        // The default takes it only where it pays; a ring asked for runs anyway.
         assert!(!effective(ring, 2, 8192, Dtype::Bf16, 9, false).ring);
         let asked = NormConfig::new(512, 4, 4).unwrap().ringed(true).unwrap();
-        assert!(ring_fits_call(asked, 128, 2, 2, false));
-        assert!(!ring_fits_call(asked, 16384, 2, 1, false));
-        assert!(!ring_fits_call(asked, 16384, 2, 32, true));
-        assert!(ring_fits_call(ring, 16384, 2, 32, false));
-        assert!(!ring_fits_call(ring, 16384, 2, 32, true));
-        // A third of the CTAs move rows across NVLink, at least one of each role.
-        assert_eq!(link_ctas(2), 1);
-        assert_eq!(link_ctas(8), 3);
-        assert_eq!(link_ctas(32), 11);
-        assert_eq!(link_ctas(132), 16);
+        assert!(effective(asked, 2, 8192, Dtype::Bf16, 9, false).ring);
+        assert!(default_takes_ring(1024, 2, 32, false));
+        assert!(!default_takes_ring(1022, 2, 32, false));
+        assert!(!default_takes_ring(512, 2, 32, false));
+        assert!(default_takes_ring(512, 2, 8, false));
+        assert!(!default_takes_ring(16384, 2, 32, true));
         // The default's stage rule holds ring or not.
         for tokens in [1024, 4096, 8192] {
             assert_eq!(
@@ -638,8 +601,7 @@ mod tests {
                 "row0",
                 "stages",
                 "oneshot",
-                "residual_sliced",
-                "link_ctas"
+                "residual_sliced"
             ]
         );
     }
@@ -683,8 +645,8 @@ mod tests {
         assert!(one.slot_bytes <= one.out_offset - HEADER_BYTES && one.bytes <= needed2);
         assert!(Layout::new(0, 1, 8, Dtype::Bf16, 0, false).is_err());
         assert!(Layout::new(9, 1, 8, Dtype::Bf16, 0, false).is_err());
-        // The CUDA struct: 5 pointers, 8 bases, 6 u64, 4 ints, a float, 6 ints.
-        assert_eq!(std::mem::size_of::<Params>(), 192);
+        // The CUDA struct: 5 pointers, 8 bases, 5 u64, 4 ints, a float, 4 ints.
+        assert_eq!(std::mem::size_of::<Params>(), 184);
         let l = Layout::new(2, 8, 8, Dtype::Bf16, 0, false).unwrap();
         let p = Layout::pull(2, 100, 8192, Dtype::Bf16).unwrap();
         let area = 100 * 16384;
