@@ -490,8 +490,8 @@ namespace {
 constexpr unsigned RING_BYTES = FO_RING_BYTES;
 constexpr int MAX_SLOTS = 8;
 constexpr int PRODUCER = 32;  // threads of the producer warp, ahead of the compute threads
-// Named barrier of the compute threads' row sum.
-constexpr int BAR_SUM = 1;
+// Named barriers: the compute threads' row sum, and a row's hand-off from them to the producer.
+constexpr int BAR_SUM = 1, BAR_HANDOFF = 2;
 __device__ __forceinline__ int compute_thread() { return static_cast<int>(threadIdx.x) - PRODUCER; }
 // A thread's vectors of a row (hidden <= 16384).
 constexpr int ROW_VECS = (2048 + THREADS - 1) / THREADS;
@@ -499,12 +499,7 @@ enum Kind { PUSH, REDUCE, GATHER };
 struct Job {
   int kind, row, owner, origin;  // origin: the first row of the owner's slice
 };
-// Per slot: its loads landed (the producer's arrive plus the bytes), and the
-// compute threads wrote its results (every compute thread arrives), which
-// hands the row to the producer's stores without stopping the compute
-// threads: they go on to the next full slot at once.
 __shared__ __align__(8) unsigned long long full_bars[MAX_SLOTS];
-__shared__ __align__(8) unsigned long long written_bars[MAX_SLOTS];
 
 // Step t's jobs as runs of rows: pushes of part t + 1 (every other
 // owner's rows), the reduces of part t of this rank's slice, the gathers of
@@ -538,7 +533,6 @@ __device__ __forceinline__ int step_runs(const Params& p, int t, bool pull, Run 
 struct Cursor {
   int run, offset;
   unsigned slot, phase;
-  unsigned written;  // the producer's: bit s, the parity of slot s's next written phase
 };
 // The job at `c`; false past the step's last.
 __device__ __forceinline__ bool job_at(const Run (&runs)[MAX_RUNS], int n, Cursor& c, Job& j) {
@@ -736,9 +730,7 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
     for (bool first = true; job_at(runs, n, at, j); advance(at, slots), first = false) {
       const bool computes = j.kind == REDUCE || (j.kind == GATHER && p.residual_full);
       if (computes) {
-        // The compute threads wrote the row (the written barrier's phases count computed jobs only).
-        fo::mbar_wait(fo::smem_addr(&written_bars[at.slot]), (at.written >> at.slot) & 1u);
-        at.written ^= 1u << at.slot;
+        fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);  // the compute threads wrote the row
       } else {
         fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
       }
@@ -766,7 +758,7 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
         ring_compute(p, j, reinterpret_cast<uint4*>(ring + at.slot * slot_bytes), vecs, weight, parity);
         parity ^= 1;
         fo::fence_async_shared();  // the rows written above, read by the bulk stores
-        fo::mbar_arrive(fo::smem_addr(&written_bars[at.slot]));
+        fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);
       }
     }
   }
@@ -785,10 +777,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
   const unsigned slots = min(static_cast<unsigned>(MAX_SLOTS), RING_BYTES / slot_bytes);
   if (threadIdx.x == 0) {
     abandoned = 0;
-    for (unsigned s = 0; s < slots; ++s) {
-      fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
-      fo::mbar_init(fo::smem_addr(&written_bars[s]), THREADS);
-    }
+    for (unsigned s = 0; s < slots; ++s) fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
     fo::mbar_init_fence();
   }
   uint4 weight[ROW_VECS];
@@ -798,7 +787,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
     if (compute_thread() >= 0 && v < vecs) weight[k] = p.weight[v];
   }
   __syncthreads();
-  Cursor at = {0, 0, 0, 0, 0};
+  Cursor at = {0, 0, 0, 0};
   int parity = 0;
   bool ok = true;
   for (int t = -1; ok && t <= p.stages; ++t) {
