@@ -10,54 +10,81 @@ the epoch advance), build the wheel, then on 2 GPUs:
     torchrun --nproc-per-node 2 evaluation/norm_trace_calls.py
 
 Results: evaluation/results/norm_small_tokens_h200x2.txt (its second part)."""
-import gc, statistics, torch, torch.distributed as dist
+
+import gc
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
 import flashoverlap
 from flashoverlap import peer_norm
-dist.init_process_group("nccl")
-rank = dist.get_rank(); torch.cuda.set_device(rank)
-hidden = 8192
-symm_ok = True
-for tokens, ctas in [(2, 8), (2, 16), (2, 32), (128, 32)]:
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    res = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
-    call = lambda: torch.ops.flashoverlap.all_reduce_rmsnorm(x, res, w, 1e-6, f"pg:{dist.group.WORLD.group_name}:{rank}", "full", ctas)
-    flashoverlap.all_reduce_rmsnorm(x, res, w, 1e-6, ctas=ctas)
-    for _ in range(20): call()
-    torch.cuda.synchronize(); dist.barrier()
-    chain, host = [], []
-    import time
-    for rep in range(5):
-        torch.cuda._sleep(20_000_000)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
+
+
+CHAIN = 50
+SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep before each chain: the host enqueues ahead
+
+
+def chain_us(fn) -> tuple[float, float]:
+    """(GPU us per call, host us to enqueue a call): medians over 5 chains of CHAIN back-to-back calls."""
+    gpu, host = [], []
+    for _ in range(5):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         t0 = time.perf_counter()
-        for _ in range(50): call()
-        host.append((time.perf_counter() - t0) / 50 * 1e6)
-        e.record(); torch.cuda.synchronize(); dist.barrier()
-        chain.append(s.elapsed_time(e) * 1e3 / 50)
-    print(f"rank {rank} tokens {tokens} ctas {ctas}: host enqueue per call {statistics.median(host):.1f} us", flush=True)
-    m = [o for o in gc.get_objects() if isinstance(o, peer_norm.PeerGroup) and o.memory is not None][0].memory
-    words = [m.header_word(i) for i in range(3, 13)]
-    d = [(words[i] - words[0]) % 2**32 / 1e3 for i in range(10)]
-    print(f"rank {rank} tokens {tokens} ctas {ctas}: per call in a chain of 50 {statistics.median(chain):.1f} us; "
-          f"CTA 0 marks of the last call (us from entry): " + " ".join(f"{v:.1f}" for v in d), flush=True)
-    # symm two-shot the same way
-    try:
+        for _ in range(CHAIN):
+            fn()
+        host.append((time.perf_counter() - t0) / CHAIN * 1e6)
+        end.record()
+        torch.cuda.synchronize()
+        dist.barrier()
+        gpu.append(start.elapsed_time(end) * 1e3 / CHAIN)
+    return statistics.median(gpu), statistics.median(host)
+
+
+def main() -> None:
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    group = dist.group.WORLD.group_name
+    hidden = 8192
+    for tokens, ctas in [(2, 8), (2, 16), (2, 32), (128, 32)]:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+        flashoverlap.all_reduce_rmsnorm(x, res, w, 1e-6, ctas=ctas)  # makes the peer group
+
+        def fo():
+            torch.ops.flashoverlap.all_reduce_rmsnorm(x, res, w, 1e-6, f"pg:{group}:{rank}", "full", ctas)
+
+        for _ in range(20):
+            fo()
+        torch.cuda.synchronize()
+        dist.barrier()
+        gpu, host = chain_us(fo)
+        memory = [o for o in gc.get_objects() if isinstance(o, peer_norm.PeerGroup) and o.memory is not None][0].memory
+        words = [memory.header_word(i) for i in range(3, 13)]
+        marks = " ".join(f"{(w - words[0]) % 2**32 / 1e3:.1f}" for w in words)
+        print(f"rank {rank} tokens {tokens} ctas {ctas}: fo {gpu:.1f} us per call (host {host:.1f} us); "
+              f"CTA 0 marks of the last call (us from entry): {marks}", flush=True)
         import torch.distributed._symmetric_memory as symm_mem
+
         buf = symm_mem.empty(tokens * hidden, device="cuda", dtype=torch.bfloat16)
-        symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
-        for _ in range(20): torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", dist.group.WORLD.group_name)
-        torch.cuda.synchronize(); dist.barrier()
-        chain = []
-        for rep in range(5):
-            torch.cuda._sleep(2_000_000)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(50): torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", dist.group.WORLD.group_name)
-            e.record(); torch.cuda.synchronize(); dist.barrier()
-            chain.append(s.elapsed_time(e) * 1e3 / 50)
-        print(f"rank {rank} tokens {tokens}: symm two_shot per call in a chain of 50 {statistics.median(chain):.1f} us", flush=True)
-    except Exception as ex:
-        print("symm failed", ex)
-dist.destroy_process_group()
+        symm_mem.rendezvous(buf, group)
+
+        def symm():
+            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group)
+
+        for _ in range(20):
+            symm()
+        torch.cuda.synchronize()
+        dist.barrier()
+        gpu, host = chain_us(symm)
+        print(f"rank {rank} tokens {tokens}: symm two_shot {gpu:.1f} us per call (host {host:.1f} us)", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
