@@ -11,6 +11,7 @@ result from torch.distributed's all_reduce and a torch RMSNorm.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import _core, _env
+from ._streams import current_stream_handle
 from ._validation import check_device, check_tensor, dtype_name
 from .communicator import resolve_group
 from .ops import _LIB, _register
@@ -74,6 +76,11 @@ class PeerGroup:
         self.config = config
         self.peer = len({h for h, _, _ in facts}) == 1 and self.world <= MAX_WORLD
         self.memory: Optional["_core.PeerMemory"] = None
+
+    @functools.cached_property
+    def sms(self) -> int:
+        """The device's SM count (asked once: torch's query costs microseconds a call)."""
+        return torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def ensure(self, nbytes: int) -> bool:
         """Whether the peer path serves this call: its buffers then hold `nbytes`."""
@@ -135,7 +142,7 @@ class PeerGroup:
                                                            out.data_ptr(), residual_out.data_ptr()),
                                        self.memory.bases, self.memory.bytes, self.rank, x.numel() // hidden, hidden, float(eps), full,
                                        dtype_name(x.dtype), ctas, wait_timeout_ns(),
-                                       torch.cuda.current_stream(self.device).cuda_stream, pull=pull,
+                                       current_stream_handle(self.device.index), pull=pull,
                                        config=config or self.config, residual_sliced=residual_sliced)
 
     def check_error(self) -> None:
@@ -285,8 +292,7 @@ def _impl(x, residual, weight, eps: float, group_name: str, residual_out: str = 
     a, b = _slice(tokens, world, rank)
     out = torch.empty_like(x)
     res = torch.empty_like(x) if residual_out == "full" else x.new_empty((b - a, hidden))
-    sms = torch.cuda.get_device_properties(state.device).multi_processor_count
-    state.launch(x, residual, weight, out, res, eps, min(ctas or DEFAULT_CTAS, sms), full=residual_out == "full",
+    state.launch(x, residual, weight, out, res, eps, min(ctas or DEFAULT_CTAS, state.sms), full=residual_out == "full",
                  residual_sliced=sliced)
     return out, res
 
@@ -326,15 +332,18 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     the same with torch.distributed.all_reduce and torch ops."""
     tokens, hidden = _check(x, residual, weight, eps, residual_out, ctas)
     pg = resolve_group(group)
-    _residual_sliced(x, residual, residual_out, dist.get_world_size(pg), dist.get_rank(pg))
     device = x.device
+    name = _name(pg, device)
+    state = _GROUPS.get(name)
+    # A known group answers world and rank without asking torch.distributed again.
+    world, rank = (state.world, state.rank) if state is not None else (dist.get_world_size(pg), dist.get_rank(pg))
+    _residual_sliced(x, residual, residual_out, world, rank)
     if device.type != "cuda":
         raise ValueError(f"x: expected a CUDA tensor, got a tensor on {device}")
-    name = _name(pg, device)
-    if name not in _GROUPS:
+    if state is None:
         _GROUPS[name] = PeerGroup(pg, device)
     else:
-        _GROUPS[name].check_error()
+        state.check_error()
     return torch.ops.flashoverlap.all_reduce_rmsnorm(x, residual, weight, float(eps), name, residual_out, ctas)
 
 
