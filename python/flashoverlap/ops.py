@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 
 from . import _core, _env, _nvrtc
-from ._streams import current_stream_handle
 from ._validation import (check_device, check_eps, check_gemm_operands, check_groups, check_split_matrix,
                           check_splits, check_tensor, dtype_name)
 from .communicator import Communicator, GroupLike, resolve_group, communicator_by_name, get_communicator
@@ -24,7 +23,7 @@ _MODES = ("auto", "overlap", "sequential")
 
 
 def _stream_handle(device: torch.device) -> int:
-    return current_stream_handle(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 _LIB = torch.library.Library("flashoverlap", "DEF")
