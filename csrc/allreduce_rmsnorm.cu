@@ -500,6 +500,11 @@ struct Job {
   int kind, row, owner, origin;  // origin: the first row of the owner's slice
 };
 __shared__ __align__(8) unsigned long long full_bars[MAX_SLOTS];
+// Whether the compute threads work job j's row (a reduce, or a gather of the
+// owner's r); else the producer stores the loaded row as it is.
+__device__ __forceinline__ bool computed(const Params& p, const Job& j) {
+  return j.kind == REDUCE || (j.kind == GATHER && p.residual_full);
+}
 
 // Step t's jobs as runs of rows: pushes of part t + 1 (every other
 // owner's rows), the reduces of part t of this rank's slice, the gathers of
@@ -728,8 +733,7 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
     };
     for (unsigned k = 0; k < slots && job_at(runs, n, ahead, j); ++k) fill(j);
     for (bool first = true; job_at(runs, n, at, j); advance(at, slots), first = false) {
-      const bool computes = j.kind == REDUCE || (j.kind == GATHER && p.residual_full);
-      if (computes) {
+      if (computed(p, j)) {
         fo::named_barrier(BAR_HANDOFF, THREADS + PRODUCER);  // the compute threads wrote the row
       } else {
         fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
@@ -754,7 +758,7 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
       // Every compute thread waits for every job, so that none runs a
       // slot's phase ahead: a parity wait two phases early would pass at once.
       fo::mbar_wait(fo::smem_addr(&full_bars[at.slot]), at.phase);
-      if (j.kind == REDUCE || (j.kind == GATHER && p.residual_full)) {
+      if (computed(p, j)) {
         ring_compute(p, j, reinterpret_cast<uint4*>(ring + at.slot * slot_bytes), vecs, weight, parity);
         parity ^= 1;
         fo::fence_async_shared();  // the rows written above, read by the bulk stores

@@ -51,7 +51,7 @@ def main() -> None:
     res = torch.randn_like(x)
     w = torch.rand(a.hidden, device="cuda", dtype=torch.bfloat16) + 0.5
     flashoverlap.all_reduce_rmsnorm(x, res, w, 1e-6, ctas=a.ctas)  # makes the peer group
-    name = f"pg:{group}:{rank}"
+    name = peer_norm._name(dist.group.WORLD, x.device)
     state = peer_norm._GROUPS[name]
     out, r = torch.empty_like(x), torch.empty_like(x)
     variants = {
