@@ -385,7 +385,7 @@ impl NormConfig {
 
     /// Threads a CTA is launched with: the ring adds its producer warp.
     pub fn block_threads(self) -> u32 {
-        self.threads + if self.ring { 32 } else { 0 }
+        self.threads + if self.ring { NORM_PRODUCER_THREADS } else { 0 }
     }
 
     /// The same config with rows through the shared-memory ring (or not);
@@ -405,6 +405,10 @@ impl NormConfig {
         Ok(Self { ring, ..self })
     }
 }
+
+/// The ring's producer warp, launched ahead of the compute threads (the
+/// kernel's PRODUCER).
+pub const NORM_PRODUCER_THREADS: u32 = 32;
 
 /// Shared memory of the ring variant: two or more slots of a row of every
 /// array a reduce loads (world sources and the residual).
@@ -639,6 +643,16 @@ mod tests {
         assert!(all_for("sm_90a").contains(&ring));
         assert!(!all_for("sm_80").contains(&ring));
         assert!(NormConfig::DEFAULT.ringed(false).unwrap() == NormConfig::PLAIN);
+        // The launch's extra warp is the kernel's producer.
+        let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
+        assert!(source.contains(&format!(
+            "constexpr int PRODUCER = {NORM_PRODUCER_THREADS};"
+        )));
+        assert_eq!(
+            NormConfig::DEFAULT.block_threads(),
+            512 + NORM_PRODUCER_THREADS
+        );
+        assert_eq!(NormConfig::PLAIN.block_threads(), 512);
     }
 
     #[test]
