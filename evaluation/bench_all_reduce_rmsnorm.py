@@ -20,6 +20,10 @@ computes r = all_reduce(x) + residual, out = r * rsqrt(mean(r^2) + eps) * weight
                    symmetric-memory buffer already holding x (symm_mem.empty + rendezvous, done once
                    per token count; no copy in the timing; no norm). "n/a" with the reason where
                    symmetric memory is unavailable or fails on any rank
+  symm_copy        x copied into that buffer, two_shot_all_reduce_, the sum copied out into a fresh
+                   tensor: what vLLM's SymmMemCommunicator.all_reduce runs for a tensor outside
+                   symmetric memory (no norm); for reference, not a bar: the fused op, like it, takes
+                   x where the caller has it and returns new tensors
   fo_<c>           the fused op, residual_out="full", ctas=c, for c in 8, 16, 32 (and, at 1024 and
                    8192 tokens, 2, 4, 64 and 132 for the CTA curve; clamped to the SM count)
   fo_sharded_<c>   the same with residual_out="sharded" (each rank gets only its rows of r)
@@ -249,7 +253,7 @@ def make_row(tokens: int, hidden: int, dtype: str, world: int, sets: int, times:
     and the check's errors (max over ranks). Same keys for every token count (one CSV)."""
     nan = math.nan
     row = {"tokens": tokens, "hidden": hidden, "dtype": dtype, "world_size": world, "sets": sets}
-    for v in ("nccl", "nccl_norm", "nccl_norm_clone", "nccl_cnorm", "symm"):
+    for v in ("nccl", "nccl_norm", "nccl_norm_clone", "nccl_cnorm", "symm", "symm_copy"):
         row[f"{v}_us"] = times.get(v, nan)
     for c in all_ctas:
         row[f"fo_{c}_us"] = times.get(f"fo_{c}", nan)
@@ -267,6 +271,7 @@ def make_row(tokens: int, hidden: int, dtype: str, world: int, sets: int, times:
     row["speedup"] = row["baseline_us"] / row["best_us"] if _finite(row["best_us"]) else nan
     row["speedup_sharded"] = row["baseline_us"] / row["best_sharded_us"] if _finite(row["best_sharded_us"]) else nan
     row["vs_symm"] = row["best_us"] / row["symm_us"] if _finite(row["symm_us"]) else nan
+    row["vs_symm_copy"] = row["best_us"] / row["symm_copy_us"] if _finite(row["symm_copy_us"]) else nan
     row["symm_note"] = symm_note
     row["max_rel_error"] = max(errors.values()) if errors else nan
     row["failed"] = " ".join(name for name, e in errors.items() if not e <= TOLERANCE)
@@ -287,20 +292,22 @@ def table(rows: list, meta: dict, dtype: str, fo_ctas: Sequence[int]) -> list[st
              f"{meta['date']}; command: {meta['command']}; kernel {config_name(_env.norm_config())}",
              "# times in us (median, max over ranks); best = fastest fo (residual full) on <= 32 CTAs [its CTAs]; "
              "x norm = baseline / best (baseline: NCCL in place + torch add-RMSNorm, the faster of eager and compiled "
-             f"where measured); /symm = best / symm (bar <= {SYMM_BAR}); shard = fastest residual_out='sharded'; "
+             f"where measured); /symm = best / symm (bar <= {SYMM_BAR}); s+cp = symm with x copied in and the sum "
+             f"out (vLLM's way; no bar), /s+cp = best / s+cp; shard = fastest residual_out='sharded'; "
              f"api = the public function on {API_CTAS} CTAs (its per-call host sync included)",
-             f"{'tokens':>6} {'nccl':>8} {'nccl_norm':>9} {'clone':>8} {'cnorm':>8} {'symm':>8} " +
+             f"{'tokens':>6} {'nccl':>8} {'nccl_norm':>9} {'clone':>8} {'cnorm':>8} {'symm':>8} {'s+cp':>8} " +
              " ".join(f"{f'fo_{c}':>8}" for c in fo_ctas) +
              f" {'best':>8} {'[c]':>4} {'shard':>8} {'api':>8} {'x norm':>7} {'bar':>5} {'/symm':>6} "
-             f"{'speed':>5} {'symm':>5} {'verdict':>7} {'err':>8}"]
+             f"{'/s+cp':>6} {'speed':>5} {'symm':>5} {'verdict':>7} {'err':>8}"]
     for r in rows:
         bar = f"{r['speed_bar']:.1f}x" if _finite(r["speed_bar"]) else "-"
         lines.append(f"{r['tokens']:>6} {fmt(r['nccl_us'], 8)} {fmt(r['nccl_norm_us'], 9)} "
-                     f"{fmt(r['nccl_norm_clone_us'], 8)} {fmt(r['nccl_cnorm_us'], 8)} {fmt(r['symm_us'], 8)} " +
+                     f"{fmt(r['nccl_norm_clone_us'], 8)} {fmt(r['nccl_cnorm_us'], 8)} {fmt(r['symm_us'], 8)} "
+                     f"{fmt(r['symm_copy_us'], 8)} " +
                      " ".join(fmt(r[f"fo_{c}_us"], 8) for c in fo_ctas) +
                      f" {fmt(r['best_us'], 8)} {r['best_ctas']:>4} {fmt(r['best_sharded_us'], 8)} "
                      f"{fmt(r[f'api_{API_CTAS}_us'], 8)} {fmt(r['speedup'], 7, '.2f', 'x')} {bar:>5} "
-                     f"{fmt(r['vs_symm'], 6, '.3f')} {r['speed_pass']:>5} {r['symm_pass']:>5} {r['verdict']:>7} "
+                     f"{fmt(r['vs_symm'], 6, '.3f')} {fmt(r['vs_symm_copy'], 6, '.3f')} {r['speed_pass']:>5} {r['symm_pass']:>5} {r['verdict']:>7} "
                      f"{fmt(r['max_rel_error'], 8, '.1e')}")
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("PASS", "PARTIAL", "FAIL")}
     lines.append(f"bars: {counts['PASS']} PASS, {counts['PARTIAL']} PARTIAL (a bar not measurable), "
@@ -486,6 +493,12 @@ class _Case:
             torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", ctx.group_name)
             return buf
 
+        def symm_copy(i):
+            buf = symm_bufs[i % sets]
+            buf.copy_(xs[i % sets])
+            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", ctx.group_name)
+            return buf.clone()
+
         op = torch.ops.flashoverlap.all_reduce_rmsnorm
 
         def fo(ctas, mode):
@@ -512,6 +525,7 @@ class _Case:
             v["nccl_cnorm"] = (nccl_cnorm, "norm", "full")
         if symm_bufs is not None:
             v["symm"] = (symm, "sum", None)
+            v["symm_copy"] = (symm_copy, "sum", None)
         # The public function first: its first call per group (and with more tokens) makes or grows the
         # peer buffers, a collective host step the registered op must not meet inside a timing.
         v[f"api_{API_CTAS}"] = (api, "norm", "full")

@@ -22,12 +22,13 @@ ALL_CTAS = [2, 4, 8, 16, 32, 64, 132]
 
 
 def _row(tokens=2048, *, norm=300.0, fo=(250.0, 180.0, 190.0), symm=175.0, cnorm=None, sharded=(240.0, 170.0, 200.0),
-         curve=None, errors=None, note=""):
+         curve=None, errors=None, note="", symm_copy=200.0):
     times = {"nccl": 100.0, "nccl_norm": norm, "nccl_norm_clone": norm + 40.0, "api_16": fo[1] + 30.0}
     times.update({f"fo_{c}": t for c, t in zip(ar.FO_CTAS, fo)})
     times.update({f"fo_sharded_{c}": t for c, t in zip(ar.FO_CTAS, sharded)})
     if symm is not None:
         times["symm"] = symm
+        times["symm_copy"] = symm_copy
     if cnorm is not None:
         times["nccl_cnorm"] = cnorm
     if curve:
@@ -182,14 +183,17 @@ def test_table_has_the_issue_columns_and_values() -> None:
     lines = ar.table(rows, META, "bfloat16", ar.FO_CTAS)
     assert "2 x NVIDIA H200, hidden 8192, bfloat16" in lines[0]
     header = lines[2].split()
-    for column in ("tokens", "nccl", "nccl_norm", "symm", "fo_8", "fo_16", "fo_32", "best", "x", "norm", "/symm",
-                   "speed", "verdict", "err"):
+    for column in ("tokens", "nccl", "nccl_norm", "symm", "s+cp", "fo_8", "fo_16", "fo_32", "best", "x", "norm",
+                   "/symm", "/s+cp", "speed", "verdict", "err"):
         assert column in header
     first = next(x for x in lines if x.split()[:1] == ["2048"]).split()
-    assert first[1:6] == ["100.0", "300.0", "340.0", "n/a", "175.0"]  # nccl, nccl_norm, clone, cnorm, symm
-    assert first[6:9] == ["250.0", "180.0", "190.0"]
-    assert first[9:11] == ["180.0", "16"]
+    # nccl, nccl_norm, clone, cnorm, symm, symm with the copies
+    assert first[1:7] == ["100.0", "300.0", "340.0", "n/a", "175.0", "200.0"]
+    assert first[7:10] == ["250.0", "180.0", "190.0"]
+    assert first[10:12] == ["180.0", "16"]
     assert "1.67x" in first and "1.5x" in first and "1.029" in first and first[-2] == "PASS"
+    # best / symm, then best / symm with the copies (no bar: the verdict ignores it)
+    assert first[first.index("1.029") + 1] == "0.900"
     second = next(x for x in lines if x.split()[:1] == ["8192"]).split()
     assert f"{1000 / 700:.2f}x" in second and "1.3x" in second
     assert "bars: 2 PASS, 0 PARTIAL (a bar not measurable), 0 FAIL of 2 token counts" in lines
