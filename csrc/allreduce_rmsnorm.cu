@@ -80,8 +80,10 @@ constexpr int UNROLL = FO_UNROLL;
 // Header words of a rank's buffer (u32 indices); keep in step with rust/ops/all_reduce_rmsnorm.rs.
 constexpr int EPOCH = 0, FINISHED = 1, ERROR = 2;
 // Flags of one kind: a word per (part, source); ready and done fill the
-// 64 KiB header after its first 16 words, so CTAs x stages <= FLAG_SLOTS.
-constexpr int FLAG_SLOTS = 1023;
+// 64 KiB header after its first 16 words but the last 128 (the copy-engine
+// mode's flags, which only stream memory operations touch), so CTAs x
+// stages <= FLAG_SLOTS.
+constexpr int FLAG_SLOTS = 1015;
 constexpr int READY = 16;
 constexpr int DONE = READY + FLAG_SLOTS * FO_MAX_WORLD;
 
@@ -116,6 +118,7 @@ struct Params {
   int stages;                              // parts per chunk, CTAs x stages <= FLAG_SLOTS
   int oneshot;                             // every rank reduces every row (2 ranks, full, push)
   int residual_sliced;                     // sharded: residual holds this rank's slice rows only
+  int copy_engines;                        // the copy engines move the rows: no peer store here
 };
 
 namespace {
@@ -350,8 +353,10 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
                                             const RowGroup& grp) {
   const int s0 = slice_first(p, p.rank);
   const int threads = row_threads<FIXED>(grp);
-  // Two-shot with the full residual: r goes to every peer (one-shot: each computes its own).
-  const bool share_r = p.residual_full && !p.oneshot;
+  // Two-shot with the full residual: r goes to every peer (one-shot: each computes its own;
+  // with the copy engines they copy it).
+  const bool share_r = p.residual_full && !p.oneshot && !p.copy_engines;
+  const bool share_out = !p.residual_full && !p.copy_engines;
   int parity = 0;
   for (int row = first + grp.index; row < last; row += grp.count, parity ^= 1) {
     const long long base = static_cast<long long>(row) * vecs;
@@ -412,7 +417,7 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
     // r_row: this thread's vectors, written by it above.
     normalize_row<FIXED>(r_row, p.weight, scale, vecs, grp, [&](int v, uint4, uint4 y) {
       p.out[base + v] = y;
-      for (int i = 1; !p.residual_full && i < p.world; ++i) {
+      for (int i = 1; share_out && i < p.world; ++i) {
         const int peer = (p.rank + i) % p.world;
         reinterpret_cast<uint4*>(area(p, peer, p.out_offset))[base + v] = y;
       }
@@ -836,3 +841,43 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
   finish(own);
 }
 #endif  // FO_RING
+
+// Copy-engine mode (2 ranks, csrc's part of rust/ops/all_reduce_rmsnorm.rs's
+// enqueue_copy_engines): the copy engines moved the peer's x rows of this
+// rank's slice into its slot before this launch, and move the rows it
+// writes afterwards, so the kernels only sum and normalize, with no flag
+// and no peer access. Rows [first, last) split evenly over the CTAs; the
+// owner's reduce and the peer's gather of the same rows split them alike,
+// so both normalize each row with the same row groups, bit for bit.
+namespace {
+__device__ __forceinline__ void cta_rows(int first, int last, int& f, int& l) {
+  const long long rows = last - first;
+  f = first + static_cast<int>(rows * blockIdx.x / gridDim.x);
+  l = first + static_cast<int>(rows * (blockIdx.x + 1) / gridDim.x);
+}
+}  // namespace
+
+// Rows [first, last) of this rank's slice: sum, add the residual, normalize.
+extern "C" __global__ void __launch_bounds__(FO_THREADS) fo_arn_ce_reduce(Params p, int first, int last) {
+  int f, l;
+  cta_rows(first, last, f, l);
+  const RowGroup grp = row_group(l - f);
+  if (grp.size == 1) {
+    reduce_rows<WARP_ROWS>(p, f, l, p.hidden / VEC, false, grp);
+  } else {
+    reduce_rows<ANY_ROWS>(p, f, l, p.hidden / VEC, false, grp);
+  }
+}
+
+// Rows [first, last) of the peer's slice (full residual): its r, landed in
+// this rank's residual area, into residual_out, normalized into out.
+extern "C" __global__ void __launch_bounds__(FO_THREADS) fo_arn_ce_gather(Params p, int first, int last) {
+  int f, l;
+  cta_rows(first, last, f, l);
+  const RowGroup grp = row_group(l - f);
+  if (grp.size == 1) {
+    gather_rows<WARP_ROWS>(p, f, l, p.hidden / VEC, grp);
+  } else {
+    gather_rows<ANY_ROWS>(p, f, l, p.hidden / VEC, grp);
+  }
+}

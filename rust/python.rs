@@ -1103,9 +1103,12 @@ fn allreduce_rmsnorm_partial(
 /// (its sequential schedule).
 /// `config`: (threads, unroll, stages, oneshot) of the kernel (default the library's;
 /// other values for the benchmark's sweep). `residual_sliced` (sharded mode):
-/// the residual tensor holds this rank's slice rows only.
+/// the residual tensor holds this rank's slice rows only. `lanes` (2 ranks,
+/// push mode): the copy engines move the rows, in `chunks` per slice, and
+/// two kernels of `ctas` CTAs each only sum and normalize
+/// (ops::norm_copy_engines).
 #[pyfunction]
-#[pyo3(signature = (device, tensors, bases, buffer_bytes, rank, tokens, hidden, eps, residual_full, dtype, ctas, timeout_ns, stream, pull=false, config=None, residual_sliced=false))]
+#[pyo3(signature = (device, tensors, bases, buffer_bytes, rank, tokens, hidden, eps, residual_full, dtype, ctas, timeout_ns, stream, pull=false, config=None, residual_sliced=false, lanes=None, chunks=4))]
 #[allow(clippy::too_many_arguments)]
 fn allreduce_rmsnorm_launch(
     py: Python<'_>,
@@ -1125,10 +1128,19 @@ fn allreduce_rmsnorm_launch(
     pull: bool,
     config: Option<NormTuple>,
     residual_sliced: bool,
+    lanes: Option<PyRef<'_, PyNormLanes>>,
+    chunks: u32,
 ) -> PyResult<()> {
     let _keep = driver::KeepCurrent::new();
     let dtype = self::dtype(dtype)?;
     let config = norm_config(config)?;
+    if let Some(lanes) = &lanes {
+        if pull || lanes.device != device || bases.len() != 2 {
+            return Err(PyValueError::new_err(
+                "lanes: the copy engines serve push calls of 2 ranks, with lanes of the call's device",
+            ));
+        }
+    }
     if pull && !residual_full {
         return Err(PyValueError::new_err(
             "residual_out: the pull layout keeps the full residual only",
@@ -1156,10 +1168,25 @@ fn allreduce_rmsnorm_launch(
         }),
         config,
     };
+    let lanes = lanes.as_ref().map(|l| &l.lanes);
     py.detach(|| {
         let dev = driver::bind(device)?;
         let mut call = call;
         let world = call.bases.len();
+        if let Some(lanes) = lanes {
+            call.config = kernels::NormConfig {
+                ring: false,
+                oneshot: false,
+                ..config
+            };
+            let [reduce, gather] = kernels::allreduce_rmsnorm_ce_specs(dtype, call.config);
+            let reduce = kernels::load(&dev, &reduce)?;
+            let gather = kernels::load(&dev, &gather)?;
+            let stream = stream::from_handle(stream);
+            return crate::ops::norm_copy_engines::enqueue(
+                &reduce, &gather, &call, ctas, chunks, stream, lanes,
+            );
+        }
         let ring = arn::default_takes_ring(tokens, world, ctas, pull);
         call.config = arn::effective(config, world, hidden, dtype, dev.major, ring);
         let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype, call.config))?;
@@ -1176,6 +1203,25 @@ fn allreduce_rmsnorm_launch(
         checked.launch(&kernel, stream)
     })
     .map_err(to_py)
+}
+
+/// The streams and events of the copy engines' AllReduce + RMSNorm on one
+/// device (ops::norm_copy_engines::Lanes), made once per peer group.
+#[pyclass(name = "NormLanes", module = "flashoverlap._core")]
+struct PyNormLanes {
+    device: i32,
+    lanes: crate::ops::norm_copy_engines::Lanes,
+}
+
+#[pymethods]
+impl PyNormLanes {
+    #[new]
+    fn new(device: i32) -> PyResult<Self> {
+        let _keep = driver::KeepCurrent::new();
+        driver::bind(device).map_err(to_py)?;
+        let lanes = crate::ops::norm_copy_engines::Lanes::new().map_err(to_py)?;
+        Ok(Self { device, lanes })
+    }
 }
 
 /// A zeroed device buffer of this rank mapped into every rank of a node
@@ -1675,6 +1721,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_partial, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_stages, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_rmsnorm_launch, m)?)?;
+    m.add_class::<PyNormLanes>()?;
     m.add_class::<PyPeerMemory>()?;
     m.add("ALLREDUCE_RMSNORM_ERROR_WORD", arn::ERROR_WORD)?;
     m.add_function(wrap_pyfunction!(plan_gemm_all_reduce, m)?)?;

@@ -254,3 +254,28 @@ def test_fallback_rebuilds_a_sliced_residual(tmp_path) -> None:
         failures += json.loads(path.read_text()) if path.exists() else [f"rank {r}: no result"]
     assert not failures, failures
 
+
+
+@pytest.mark.parametrize("name,value,words", [("FLASHOVERLAP_NORM_CE_MIN_TOKENS", "-1", [">= 0"]),
+                                              ("FLASHOVERLAP_NORM_CE_MIN_TOKENS", "many", ["integer"]),
+                                              ("FLASHOVERLAP_NORM_CE_CHUNKS", "0", ["1 to 64"]),
+                                              ("FLASHOVERLAP_NORM_CE_CHUNKS", "65", ["1 to 64"])])
+def test_bad_copy_engine_settings_are_named(monkeypatch, name, value, words) -> None:
+    from flashoverlap import _env
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as info:
+        _env.norm_copy_engines()
+    for word in [name] + words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_copy_engine_settings_default_and_parse(monkeypatch) -> None:
+    from flashoverlap import _env
+
+    monkeypatch.delenv("FLASHOVERLAP_NORM_CE_MIN_TOKENS", raising=False)
+    monkeypatch.delenv("FLASHOVERLAP_NORM_CE_CHUNKS", raising=False)
+    assert _env.norm_copy_engines() == (_env.NORM_CE_MIN_TOKENS_DEFAULT, _env.NORM_CE_CHUNKS_DEFAULT)
+    monkeypatch.setenv("FLASHOVERLAP_NORM_CE_MIN_TOKENS", "0")
+    monkeypatch.setenv("FLASHOVERLAP_NORM_CE_CHUNKS", "16")
+    assert _env.norm_copy_engines() == (0, 16)

@@ -126,6 +126,25 @@ def norm_config() -> tuple:
         raise ValueError(f"FLASHOVERLAP_NORM_CONFIG: {e}") from None
 
 
+NORM_CE_MIN_TOKENS_DEFAULT = 4096
+NORM_CE_CHUNKS_DEFAULT = 4
+
+
+def norm_copy_engines() -> tuple[int, int]:
+    """(FLASHOVERLAP_NORM_CE_MIN_TOKENS, FLASHOVERLAP_NORM_CE_CHUNKS): all_reduce_rmsnorm on 2 ranks
+    lets the copy engines move the rows (the SMs only sum and normalize, half the CTAs each) from
+    this many tokens on (default 4096; 0: never), in this many row ranges per slice (default 4,
+    1-64). Read when a peer group is made; every rank of a group must set them alike."""
+    tokens = _int("FLASHOVERLAP_NORM_CE_MIN_TOKENS", NORM_CE_MIN_TOKENS_DEFAULT)
+    chunks = _int("FLASHOVERLAP_NORM_CE_CHUNKS", NORM_CE_CHUNKS_DEFAULT)
+    assert tokens is not None and chunks is not None
+    if tokens < 0:
+        raise ValueError(f"FLASHOVERLAP_NORM_CE_MIN_TOKENS: expected >= 0, got {tokens}")
+    if not 1 <= chunks <= 64:
+        raise ValueError(f"FLASHOVERLAP_NORM_CE_CHUNKS: expected 1 to 64, got {chunks}")
+    return tokens, chunks
+
+
 def nccl_max_ctas() -> int | None:
     """FLASHOVERLAP_NCCL_MAX_CTAS: CTA cap of flashoverlap's NCCL communicators (default: the reserved SMs)."""
     v = _int("FLASHOVERLAP_NCCL_MAX_CTAS", None)

@@ -58,23 +58,26 @@ class PeerGroup:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, op: str = "all_reduce_rmsnorm"):
         self.group, self.device, self.op = group, device, op
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        # The kernel's shape: its parts must match across ranks, so the ranks compare it and all
-        # raise alike (a bad value on one rank too: none is left waiting for the others).
+        # The kernel's shape and the copy engines' settings must match across ranks (the parts and
+        # the mode of a call do), so the ranks compare them and all raise alike (a bad value on one rank too: none is left waiting for the others).
         try:
-            config, error = _env.norm_config(), None
+            config, ce, error = _env.norm_config(), _env.norm_copy_engines(), None
         except ValueError as e:
-            config, error = None, str(e)
+            config, ce, error = None, None, str(e)
         facts = [None] * self.world
-        dist.all_gather_object(facts, (socket.gethostname(), config, error), group=group)
-        errors = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(facts) if e is not None]
+        dist.all_gather_object(facts, (socket.gethostname(), config, ce, error), group=group)
+        errors = [f"rank {r}: {e}" for r, (_, _, _, e) in enumerate(facts) if e is not None]
         if errors:
             raise ValueError(f"{op}: {'; '.join(errors)}")
-        configs = {c for _, c, _ in facts}
-        if len(configs) > 1:
-            raise ValueError(f"{op}: FLASHOVERLAP_NORM_CONFIG differs across the group's ranks "
-                             f"({sorted(configs)}); set it alike on every rank")
+        for i, name in ((1, "FLASHOVERLAP_NORM_CONFIG"), (2, "FLASHOVERLAP_NORM_CE_MIN_TOKENS / _CHUNKS")):
+            values = {f[i] for f in facts}
+            if len(values) > 1:
+                raise ValueError(f"{op}: {name} differs across the group's ranks ({sorted(values)}); "
+                                 "set it alike on every rank")
         self.config = config
-        self.peer = len({h for h, _, _ in facts}) == 1 and self.world <= MAX_WORLD
+        self.ce_min_tokens, self.ce_chunks = ce
+        self.peer = len({f[0] for f in facts}) == 1 and self.world <= MAX_WORLD
+        self._lanes: Optional["_core.NormLanes"] = None
         self.memory: Optional["_core.PeerMemory"] = None
 
     @functools.cached_property
@@ -129,21 +132,36 @@ class PeerGroup:
         ptr = _core.allreduce_rmsnorm_partial(self.core_buffers(), rows, hidden, dtype_name(dtype))
         return _alias(ptr, (rows, hidden), dtype)
 
+    def copy_engines(self, tokens: int) -> bool:
+        """Whether a call of `tokens` rows lets the copy engines move them (2 ranks, from
+        FLASHOVERLAP_NORM_CE_MIN_TOKENS on): the same answer on every rank."""
+        return self.world == 2 and 0 < self.ce_min_tokens <= tokens
+
     def launch(self, x, residual, weight, out, residual_out, eps: float, ctas: int, *, full: bool = True,
-               pull: bool = False, config=None, residual_sliced: bool = False) -> None:
+               pull: bool = False, config=None, residual_sliced: bool = False,
+               copy_engines: bool = False) -> None:
         """Enqueues the kernel over x's rows on this device's current stream, on this group's
         buffers (made and large enough: `ensure`). pull: the buffers are laid out for
         gemm_all_reduce_rmsnorm's backend="peer" (x is copied into this rank's partial first,
         unless x is `partial(...)`);
         config: (threads, unroll, stages, oneshot) of the kernel, default the group's (FLASHOVERLAP_NORM_CONFIG).
-        residual_sliced: `residual` holds this rank's slice rows only (full=False)."""
+        residual_sliced: `residual` holds this rank's slice rows only (full=False).
+        copy_engines (2 ranks): the copy engines move the rows, `ctas` CTAs sum and normalize
+        (with the full residual half of them sum while the other half normalizes the peer's rows)."""
         hidden = x.shape[-1]
+        lanes = None
+        if copy_engines:
+            if self._lanes is None:
+                self._lanes = _core.NormLanes(self.device.index)
+            lanes = self._lanes
+            ctas = max(1, ctas // 2) if full else ctas
         _core.allreduce_rmsnorm_launch(self.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
                                                            out.data_ptr(), residual_out.data_ptr()),
                                        self.memory.bases, self.memory.bytes, self.rank, x.numel() // hidden, hidden, float(eps), full,
                                        dtype_name(x.dtype), ctas, wait_timeout_ns(),
                                        current_stream_handle(self.device.index), pull=pull,
-                                       config=config or self.config, residual_sliced=residual_sliced)
+                                       config=config or self.config, residual_sliced=residual_sliced,
+                                       lanes=lanes, chunks=self.ce_chunks)
 
     def check_error(self) -> None:
         # Only a bounded wait can record an error, and reading the word waits for the device:
@@ -293,7 +311,7 @@ def _impl(x, residual, weight, eps: float, group_name: str, residual_out: str = 
     out = torch.empty_like(x)
     res = torch.empty_like(x) if residual_out == "full" else x.new_empty((b - a, hidden))
     state.launch(x, residual, weight, out, res, eps, min(ctas or DEFAULT_CTAS, state.sms), full=residual_out == "full",
-                 residual_sliced=sliced)
+                 residual_sliced=sliced, copy_engines=state.copy_engines(tokens))
     return out, res
 
 

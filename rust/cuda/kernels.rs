@@ -433,6 +433,30 @@ pub fn allreduce_rmsnorm_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
     }
 }
 
+/// The copy-engine mode's two kernels (csrc/allreduce_rmsnorm.cu's
+/// fo_arn_ce_reduce and fo_arn_ce_gather), from the plain build of `config`:
+/// the same module as that build's fo_allreduce_rmsnorm (one cubin, which
+/// `all_for` compiles under that entry).
+pub fn allreduce_rmsnorm_ce_specs(dtype: Dtype, config: NormConfig) -> [KernelSpec; 2] {
+    let plain = allreduce_rmsnorm_spec(
+        dtype,
+        NormConfig {
+            ring: false,
+            ..config
+        },
+    );
+    [
+        KernelSpec {
+            entry: "fo_arn_ce_reduce",
+            ..plain.clone()
+        },
+        KernelSpec {
+            entry: "fo_arn_ce_gather",
+            ..plain
+        },
+    ]
+}
+
 /// Every variant the library can launch on `arch`, for the compile check CI
 /// runs (the peer reduction for 2, 4 and 8 ranks, the un-reorder copy
 /// for each GEMM tile, the fused add + RMSNorm).

@@ -39,8 +39,9 @@ pub const ERROR_WORD: u64 = 2;
 pub const MAX_WORLD: usize = 8;
 pub const MAX_CTAS: u32 = 256;
 /// Flag slots of each kind in the header (the kernel's FLAG_SLOTS): one per
-/// (stage, CTA) of a call.
-pub const FLAG_SLOTS: u32 = 1023;
+/// (stage, CTA) of a call. The header's last 128 words are the copy-engine
+/// mode's ([`CE_ARRIVED_WORD`]).
+pub const FLAG_SLOTS: u32 = 1015;
 pub const MAX_HIDDEN: u32 = 16384;
 
 /// Where the areas of one call lie in every rank's buffer.
@@ -242,6 +243,7 @@ struct Params {
     stages: i32,
     oneshot: i32,
     residual_sliced: i32,
+    copy_engines: i32,
 }
 
 /// One call: device pointers of this rank's tensors, every rank's buffer
@@ -322,6 +324,38 @@ impl Checked {
     }
 }
 
+impl Checked {
+    /// The copy-engine mode's kernels (`fo_arn_ce_reduce`, `fo_arn_ce_gather`)
+    /// over rows [first, last), on at most `ctas` CTAs (one per row at
+    /// least): the rows the copy engines moved, no peer access.
+    pub fn launch_rows(
+        &self,
+        kernel: &Kernel,
+        first: u64,
+        last: u64,
+        stream: RawStream,
+    ) -> Result<()> {
+        let Some(params) = self.params else {
+            return Ok(());
+        };
+        if last <= first {
+            return Ok(());
+        }
+        let mut params = Params {
+            copy_engines: 1,
+            ..params
+        };
+        let (mut first, mut last) = (first as i32, last as i32);
+        let grid = self.ctas.min((last - first) as u32);
+        let mut args: [*mut c_void; 3] = [
+            (&mut params as *mut Params).cast(),
+            (&mut first as *mut i32).cast(),
+            (&mut last as *mut i32).cast(),
+        ];
+        kernel.launch(grid, self.threads, stream, &mut args)
+    }
+}
+
 /// Checks a call on `ctas` CTAs before anything is enqueued.
 pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
     let world = call.bases.len();
@@ -396,6 +430,7 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         ) as i32,
         oneshot: i32::from(call.oneshot()),
         residual_sliced: i32::from(call.residual_sliced),
+        copy_engines: 0,
     };
     Ok(Checked {
         params: Some(params),
@@ -601,7 +636,8 @@ mod tests {
                 "row0",
                 "stages",
                 "oneshot",
-                "residual_sliced"
+                "residual_sliced",
+                "copy_engines"
             ]
         );
     }
@@ -645,8 +681,8 @@ mod tests {
         assert!(one.slot_bytes <= one.out_offset - HEADER_BYTES && one.bytes <= needed2);
         assert!(Layout::new(0, 1, 8, Dtype::Bf16, 0, false).is_err());
         assert!(Layout::new(9, 1, 8, Dtype::Bf16, 0, false).is_err());
-        // The CUDA struct: 5 pointers, 8 bases, 5 u64, 4 ints, a float, 4 ints.
-        assert_eq!(std::mem::size_of::<Params>(), 184);
+        // The CUDA struct: 5 pointers, 8 bases, 5 u64, 4 ints, a float, 6 ints.
+        assert_eq!(std::mem::size_of::<Params>(), 192);
         let l = Layout::new(2, 8, 8, Dtype::Bf16, 0, false).unwrap();
         let p = Layout::pull(2, 100, 8192, Dtype::Bf16).unwrap();
         let area = 100 * 16384;

@@ -10,4 +10,5 @@ pub mod gemm;
 pub mod gemm_all_reduce;
 pub mod gemm_all_to_all;
 pub mod gemm_reduce_scatter;
+pub mod norm_copy_engines;
 pub mod profile;

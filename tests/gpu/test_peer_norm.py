@@ -160,10 +160,16 @@ def _run_ranks(world: int, out_dir: Path, timeout_s: float = 240.0) -> None:
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_matches_fp32_composition(tmp_path: Path, world: int) -> None:
+@pytest.mark.parametrize("world,ce_min_tokens", [(2, None), (2, "1"), (2, "0"), (3, None)])
+def test_matches_fp32_composition(tmp_path: Path, monkeypatch, world: int, ce_min_tokens) -> None:
+    """ce_min_tokens (FLASHOVERLAP_NORM_CE_MIN_TOKENS): None, the default (2 ranks: the copy
+    engines move the rows of the 4096-token case, the kernel's stores the others', so calls of
+    both kinds follow each other on one group's buffers); "1": every call of 2 ranks on the copy
+    engines, the graph replays and the sharded chain included; "0": none."""
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                        "NVSHMEM_DISABLE_NVLS": "1", "FLASHOVERLAP_PEER_TIMEOUT_S": "30"})
+    if ce_min_tokens is not None:
+        monkeypatch.setenv("FLASHOVERLAP_NORM_CE_MIN_TOKENS", ce_min_tokens)
     _run_ranks(world, tmp_path)
     failures = [f for r in range(world) for f in json.loads(Path(tmp_path, f"rank{r}.json").read_text())]
     assert not failures, "\n".join(failures[:10])

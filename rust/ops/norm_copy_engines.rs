@@ -1,0 +1,213 @@
+//! AllReduce + residual add + RMSNorm on 2 ranks with the copy engines
+//! moving every row over NVLink, so that the SMs only sum and normalize
+//! (csrc/allreduce_rmsnorm.cu's fo_arn_ce_reduce and fo_arn_ce_gather):
+//! the same buffers, slices and results as the peer-store kernel, which
+//! needs its CTAs to drive the links as well.
+//!
+//! Each slice is cut into `chunks` row ranges; chunk c of rank o's slice
+//! goes through the caller's stream S and three lanes of this rank's:
+//!
+//! Copy C:  copy(x rows of the peer's chunk c -> its slot for this rank) set(x arrived c at peer) ...
+//! S:       take(x arrived c) reduce(chunk c: sum, residual, norm) [reduced c] ...
+//! Send G:  [reduced c] copy(r rows, or out rows if sharded, -> the peer's area) set(r arrived c at peer) ...
+//! Land L:  take(r arrived c) gather(the peer's chunk c: normalize r) or copy(out rows) ...
+//!
+//! The flags (1 = arrived) are reset by their one waiter, so CUDA-graph
+//! replays work. Nothing else orders one call after the previous: every
+//! write into the peer's buffer follows (through the flags) the peer's
+//! reads of the previous call. The x copies follow this rank's previous
+//! call, whose landings waited for every r the peer sent, sent once the
+//! peer had read its slots; the r copies follow this call's x from the
+//! peer, sent once the peer finished its previous call, landings included.
+//! The same holds against the peer-store kernel's calls before and after.
+
+use super::all_reduce_rmsnorm::{self as arn, Call, HEADER_BYTES};
+use crate::cuda::kernels::Kernel;
+use crate::cuda::stream::{self, Event, OwnedStream, RawStream};
+use crate::error::{Error, Result};
+
+/// Header words of the copy-engine mode's flags (u32 indices), after the
+/// kernel's ready and done arrays ([`arn::FLAG_SLOTS`]): x arrived for
+/// chunk c at `CE_ARRIVED_WORD + c`, r arrived at `+ MAX_CHUNKS + c`.
+pub const CE_ARRIVED_WORD: u64 = 16 + 2 * arn::FLAG_SLOTS as u64 * arn::MAX_WORLD as u64;
+pub const MAX_CHUNKS: u32 = 64;
+
+/// The streams and events one rank's calls run on (made once per group).
+pub struct Lanes {
+    copy: OwnedStream,
+    send: OwnedStream,
+    land: OwnedStream,
+    fork: Event,
+    joins: [Event; 3],
+    reduced: Vec<Event>,
+}
+
+impl Lanes {
+    /// On the current context's device.
+    pub fn new() -> Result<Self> {
+        Ok(Self {
+            copy: OwnedStream::high_priority()?,
+            send: OwnedStream::high_priority()?,
+            land: OwnedStream::high_priority()?,
+            fork: Event::new()?,
+            joins: [Event::new()?, Event::new()?, Event::new()?],
+            reduced: (0..MAX_CHUNKS)
+                .map(|_| Event::new())
+                .collect::<Result<_>>()?,
+        })
+    }
+}
+
+/// Rows [first, last) of `slice` cut into `chunks` near-equal ranges.
+pub fn chunk(slice: (u64, u64), chunks: u32, c: u32) -> (u64, u64) {
+    let (a, b) = slice;
+    let n = u64::from(chunks.max(1));
+    let at = |i: u64| a + (b - a) * i / n;
+    (at(u64::from(c)), at(u64::from(c) + 1))
+}
+
+fn word(base: u64, index: u64) -> u64 {
+    base + 4 * index
+}
+
+/// Enqueues a call (push layout, 2 ranks, two-shot) on the caller's stream
+/// and `lanes`, each kernel on `ctas` CTAs (the reduce and the gather may run
+/// at once: 2 x `ctas` SMs at most). `reduce` and `gather` are the plain
+/// build's fo_arn_ce_reduce and fo_arn_ce_gather, loaded before anything is
+/// enqueued. Both ranks must enqueue it with the same tokens and `chunks`.
+pub fn enqueue(
+    reduce: &Kernel,
+    gather: &Kernel,
+    call: &Call,
+    ctas: u32,
+    chunks: u32,
+    caller: RawStream,
+    lanes: &Lanes,
+) -> Result<()> {
+    if call.bases.len() != 2 || call.pull.is_some() || call.oneshot() {
+        return Err(Error::Invalid(
+            "internal: the copy engines' AllReduce + RMSNorm serves two-shot push calls of 2 ranks"
+                .into(),
+        ));
+    }
+    if !(1..=MAX_CHUNKS).contains(&chunks) {
+        return Err(Error::Invalid(format!(
+            "chunks: expected 1 to {MAX_CHUNKS}, got {chunks}"
+        )));
+    }
+    let checked = arn::checked(call, ctas)?;
+    if call.tokens == 0 {
+        return Ok(());
+    }
+    let layout = call.layout()?;
+    let (me, peer) = (call.rank, 1 - call.rank);
+    let (own, theirs) = (
+        arn::slice(call.tokens, 2, me),
+        arn::slice(call.tokens, 2, peer),
+    );
+    let row = u64::from(call.hidden) * u64::from(call.dtype.bytes());
+    let (mine, other) = (call.bases[me], call.bases[peer]);
+    let x_arrived = |base: u64, c: u32| word(base, CE_ARRIVED_WORD + u64::from(c));
+    let r_arrived = |base: u64, c: u32| word(base, CE_ARRIVED_WORD + u64::from(MAX_CHUNKS + c));
+    // What this rank sends of its slice after the sum: r (full: the peer
+    // normalizes it, bit for bit as here) or the normalized rows.
+    let (sent, area) = if call.residual_full {
+        (call.residual_out, layout.res_offset)
+    } else {
+        (call.out, layout.out_offset)
+    };
+    let (copy, send, land) = (lanes.copy.0, lanes.send.0, lanes.land.0);
+    lanes.fork.order_all(caller, &[copy, send, land])?;
+    // This rank's slot in the peer (the kernel's slot(peer, me)).
+    let slot = other + HEADER_BYTES + me as u64 * layout.slot_bytes;
+    for c in 0..chunks {
+        let (f, l) = chunk(theirs, chunks, c);
+        if l > f {
+            stream::copy(
+                copy,
+                slot + (f - theirs.0) * row,
+                call.x + f * row,
+                ((l - f) * row) as usize,
+            )?;
+        }
+        stream::write(copy, x_arrived(other, c), 1)?;
+    }
+    for c in 0..chunks {
+        let (f, l) = chunk(own, chunks, c);
+        stream::take(caller, x_arrived(mine, c), 1)?;
+        checked.launch_rows(reduce, f, l, caller)?;
+        lanes.reduced[c as usize].record(caller)?;
+        lanes.reduced[c as usize].wait(send)?;
+        if l > f {
+            stream::copy(
+                send,
+                other + area + f * row,
+                sent + f * row,
+                ((l - f) * row) as usize,
+            )?;
+        }
+        stream::write(send, r_arrived(other, c), 1)?;
+    }
+    for c in 0..chunks {
+        let (f, l) = chunk(theirs, chunks, c);
+        stream::take(land, r_arrived(mine, c), 1)?;
+        if call.residual_full {
+            checked.launch_rows(gather, f, l, land)?;
+        } else if l > f {
+            stream::copy(
+                land,
+                call.out + f * row,
+                mine + layout.out_offset + f * row,
+                ((l - f) * row) as usize,
+            )?;
+        }
+    }
+    for (event, lane) in lanes.joins.iter().zip([copy, send, land]) {
+        event.order(lane, caller)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_a_slice_in_order() {
+        for (a, b) in [(0u64, 0u64), (0, 1), (500, 1001), (4096, 8192)] {
+            for chunks in [1, 3, 4, 16, MAX_CHUNKS] {
+                let mut next = a;
+                for c in 0..chunks {
+                    let (f, l) = chunk((a, b), chunks, c);
+                    assert_eq!(f, next);
+                    assert!(l >= f && l - f <= (b - a).div_ceil(u64::from(chunks)));
+                    next = l;
+                }
+                assert_eq!(next, b);
+            }
+        }
+    }
+
+    #[test]
+    fn the_kernels_are_in_the_plain_build() {
+        let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
+        let plain = source.split("#endif  // FO_RING").last().unwrap();
+        for spec in crate::cuda::kernels::allreduce_rmsnorm_ce_specs(
+            crate::dtype::Dtype::Bf16,
+            crate::cuda::kernels::NormConfig::DEFAULT,
+        ) {
+            assert!(plain.contains(&format!(
+                "void __launch_bounds__(FO_THREADS) {}(",
+                spec.entry
+            )));
+            assert!(spec.defines.contains(&("FO_RING", "0".to_string())));
+        }
+    }
+
+    #[test]
+    fn flags_lie_after_the_kernels_within_the_header() {
+        let kernel_end = 16 + 2 * u64::from(arn::FLAG_SLOTS) * arn::MAX_WORLD as u64;
+        assert!(CE_ARRIVED_WORD >= kernel_end);
+        assert!((CE_ARRIVED_WORD + 2 * u64::from(MAX_CHUNKS)) * 4 <= HEADER_BYTES);
+    }
+}
