@@ -604,7 +604,7 @@ __device__ __forceinline__ void ring_store(const Params& p, const Job& j, unsign
     const long long local = j.row - j.origin;
     fo::bulk_store(row_at(p.residual_out, p.residual_full ? j.row : local, row_bytes), at, row_bytes);
     fo::bulk_store(row_at(p.out, j.row, row_bytes), out, row_bytes);
-    for (int i = 1; i < p.world; ++i) {
+    for (int i = 1; !p.copy_engines && i < p.world; ++i) {
       const int peer = (p.rank + i) % p.world;
       if (p.residual_full) {
         fo::bulk_store(row_at(area(p, peer, p.res_offset), j.row, row_bytes), at, row_bytes);
@@ -703,20 +703,20 @@ __device__ __forceinline__ bool gate_wait(const Params& p, int base_word, int at
 // peers' flags only before its first load of those, with the pushes already
 // in flight. Ends with every store complete and ordered before the flags
 // raised next; false if a wait timed out (nothing stored after it).
-__device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int vecs, unsigned slots,
-                                          unsigned slot_bytes, char* ring, Cursor& at,
-                                          const uint4 (&weight)[ROW_VECS], int& parity, unsigned epoch) {
+// `gate`: wait for step t's flags before the first reduce or gather (the
+// copy-engine mode's kernels have no flags: the copies came before them).
+__device__ __forceinline__ bool ring_run(const Params& p, const Run (&runs)[MAX_RUNS], int n, int t, bool gate,
+                                         bool pull, int vecs, unsigned slots, unsigned slot_bytes, char* ring,
+                                         Cursor& at, const uint4 (&weight)[ROW_VECS], int& parity, unsigned epoch) {
   const unsigned row_bytes = static_cast<unsigned>(vecs) * 16u;
   const unsigned base = fo::smem_addr(ring);
   const bool lead = threadIdx.x == 0;
-  Run runs[MAX_RUNS];
-  const int n = step_runs(p, t, pull, runs);
   at.run = at.offset = 0;
   Job j;
   if (threadIdx.x < PRODUCER) {
     // The producer's loads run `slots` jobs ahead of the job being worked on.
     Cursor ahead = at;
-    bool gated = false, live = true;
+    bool gated = !gate, live = true;
     // Job `next`'s loads into the slot at `ahead` (lane 0). Once abandoned
     // it only completes the slot's phase (no bytes), so no thread waits forever.
     auto fill = [&](const Job& next) {
@@ -774,6 +774,34 @@ __device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int
   __syncthreads();
   return !abandoned;
 }
+
+__device__ __forceinline__ bool ring_step(const Params& p, int t, bool pull, int vecs, unsigned slots,
+                                          unsigned slot_bytes, char* ring, Cursor& at,
+                                          const uint4 (&weight)[ROW_VECS], int& parity, unsigned epoch) {
+  Run runs[MAX_RUNS];
+  const int n = step_runs(p, t, pull, runs);
+  return ring_run(p, runs, n, t, true, pull, vecs, slots, slot_bytes, ring, at, weight, parity, epoch);
+}
+
+// The ring's slots for rows of `vecs` vectors (world sources and the
+// residual each), their barriers initialized, and the weight in registers.
+__device__ __forceinline__ unsigned ring_setup(const Params& p, int vecs, unsigned& slot_bytes,
+                                               uint4 (&weight)[ROW_VECS]) {
+  slot_bytes = static_cast<unsigned>(p.world + 1) * static_cast<unsigned>(vecs) * 16u;
+  const unsigned slots = min(static_cast<unsigned>(MAX_SLOTS), RING_BYTES / slot_bytes);
+  if (threadIdx.x == 0) {
+    abandoned = 0;
+    for (unsigned s = 0; s < slots; ++s) fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
+    fo::mbar_init_fence();
+  }
+#pragma unroll
+  for (int k = 0; k < ROW_VECS; ++k) {
+    const int v = compute_thread() + k * THREADS;
+    if (compute_thread() >= 0 && v < vecs) weight[k] = p.weight[v];
+  }
+  __syncthreads();
+  return slots;
+}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rmsnorm(Params p) {
@@ -782,20 +810,9 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
   unsigned* own = header(p, p.rank);
   const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own + EPOCH) + 1;
   const bool pull = p.x_offset != 0;
-  const unsigned slot_bytes = static_cast<unsigned>(p.world + 1) * static_cast<unsigned>(vecs) * 16u;
-  const unsigned slots = min(static_cast<unsigned>(MAX_SLOTS), RING_BYTES / slot_bytes);
-  if (threadIdx.x == 0) {
-    abandoned = 0;
-    for (unsigned s = 0; s < slots; ++s) fo::mbar_init(fo::smem_addr(&full_bars[s]), 1);
-    fo::mbar_init_fence();
-  }
+  unsigned slot_bytes;
   uint4 weight[ROW_VECS];
-#pragma unroll
-  for (int k = 0; k < ROW_VECS; ++k) {
-    const int v = compute_thread() + k * THREADS;
-    if (compute_thread() >= 0 && v < vecs) weight[k] = p.weight[v];
-  }
-  __syncthreads();
+  const unsigned slots = ring_setup(p, vecs, slot_bytes, weight);
   Cursor at = {0, 0, 0, 0};
   int parity = 0;
   bool ok = true;
@@ -842,14 +859,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
 }
 #endif  // FO_RING
 
-// Copy-engine mode (2 ranks, csrc's part of rust/ops/all_reduce_rmsnorm.rs's
-// enqueue_copy_engines): the copy engines moved the peer's x rows of this
-// rank's slice into its slot before this launch, and move the rows it
-// writes afterwards, so the kernels only sum and normalize, with no flag
-// and no peer access. Rows [first, last) split evenly over the CTAs; the
+// Copy-engine mode (2 ranks, csrc's part of rust/ops/norm_copy_engines.rs):
+// the copy engines moved the peer's x rows of this rank's slice into its
+// slot before this launch, and move the rows it writes afterwards, so the
+// kernel only sums and normalizes, with no flag and no peer access.
+// kind 1: rows [first, last) of this rank's slice: sum, add the residual,
+// normalize (a reduce); kind 2: rows of the peer's slice (full residual):
+// its r, landed in this rank's residual area, into residual_out,
+// normalized into out (a gather). The rows split evenly over the CTAs; the
 // owner's reduce and the peer's gather of the same rows split them alike,
 // so both normalize each row with the same row groups, bit for bit.
 namespace {
+constexpr int CE_REDUCE = 1, CE_GATHER = 2;
 __device__ __forceinline__ void cta_rows(int first, int last, int& f, int& l) {
   const long long rows = last - first;
   f = first + static_cast<int>(rows * blockIdx.x / gridDim.x);
@@ -857,27 +878,38 @@ __device__ __forceinline__ void cta_rows(int first, int last, int& f, int& l) {
 }
 }  // namespace
 
-// Rows [first, last) of this rank's slice: sum, add the residual, normalize.
-extern "C" __global__ void __launch_bounds__(FO_THREADS) fo_arn_ce_reduce(Params p, int first, int last) {
+#if FO_RING
+extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_arn_ce(Params p, int first, int last, int kind) {
+  extern __shared__ __align__(128) char ring[];
+  const int vecs = p.hidden / VEC;
+  unsigned slot_bytes;
+  uint4 weight[ROW_VECS];
+  const unsigned slots = ring_setup(p, vecs, slot_bytes, weight);
+  int f, l;
+  cta_rows(first, last, f, l);
+  const int owner = kind == CE_REDUCE ? p.rank : (p.rank + 1) % p.world;
+  Run runs[MAX_RUNS];
+  runs[0] = {kind == CE_REDUCE ? REDUCE : GATHER, f, l - f, owner, slice_first(p, owner)};
+  Cursor at = {0, 0, 0, 0};
+  int parity = 0;
+  ring_run(p, runs, l > f ? 1 : 0, 0, false, false, vecs, slots, slot_bytes, ring, at, weight, parity, 0);
+}
+#else
+extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_ce(Params p, int first, int last, int kind) {
   int f, l;
   cta_rows(first, last, f, l);
   const RowGroup grp = row_group(l - f);
-  if (grp.size == 1) {
-    reduce_rows<WARP_ROWS>(p, f, l, p.hidden / VEC, false, grp);
+  const int vecs = p.hidden / VEC;
+  if (kind == CE_REDUCE) {
+    if (grp.size == 1) {
+      reduce_rows<WARP_ROWS>(p, f, l, vecs, false, grp);
+    } else {
+      reduce_rows<ANY_ROWS>(p, f, l, vecs, false, grp);
+    }
+  } else if (grp.size == 1) {
+    gather_rows<WARP_ROWS>(p, f, l, vecs, grp);
   } else {
-    reduce_rows<ANY_ROWS>(p, f, l, p.hidden / VEC, false, grp);
+    gather_rows<ANY_ROWS>(p, f, l, vecs, grp);
   }
 }
-
-// Rows [first, last) of the peer's slice (full residual): its r, landed in
-// this rank's residual area, into residual_out, normalized into out.
-extern "C" __global__ void __launch_bounds__(FO_THREADS) fo_arn_ce_gather(Params p, int first, int last) {
-  int f, l;
-  cta_rows(first, last, f, l);
-  const RowGroup grp = row_group(l - f);
-  if (grp.size == 1) {
-    gather_rows<WARP_ROWS>(p, f, l, p.hidden / VEC, grp);
-  } else {
-    gather_rows<ANY_ROWS>(p, f, l, p.hidden / VEC, grp);
-  }
-}
+#endif

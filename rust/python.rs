@@ -1174,17 +1174,19 @@ fn allreduce_rmsnorm_launch(
         let mut call = call;
         let world = call.bases.len();
         if let Some(lanes) = lanes {
-            call.config = kernels::NormConfig {
-                ring: false,
+            // The ring's build where it runs (each CTA's rows through it in bulk copies).
+            let two_shot = kernels::NormConfig {
                 oneshot: false,
                 ..config
             };
-            let [reduce, gather] = kernels::allreduce_rmsnorm_ce_specs(dtype, call.config);
-            let reduce = kernels::load(&dev, &reduce)?;
-            let gather = kernels::load(&dev, &gather)?;
+            call.config = arn::effective(two_shot, world, hidden, dtype, dev.major, true);
+            let kernel = kernels::load(
+                &dev,
+                &kernels::allreduce_rmsnorm_ce_spec(dtype, call.config),
+            )?;
             let stream = stream::from_handle(stream);
             return crate::ops::norm_copy_engines::enqueue(
-                &reduce, &gather, &call, ctas, chunks, stream, lanes,
+                &kernel, &call, ctas, chunks, stream, lanes,
             );
         }
         let ring = arn::default_takes_ring(tokens, world, ctas, pull);

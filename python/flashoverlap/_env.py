@@ -132,7 +132,7 @@ NORM_CE_CHUNKS_DEFAULT = 4
 
 def norm_copy_engines() -> tuple[int, int]:
     """(FLASHOVERLAP_NORM_CE_MIN_TOKENS, FLASHOVERLAP_NORM_CE_CHUNKS): all_reduce_rmsnorm on 2 ranks
-    lets the copy engines move the rows (the SMs only sum and normalize, half the CTAs each) from
+    lets the copy engines move the rows (its CTAs only sum and normalize) from
     this many tokens on (default 4096; 0: never), in this many row ranges per slice (default 4,
     1-64). Read when a peer group is made; every rank of a group must set them alike."""
     tokens = _int("FLASHOVERLAP_NORM_CE_MIN_TOKENS", NORM_CE_MIN_TOKENS_DEFAULT)

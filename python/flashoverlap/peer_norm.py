@@ -146,15 +146,14 @@ class PeerGroup:
         unless x is `partial(...)`);
         config: (threads, unroll, stages, oneshot) of the kernel, default the group's (FLASHOVERLAP_NORM_CONFIG).
         residual_sliced: `residual` holds this rank's slice rows only (full=False).
-        copy_engines (2 ranks): the copy engines move the rows, `ctas` CTAs sum and normalize
-        (with the full residual half of them sum while the other half normalizes the peer's rows)."""
+        copy_engines (2 ranks): the copy engines move the rows, kernels of `ctas` CTAs (one at a
+        time) only sum and normalize."""
         hidden = x.shape[-1]
         lanes = None
         if copy_engines:
             if self._lanes is None:
                 self._lanes = _core.NormLanes(self.device.index)
             lanes = self._lanes
-            ctas = max(1, ctas // 2) if full else ctas
         _core.allreduce_rmsnorm_launch(self.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
                                                            out.data_ptr(), residual_out.data_ptr()),
                                        self.memory.bases, self.memory.bytes, self.rank, x.numel() // hidden, hidden, float(eps), full,

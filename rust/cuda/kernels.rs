@@ -433,28 +433,15 @@ pub fn allreduce_rmsnorm_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
     }
 }
 
-/// The copy-engine mode's two kernels (csrc/allreduce_rmsnorm.cu's
-/// fo_arn_ce_reduce and fo_arn_ce_gather), from the plain build of `config`:
-/// the same module as that build's fo_allreduce_rmsnorm (one cubin, which
-/// `all_for` compiles under that entry).
-pub fn allreduce_rmsnorm_ce_specs(dtype: Dtype, config: NormConfig) -> [KernelSpec; 2] {
-    let plain = allreduce_rmsnorm_spec(
-        dtype,
-        NormConfig {
-            ring: false,
-            ..config
-        },
-    );
-    [
-        KernelSpec {
-            entry: "fo_arn_ce_reduce",
-            ..plain.clone()
-        },
-        KernelSpec {
-            entry: "fo_arn_ce_gather",
-            ..plain
-        },
-    ]
+/// The copy-engine mode's kernel (csrc/allreduce_rmsnorm.cu's fo_arn_ce:
+/// the sums and norms of rows the copy engines moved), from the build of
+/// `config` (the ring's on Hopper): the same module as that build's
+/// fo_allreduce_rmsnorm (one cubin, which `all_for` compiles under that entry).
+pub fn allreduce_rmsnorm_ce_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
+    KernelSpec {
+        entry: "fo_arn_ce",
+        ..allreduce_rmsnorm_spec(dtype, config)
+    }
 }
 
 /// Every variant the library can launch on `arch`, for the compile check CI

@@ -325,14 +325,16 @@ impl Checked {
 }
 
 impl Checked {
-    /// The copy-engine mode's kernels (`fo_arn_ce_reduce`, `fo_arn_ce_gather`)
-    /// over rows [first, last), on at most `ctas` CTAs (one per row at
-    /// least): the rows the copy engines moved, no peer access.
+    /// The copy-engine mode's kernel (`fo_arn_ce`) over rows [first, last)
+    /// (`kind` [`CE_REDUCE`]: of this rank's slice; [`CE_GATHER`]: of the
+    /// peer's), on at most `ctas` CTAs (one per row at least): the rows the
+    /// copy engines moved, no peer access.
     pub fn launch_rows(
         &self,
         kernel: &Kernel,
         first: u64,
         last: u64,
+        kind: i32,
         stream: RawStream,
     ) -> Result<()> {
         let Some(params) = self.params else {
@@ -345,16 +347,21 @@ impl Checked {
             copy_engines: 1,
             ..params
         };
-        let (mut first, mut last) = (first as i32, last as i32);
+        let (mut first, mut last, mut kind) = (first as i32, last as i32, kind);
         let grid = self.ctas.min((last - first) as u32);
-        let mut args: [*mut c_void; 3] = [
+        let mut args: [*mut c_void; 4] = [
             (&mut params as *mut Params).cast(),
             (&mut first as *mut i32).cast(),
             (&mut last as *mut i32).cast(),
+            (&mut kind as *mut i32).cast(),
         ];
         kernel.launch(grid, self.threads, stream, &mut args)
     }
 }
+
+/// `fo_arn_ce`'s kinds of rows (the kernel's CE_REDUCE and CE_GATHER).
+pub const CE_REDUCE: i32 = 1;
+pub const CE_GATHER: i32 = 2;
 
 /// Checks a call on `ctas` CTAs before anything is enqueued.
 pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {

@@ -1,6 +1,6 @@
 //! AllReduce + residual add + RMSNorm on 2 ranks with the copy engines
 //! moving every row over NVLink, so that the SMs only sum and normalize
-//! (csrc/allreduce_rmsnorm.cu's fo_arn_ce_reduce and fo_arn_ce_gather):
+//! (csrc/allreduce_rmsnorm.cu's fo_arn_ce):
 //! the same buffers, slices and results as the peer-store kernel, which
 //! needs its CTAs to drive the links as well.
 //!
@@ -8,9 +8,13 @@
 //! goes through the caller's stream S and three lanes of this rank's:
 //!
 //! Copy C:  copy(x rows of the peer's chunk c -> its slot for this rank) set(x arrived c at peer) ...
-//! S:       take(x arrived c) reduce(chunk c: sum, residual, norm) [reduced c] ...
+//! S:       take(x arrived c) reduce(chunk c: sum, residual, norm) [reduced c] take(r arrived c - 1) gather(c - 1) ...
 //! Send G:  [reduced c] copy(r rows, or out rows if sharded, -> the peer's area) set(r arrived c at peer) ...
-//! Land L:  take(r arrived c) gather(the peer's chunk c: normalize r) or copy(out rows) ...
+//! Land L:  (sharded) take(r arrived c) copy(the peer's normalized rows of chunk c -> out) ...
+//!
+//! With the full residual, gather(c) normalizes the peer's r of its chunk c
+//! (bit for bit as the peer did) on the caller's stream, one chunk behind
+//! the sums, so that one kernel of `ctas` CTAs runs at a time.
 //!
 //! The flags (1 = arrived) are reset by their one waiter, so CUDA-graph
 //! replays work. Nothing else orders one call after the previous: every
@@ -71,13 +75,11 @@ fn word(base: u64, index: u64) -> u64 {
 }
 
 /// Enqueues a call (push layout, 2 ranks, two-shot) on the caller's stream
-/// and `lanes`, each kernel on `ctas` CTAs (the reduce and the gather may run
-/// at once: 2 x `ctas` SMs at most). `reduce` and `gather` are the plain
-/// build's fo_arn_ce_reduce and fo_arn_ce_gather, loaded before anything is
-/// enqueued. Both ranks must enqueue it with the same tokens and `chunks`.
+/// and `lanes`, `kernel` (fo_arn_ce of the call's config, loaded before
+/// anything is enqueued) on `ctas` CTAs, one launch at a time. Both ranks
+/// must enqueue it with the same tokens and `chunks`.
 pub fn enqueue(
-    reduce: &Kernel,
-    gather: &Kernel,
+    kernel: &Kernel,
     call: &Call,
     ctas: u32,
     chunks: u32,
@@ -132,10 +134,17 @@ pub fn enqueue(
         }
         stream::write(copy, x_arrived(other, c), 1)?;
     }
+    // With the full residual the peer's r is normalized here on the same
+    // CTAs, each chunk's after the next one's sum: one kernel at a time.
+    let gather_on = |c: u32| -> Result<()> {
+        let (f, l) = chunk(theirs, chunks, c);
+        stream::take(caller, r_arrived(mine, c), 1)?;
+        checked.launch_rows(kernel, f, l, arn::CE_GATHER, caller)
+    };
     for c in 0..chunks {
         let (f, l) = chunk(own, chunks, c);
         stream::take(caller, x_arrived(mine, c), 1)?;
-        checked.launch_rows(reduce, f, l, caller)?;
+        checked.launch_rows(kernel, f, l, arn::CE_REDUCE, caller)?;
         lanes.reduced[c as usize].record(caller)?;
         lanes.reduced[c as usize].wait(send)?;
         if l > f {
@@ -147,13 +156,18 @@ pub fn enqueue(
             )?;
         }
         stream::write(send, r_arrived(other, c), 1)?;
+        if call.residual_full && c >= 1 {
+            gather_on(c - 1)?;
+        }
     }
-    for c in 0..chunks {
+    if call.residual_full {
+        gather_on(chunks - 1)?;
+    }
+    // Sharded: the peer's normalized rows land on the copy engines.
+    for c in (0..chunks).filter(|_| !call.residual_full) {
         let (f, l) = chunk(theirs, chunks, c);
         stream::take(land, r_arrived(mine, c), 1)?;
-        if call.residual_full {
-            checked.launch_rows(gather, f, l, land)?;
-        } else if l > f {
+        if l > f {
             stream::copy(
                 land,
                 call.out + f * row,
@@ -189,19 +203,23 @@ mod tests {
     }
 
     #[test]
-    fn the_kernels_are_in_the_plain_build() {
+    fn the_kernel_has_both_builds_and_kinds() {
         let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
-        let plain = source.split("#endif  // FO_RING").last().unwrap();
-        for spec in crate::cuda::kernels::allreduce_rmsnorm_ce_specs(
+        let spec = crate::cuda::kernels::allreduce_rmsnorm_ce_spec(
             crate::dtype::Dtype::Bf16,
             crate::cuda::kernels::NormConfig::DEFAULT,
-        ) {
-            assert!(plain.contains(&format!(
-                "void __launch_bounds__(FO_THREADS) {}(",
-                spec.entry
-            )));
-            assert!(spec.defines.contains(&("FO_RING", "0".to_string())));
-        }
+        );
+        let entry = format!("{}(Params p, int first, int last, int kind)", spec.entry);
+        assert_eq!(
+            source.matches(&entry).count(),
+            2,
+            "the ring's and the plain build's"
+        );
+        assert!(source.contains(&format!(
+            "constexpr int CE_REDUCE = {}, CE_GATHER = {};",
+            arn::CE_REDUCE,
+            arn::CE_GATHER
+        )));
     }
 
     #[test]
