@@ -258,7 +258,7 @@ def test_fallback_rebuilds_a_sliced_residual(tmp_path) -> None:
 
 @pytest.mark.parametrize("name,value,words", [("FLASHOVERLAP_NORM_CE_MIN_TOKENS", "-1", [">= 0"]),
                                               ("FLASHOVERLAP_NORM_CE_MIN_TOKENS", "many", ["integer"]),
-                                              ("FLASHOVERLAP_NORM_CE_CHUNKS", "0", ["1 to 64"]),
+                                              ("FLASHOVERLAP_NORM_CE_CHUNKS", "-1", ["1 to 64"]),
                                               ("FLASHOVERLAP_NORM_CE_CHUNKS", "65", ["1 to 64"])])
 def test_bad_copy_engine_settings_are_named(monkeypatch, name, value, words) -> None:
     from flashoverlap import _env
@@ -275,7 +275,24 @@ def test_copy_engine_settings_default_and_parse(monkeypatch) -> None:
 
     monkeypatch.delenv("FLASHOVERLAP_NORM_CE_MIN_TOKENS", raising=False)
     monkeypatch.delenv("FLASHOVERLAP_NORM_CE_CHUNKS", raising=False)
-    assert _env.norm_copy_engines() == (_env.NORM_CE_MIN_TOKENS_DEFAULT, _env.NORM_CE_CHUNKS_DEFAULT)
+    assert _env.norm_copy_engines() == (_env.NORM_CE_MIN_TOKENS_DEFAULT, 0)
     monkeypatch.setenv("FLASHOVERLAP_NORM_CE_MIN_TOKENS", "0")
     monkeypatch.setenv("FLASHOVERLAP_NORM_CE_CHUNKS", "16")
     assert _env.norm_copy_engines() == (0, 16)
+
+
+def test_copy_engine_chunks_follow_the_rows() -> None:
+    """Automatic chunks: one per 1024 rows of a slice, at most 4; a set count wins; the mode only
+    on 2 ranks from the threshold on."""
+    from flashoverlap import peer_norm
+
+    group = peer_norm.PeerGroup.__new__(peer_norm.PeerGroup)
+    group.world, group.ce_min_tokens, group.ce_chunks = 2, 4096, 0
+    assert [group.chunks(t) for t in (1, 2047, 4096, 8192, 16384, 65536)] == [1, 1, 2, 4, 4, 4]
+    group.ce_chunks = 8
+    assert group.chunks(4096) == 8
+    assert group.copy_engines(4096) and not group.copy_engines(4095)
+    group.world = 3
+    assert not group.copy_engines(1 << 20)
+    group.world, group.ce_min_tokens = 2, 0
+    assert not group.copy_engines(1 << 20)

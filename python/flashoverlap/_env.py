@@ -127,21 +127,21 @@ def norm_config() -> tuple:
 
 
 NORM_CE_MIN_TOKENS_DEFAULT = 4096
-NORM_CE_CHUNKS_DEFAULT = 4
 
 
 def norm_copy_engines() -> tuple[int, int]:
     """(FLASHOVERLAP_NORM_CE_MIN_TOKENS, FLASHOVERLAP_NORM_CE_CHUNKS): all_reduce_rmsnorm on 2 ranks
-    lets the copy engines move the rows (its CTAs only sum and normalize) from
-    this many tokens on (default 4096; 0: never), in this many row ranges per slice (default 4,
-    1-64). Read when a peer group is made; every rank of a group must set them alike."""
+    lets the copy engines move the rows (its CTAs only sum and normalize) from this many tokens on
+    (default 4096; 0: never), in this many row ranges per slice (1-64; default 0: one per 1024 rows
+    of a slice, at most 4). Read when a peer group is made; every rank of a group must set them
+    alike."""
     tokens = _int("FLASHOVERLAP_NORM_CE_MIN_TOKENS", NORM_CE_MIN_TOKENS_DEFAULT)
-    chunks = _int("FLASHOVERLAP_NORM_CE_CHUNKS", NORM_CE_CHUNKS_DEFAULT)
+    chunks = _int("FLASHOVERLAP_NORM_CE_CHUNKS", 0)
     assert tokens is not None and chunks is not None
     if tokens < 0:
         raise ValueError(f"FLASHOVERLAP_NORM_CE_MIN_TOKENS: expected >= 0, got {tokens}")
-    if not 1 <= chunks <= 64:
-        raise ValueError(f"FLASHOVERLAP_NORM_CE_CHUNKS: expected 1 to 64, got {chunks}")
+    if not 0 <= chunks <= 64:
+        raise ValueError(f"FLASHOVERLAP_NORM_CE_CHUNKS: expected 0 (by rows) or 1 to 64, got {chunks}")
     return tokens, chunks
 
 
