@@ -283,7 +283,7 @@ def test_copy_engine_settings_default_and_parse(monkeypatch) -> None:
 
 def test_copy_engine_chunks_follow_the_rows() -> None:
     """Automatic chunks: one per 1024 rows of a slice, at most 4; a set count wins; the mode only
-    on 2 ranks from the threshold on."""
+    on 2 ranks from the threshold on, up to 32 CTAs."""
     from flashoverlap import peer_norm
 
     group = peer_norm.PeerGroup.__new__(peer_norm.PeerGroup)
@@ -291,8 +291,9 @@ def test_copy_engine_chunks_follow_the_rows() -> None:
     assert [group.chunks(t) for t in (1, 2047, 4096, 8192, 16384, 65536)] == [1, 1, 2, 4, 4, 4]
     group.ce_chunks = 8
     assert group.chunks(4096) == 8
-    assert group.copy_engines(4096) and not group.copy_engines(4095)
+    assert group.copy_engines(4096, 32) and not group.copy_engines(4095, 32)
+    assert group.copy_engines(1 << 20, 1) and not group.copy_engines(1 << 20, peer_norm.CE_MAX_CTAS + 1)
     group.world = 3
-    assert not group.copy_engines(1 << 20)
+    assert not group.copy_engines(1 << 20, 16)
     group.world, group.ce_min_tokens = 2, 0
-    assert not group.copy_engines(1 << 20)
+    assert not group.copy_engines(1 << 20, 16)
