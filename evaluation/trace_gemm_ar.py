@@ -8,7 +8,10 @@ not show, the gaps between activities do).
 Prints, per shape and backend, the median call time of --iters untraced
 calls and one traced call's activities on rank 0 (streams numbered by
 first use): start and end in us, what ran (a kernel's name, a copy's kind
-and MiB) and each stream's busy time.
+and MiB) and each stream's busy time. Caveat (2x H200, torch 2.11): the
+peer-to-peer copies (no device in the trace) came back with timestamps on
+another time base than the kernels', hundreds of ms apart: compare their
+durations and their order among themselves only.
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@
 //! Rank R's buffer (mapped into every rank of the node), push mode:
 //!   [0, 64 KiB)              header: epoch, finished-CTA count, error,
 //!                            ready[part][source], done[part][source] (u32;
-//!                            FLAG_SLOTS parts: CTAs x stages)
+//!                            FLAG_SLOTS parts: CTAs x stages), then the
+//!                            copy-engine mode's flags (ops::norm_copy_engines)
 //!   slot area                world slots of ceil(tokens / world) rows: what
 //!                            each source pushed of R's slice (one-shot:
 //!                            world - 1 slots of every row)
