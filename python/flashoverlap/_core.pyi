@@ -251,6 +251,14 @@ def allreduce_rmsnorm_launch(device: int, tensors: tuple[int, int, int, int, int
                              buffer_bytes: int, rank: int, tokens: int, hidden: int, eps: float,
                              residual_full: bool, dtype: str, ctas: int, timeout_ns: int, stream: int,
                              pull: bool = False, config: Optional[tuple[int, int, int, bool]] = None,
-                             residual_sliced: bool = False) -> None:
+                             residual_sliced: bool = False, lanes: Optional["NormLanes"] = None,
+                             chunks: int = 4) -> None:
     """Enqueues the kernel: tensors = (x, residual, weight, out, residual_out) pointers; residual_sliced
-    (sharded mode): `residual` holds this rank's slice rows only."""
+    (sharded mode): `residual` holds this rank's slice rows only; lanes (2 ranks, push mode): the copy
+    engines move the rows, in `chunks` per slice, and the kernel only sums and normalizes."""
+
+
+class NormLanes:
+    """The streams and events of the copy engines' AllReduce + RMSNorm on one device."""
+
+    def __init__(self, device: int) -> None: ...
