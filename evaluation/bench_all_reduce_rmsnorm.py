@@ -25,7 +25,9 @@ computes r = all_reduce(x) + residual, out = r * rsqrt(mean(r^2) + eps) * weight
                    symmetric memory (no norm); for reference, not a bar: the fused op, like it, takes
                    x where the caller has it and returns new tensors
   fo_<c>           the fused op, residual_out="full", ctas=c, for c in 8, 16, 32 (and, at 1024 and
-                   8192 tokens, 2, 4, 64 and 132 for the CTA curve; clamped to the SM count)
+                   8192 tokens, 2, 4, 64 and 132 for the CTA curve; clamped to the SM count), as
+                   the op runs it: on 2 ranks from 4096 tokens on up to 32 CTAs the copy engines
+                   move the rows (FLASHOVERLAP_NORM_CE_MIN_TOKENS=0 times the kernel's own stores)
   fo_sharded_<c>   the same with residual_out="sharded" (each rank gets only its rows of r)
   api_16           flashoverlap.all_reduce_rmsnorm(..., ctas=16), the public function, timed alone
   fo_<c>@<T>x<U>[s<S>][o|r]  (--configs) the fused kernel compiled with T threads per CTA and U
