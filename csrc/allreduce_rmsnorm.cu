@@ -426,15 +426,20 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
 }
 
 // Step 2 for part `stage` of this rank's slice.
-__device__ __forceinline__ void reduce(const Params& p, int stage, int vecs, bool pull) {
-  int first, last;
-  part(p, p.rank, stage, first, last);
+// Step 2 over rows [first, last) of this rank's slice, with their row groups.
+__device__ __forceinline__ void reduce_range(const Params& p, int first, int last, int vecs, bool pull) {
   const RowGroup grp = row_group(last - first);
   if (grp.size == 1) {
     reduce_rows<WARP_ROWS>(p, first, last, vecs, pull, grp);
   } else {
     reduce_rows<ANY_ROWS>(p, first, last, vecs, pull, grp);
   }
+}
+
+__device__ __forceinline__ void reduce(const Params& p, int stage, int vecs, bool pull) {
+  int first, last;
+  part(p, p.rank, stage, first, last);
+  reduce_range(p, first, last, vecs, pull);
 }
 
 // Step 3's rows [first, last) of another owner's r (full residual):
@@ -455,6 +460,19 @@ __device__ __forceinline__ void gather_rows(const Params& p, int first, int last
 
 // Step 3 for part `stage` of every other owner's slice: their normalized
 // rows, or their r, normalized here as the owner did.
+// Step 3 over rows [first, last) of another owner's r (full residual), with
+// their row groups.
+__device__ __forceinline__ void gather_range(const Params& p, int first, int last, int vecs) {
+  const RowGroup grp = row_group(last - first);
+  // Groups change between owners: no warp may write a slot another still reads.
+  if (grp.size > 1) __syncthreads();
+  if (grp.size == 1) {
+    gather_rows<WARP_ROWS>(p, first, last, vecs, grp);
+  } else {
+    gather_rows<ANY_ROWS>(p, first, last, vecs, grp);
+  }
+}
+
 __device__ __forceinline__ void gather(const Params& p, int stage, int vecs) {
   for (int i = 1; i < p.world; ++i) {
     const int owner = (p.rank + i) % p.world;
@@ -465,14 +483,7 @@ __device__ __forceinline__ void gather(const Params& p, int stage, int vecs) {
       copy(p.out + at, reinterpret_cast<const uint4*>(area(p, p.rank, p.out_offset)) + at, count);
       continue;
     }
-    const RowGroup grp = row_group(last - first);
-    // Groups change between owners: no warp may write a slot another still reads.
-    if (grp.size > 1) __syncthreads();
-    if (grp.size == 1) {
-      gather_rows<WARP_ROWS>(p, first, last, vecs, grp);
-    } else {
-      gather_rows<ANY_ROWS>(p, first, last, vecs, grp);
-    }
+    gather_range(p, first, last, vecs);
   }
 }
 }  // namespace
@@ -898,18 +909,10 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_arn_ce(Param
 extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_ce(Params p, int first, int last, int kind) {
   int f, l;
   cta_rows(first, last, f, l);
-  const RowGroup grp = row_group(l - f);
-  const int vecs = p.hidden / VEC;
   if (kind == CE_REDUCE) {
-    if (grp.size == 1) {
-      reduce_rows<WARP_ROWS>(p, f, l, vecs, false, grp);
-    } else {
-      reduce_rows<ANY_ROWS>(p, f, l, vecs, false, grp);
-    }
-  } else if (grp.size == 1) {
-    gather_rows<WARP_ROWS>(p, f, l, vecs, grp);
+    reduce_range(p, f, l, p.hidden / VEC, false);
   } else {
-    gather_rows<ANY_ROWS>(p, f, l, vecs, grp);
+    gather_range(p, f, l, p.hidden / VEC);
   }
 }
 #endif

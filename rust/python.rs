@@ -1105,7 +1105,7 @@ fn allreduce_rmsnorm_partial(
 /// other values for the benchmark's sweep). `residual_sliced` (sharded mode):
 /// the residual tensor holds this rank's slice rows only. `lanes` (2 ranks,
 /// push mode): the copy engines move the rows, in `chunks` per slice, and
-/// two kernels of `ctas` CTAs each only sum and normalize
+/// the kernel, on `ctas` CTAs one launch at a time, only sums and normalizes
 /// (ops::norm_copy_engines).
 #[pyfunction]
 #[pyo3(signature = (device, tensors, bases, buffer_bytes, rank, tokens, hidden, eps, residual_full, dtype, ctas, timeout_ns, stream, pull=false, config=None, residual_sliced=false, lanes=None, chunks=4))]

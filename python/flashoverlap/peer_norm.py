@@ -62,7 +62,8 @@ class PeerGroup:
         self.group, self.device, self.op = group, device, op
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         # The kernel's shape and the copy engines' settings must match across ranks (the parts and
-        # the mode of a call do), so the ranks compare them and all raise alike (a bad value on one rank too: none is left waiting for the others).
+        # the mode of a call do), so the ranks compare them and all raise alike (a bad value on one
+        # rank too: none is left waiting for the others).
         try:
             config, ce, error = _env.norm_config(), _env.norm_copy_engines(), None
         except ValueError as e:
