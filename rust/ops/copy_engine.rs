@@ -155,6 +155,22 @@ pub fn combines_reduce_scatter() -> bool {
     })
 }
 
+/// Whether the gathered AllReduce's sums follow every partial on the
+/// partials' copy stream (one queue: the link first carries all partials,
+/// on which the peer's GEMM waits, then the sums) instead of a stream of
+/// their own, whose copies the copy engines interleave with the partials'.
+/// FLASHOVERLAP_CE_SUMS_QUEUE: "own" for the stream of their own; default
+/// one queue. Read once per process; every rank must set it alike.
+pub fn sums_follow_partials() -> bool {
+    static MODE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| {
+        !std::env::var("FLASHOVERLAP_CE_SUMS_QUEUE")
+            .unwrap_or_default()
+            .trim()
+            .eq_ignore_ascii_case("own")
+    })
+}
+
 /// Whether an AllReduce over `world` ranks runs as ReduceScatter +
 /// AllGather. On 2 ranks both move the same bytes over the link and one
 /// exchange is what was measured (2x H200); beyond, sending the whole group
@@ -770,7 +786,11 @@ pub fn enqueue_combined<'g>(
         timed_out,
         timeout_ns,
     })?;
-    let (copier, sender, land) = (comm.stream.0, comm.reduce_stream.0, comm.land_stream.0);
+    let one_queue = copies.is_some()
+        && gather.as_ref().is_some_and(|g| g.sends.is_some())
+        && sums_follow_partials();
+    let (copier, land) = (comm.stream.0, comm.land_stream.0);
+    let sender = if one_queue { copier } else { comm.reduce_stream.0 };
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     let events = comm.group_events.lock().unwrap_or_else(|p| p.into_inner());
     if gather.as_ref().is_some_and(|g| g.sends.is_some()) && events.len() < groups {
@@ -784,7 +804,7 @@ pub fn enqueue_combined<'g>(
         forked.push(copier);
     }
     if let Some(g) = &gather {
-        if g.sends.is_some() {
+        if g.sends.is_some() && !one_queue {
             forked.push(sender);
         }
         forked.push(land);
@@ -799,7 +819,9 @@ pub fn enqueue_combined<'g>(
             stream::copy(copier, slot + c.slot_offset, c.src, c.bytes as usize)?;
             stream::write(copier, layout.ready_flag(peer.bases[other], g, me), 1)?;
         }
-        comm.join.order(copier, caller)?;
+        if !one_queue {
+            comm.join.order(copier, caller)?;
+        }
     }
     if let Some(gather) = gather {
         if let Some(sends) = gather.sends {

@@ -702,7 +702,7 @@ def rmsnorm_cases(rank: int, world: int, cases: list, replays: int = 0, backend=
     return {"records": records}
 
 
-def a2a_cases(rank: int, world: int, cases: list, backend=None) -> dict:
+def a2a_cases(rank: int, world: int, cases: list, backend=None, replays: int = 20) -> dict:
     """gemm_all_to_all for each case's split matrix (matrix[p][r]: rows p sends r) against the fp32
     all_to_all_single of every rank's x_p @ w_p^T; bad splits are refused first. The copy-engine
     and push backends get the whole matrix on every call (they need it), with the case's group
@@ -771,7 +771,7 @@ def a2a_cases(rank: int, world: int, cases: list, backend=None) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = flashoverlap.gemm_all_to_all(static_x, static_w, sends, recvs, **how(groups, matrix))
-    for i in range(20):
+    for i in range(replays):
         seed = case["seed"] + 1 + i
         x, w = make_inputs(seed, rank, (sum(sends),), n, k, dtype, device)
         static_x.copy_(x)

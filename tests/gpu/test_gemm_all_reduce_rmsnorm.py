@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from test_gemm_all_reduce import BACKENDS, run_workers, world_size
+from test_gemm_all_reduce import BACKENDS, GRAPH_REPLAYS, run_workers, world_size
 
 SEED = 777
 # The fused-norm op also runs on "peer": the GEMM's partials in peer buffers, one kernel per group.
@@ -42,7 +42,7 @@ def test_matches_reference(tmp_path: Path, backend: str, monkeypatch: pytest.Mon
     monkeypatch.setenv("FLASHOVERLAP_PEER_TIMEOUT_S", "60")  # a lost barrier fails, never hangs
     results = run_workers(tmp_path, "rmsnorm_cases", world_size(),
                           cases=norm_cases(SEED + 1 + NORM_BACKENDS[backend]),
-                          replays=50, backend=backend)
+                          replays=GRAPH_REPLAYS, backend=backend)
     records = results[0]["records"]
     assert sum(r["schedule"] == "overlap" and r["groups"] > 1 for r in records) >= 5, records
     assert any(r["schedule"] == "sequential" for r in records)

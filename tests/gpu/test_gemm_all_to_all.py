@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from test_gemm_all_reduce import run_workers, world_size
+from test_gemm_all_reduce import GRAPH_REPLAYS, run_workers, world_size
 
 SEED = 99
 
@@ -49,7 +49,7 @@ def test_single_rank(tmp_path: Path, backend: str) -> None:
 def test_matches_reference(tmp_path: Path, backend: str) -> None:
     world = world_size()
     results = run_workers(tmp_path, "a2a_cases", world, cases=a2a_cases(world, SEED + 1 + BACKENDS[backend]),
-                          backend=backend)
+                          backend=backend, replays=GRAPH_REPLAYS)
     assert all(r["cases"] == 6 for r in results)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from test_gemm_all_reduce import BACKENDS, run_workers, world_size
+from test_gemm_all_reduce import BACKENDS, GRAPH_REPLAYS, run_workers, world_size
 
 SEED = 4321
 COMBOS = [("auto", None), ("overlap", None), ("sequential", None), ("overlap", 1), ("overlap", 3), ("auto", 2)]
@@ -39,7 +39,7 @@ def test_single_rank(tmp_path: Path) -> None:
 def test_matches_reference(tmp_path: Path, backend: str) -> None:
     world = world_size()
     results = run_workers(tmp_path, "rs_cases", world, cases=rs_cases(world, SEED + 1 + BACKENDS[backend]),
-                          replays=50, backend=backend)
+                          replays=GRAPH_REPLAYS, backend=backend)
     records = results[0]["records"]
     assert sum(r["schedule"] == "overlap" and r["groups"] > 1 for r in records) >= 5, records
     assert any(r["schedule"] == "sequential" for r in records)
