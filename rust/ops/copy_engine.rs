@@ -155,19 +155,34 @@ pub fn combines_reduce_scatter() -> bool {
     })
 }
 
-/// Whether the gathered AllReduce's sums follow every partial on the
-/// partials' copy stream (one queue: the link first carries all partials,
-/// on which the peer's GEMM waits, then the sums) instead of a stream of
-/// their own, whose copies the copy engines interleave with the partials'.
-/// FLASHOVERLAP_CE_SUMS_QUEUE: "own" for the stream of their own; default
-/// one queue. Read once per process; every rank must set it alike.
-pub fn sums_follow_partials() -> bool {
-    static MODE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+/// Where the gathered AllReduce's sums are copied (FLASHOVERLAP_CE_SUMS_QUEUE,
+/// read once per process; every rank must set it alike).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SumsQueue {
+    /// "own" (default): a stream of their own, whose copies the copy
+    /// engines interleave with the partials' as both become ready.
+    Own,
+    /// "after": behind every partial on the partials' stream.
+    After,
+    /// "order": one queue with the partials, each copy where the GEMM's
+    /// tile order finishes its group's part (so a copy waits only for
+    /// what the GEMM produces before what the copies behind it wait for).
+    Order,
+}
+
+pub fn sums_queue() -> SumsQueue {
+    static MODE: std::sync::OnceLock<SumsQueue> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| {
-        !std::env::var("FLASHOVERLAP_CE_SUMS_QUEUE")
+        match std::env::var("FLASHOVERLAP_CE_SUMS_QUEUE")
             .unwrap_or_default()
             .trim()
-            .eq_ignore_ascii_case("own")
+            .to_ascii_lowercase()
+            .as_str()
+        {
+            "after" => SumsQueue::After,
+            "order" => SumsQueue::Order,
+            _ => SumsQueue::Own,
+        }
     })
 }
 
@@ -727,6 +742,9 @@ pub struct GatherSteps<'a> {
     pub own_counters: u64,
     pub own_tiles: &'a [u32],
     pub after: &'a mut dyn FnMut(usize, RawStream) -> Result<()>,
+    /// (group, sums?) in the order the GEMM finishes each group's partials
+    /// and sums: the copies' order on one queue ([`SumsQueue::Order`]).
+    pub finish_order: &'a [(usize, bool)],
 }
 
 /// A ReduceScatter with combined stores on 2 ranks: the GEMM computes the
@@ -786,9 +804,11 @@ pub fn enqueue_combined<'g>(
         timed_out,
         timeout_ns,
     })?;
-    let one_queue = copies.is_some()
-        && gather.as_ref().is_some_and(|g| g.sends.is_some())
-        && sums_follow_partials();
+    let queue = match (copies, gather.as_ref().and_then(|g| g.sends)) {
+        (Some(_), Some(_)) => sums_queue(),
+        _ => SumsQueue::Own,
+    };
+    let one_queue = queue != SumsQueue::Own;
     let (copier, land) = (comm.stream.0, comm.land_stream.0);
     let sender = if one_queue { copier } else { comm.reduce_stream.0 };
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
@@ -813,28 +833,50 @@ pub fn enqueue_combined<'g>(
         comm.fork.order_all(caller, &forked)?;
     }
     gemm.enqueue(caller)?;
-    if let Some(copies) = copies {
-        for (g, c) in copies.iter().enumerate() {
-            stream::take(copier, c.counter, c.tiles)?;
-            stream::copy(copier, slot + c.slot_offset, c.src, c.bytes as usize)?;
-            stream::write(copier, layout.ready_flag(peer.bases[other], g, me), 1)?;
+    let partial = |g: usize, c: &SlotCopy| -> Result<()> {
+        stream::take(copier, c.counter, c.tiles)?;
+        stream::copy(copier, slot + c.slot_offset, c.src, c.bytes as usize)?;
+        stream::write(copier, layout.ready_flag(peer.bases[other], g, me), 1)
+    };
+    let send = |g: usize, c: &SlotCopy| -> Result<()> {
+        stream::take(sender, c.counter, c.tiles)?;
+        stream::copy(sender, slot + c.slot_offset, c.src, c.bytes as usize)?;
+        // After the copy: what follows the landing (the fused norm)
+        // may rewrite the rows it read.
+        events[g].record(sender)?;
+        stream::write(sender, layout.gathered_flag(peer.bases[other], g, me), 1)
+    };
+    let sends = gather.as_ref().and_then(|g| g.sends);
+    match (copies, sends, queue) {
+        (Some(copies), Some(sends), SumsQueue::Order) => {
+            let order = gather.as_ref().map_or(&[][..], |g| g.finish_order);
+            if order.len() != copies.len() + sends.len() {
+                return Err(Error::Invalid("internal: copy order incomplete".into()));
+            }
+            for &(g, sums) in order {
+                if sums {
+                    send(g, &sends[g])?;
+                } else {
+                    partial(g, &copies[g])?;
+                }
+            }
         }
-        if !one_queue {
-            comm.join.order(copier, caller)?;
+        _ => {
+            for (g, c) in copies.unwrap_or_default().iter().enumerate() {
+                partial(g, c)?;
+            }
+            if copies.is_some() && !one_queue {
+                comm.join.order(copier, caller)?;
+            }
+            for (g, c) in sends.unwrap_or_default().iter().enumerate() {
+                send(g, c)?;
+            }
         }
     }
+    if sends.is_some() {
+        comm.reduce_join.order(sender, caller)?;
+    }
     if let Some(gather) = gather {
-        if let Some(sends) = gather.sends {
-            for (g, c) in sends.iter().enumerate() {
-                stream::take(sender, c.counter, c.tiles)?;
-                stream::copy(sender, slot + c.slot_offset, c.src, c.bytes as usize)?;
-                // After the copy: what follows the landing (the fused norm)
-                // may rewrite the rows it read.
-                events[g].record(sender)?;
-                stream::write(sender, layout.gathered_flag(peer.bases[other], g, me), 1)?;
-            }
-            comm.reduce_join.order(sender, caller)?;
-        }
         for (g, l) in gather.lands.iter().enumerate() {
             let flag = layout.gathered_flag(peer.bases[me], g, other);
             stream::take(land, flag, l.count)?;

@@ -114,6 +114,8 @@ pub struct Prepared {
     counters: CounterSlots,
     /// What each group's ready flag reaches once the peer's partial is here.
     ready_counts: DeviceBuffer,
+    /// The groups' partials and sums in the order the GEMM finishes them.
+    finish_order: Vec<(usize, bool)>,
 }
 
 /// The prepared gathered call, or None where the call runs otherwise
@@ -151,6 +153,7 @@ pub fn prepare(
             partials: CounterSlots::new(plan.groups.len() * PEER_FLAG_STRIDE as usize)?,
             counters: CounterSlots::new(plan.groups.len())?,
             ready_counts: DeviceBuffer::from_u32(&counts)?,
+            finish_order: plan.combined_finish_order(comm.rank as u32),
             plan,
         })))
     })?;
@@ -283,6 +286,7 @@ pub fn enqueue(
         own_counters: counters,
         own_tiles: &own_tiles,
         after: &mut after,
+        finish_order: &prepared.finish_order,
     };
     let rows = |r: u64| -> Result<u32> {
         u32::try_from(r)

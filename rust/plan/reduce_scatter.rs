@@ -348,6 +348,27 @@ impl ReduceScatterPlan {
             .collect()
     }
 
+    /// Each group's two parts on `rank` with combined stores, (group, own
+    /// tiles?), in the order [`Self::combined_order`] finishes them (a
+    /// part finishes at its last tile; an empty part where its group's
+    /// other part does, before it).
+    pub fn combined_finish_order(&self, rank: u32) -> Vec<(usize, bool)> {
+        let shard = |p: usize| self.tile_order[p] / self.tiles_n / self.bands;
+        let mut last = vec![[None::<usize>; 2]; self.groups.len()];
+        for (at, p) in self.combined_order(rank).into_iter().enumerate() {
+            let g = self.tile_group[p] as usize;
+            last[g][usize::from(shard(p) == rank)] = Some(at);
+        }
+        let mut parts: Vec<(usize, usize, bool)> = Vec::with_capacity(2 * last.len());
+        for (g, [pushed, own]) in last.into_iter().enumerate() {
+            let end = pushed.max(own).unwrap_or(0);
+            parts.push((pushed.unwrap_or(end), g, false));
+            parts.push((own.unwrap_or(end), g, true));
+        }
+        parts.sort_unstable();
+        parts.into_iter().map(|(_, g, own)| (g, own)).collect()
+    }
+
     /// What the call is predicted to take on the schedule chosen.
     pub fn predicted_us(&self) -> f64 {
         self.schedule
@@ -483,6 +504,13 @@ mod tests {
                     let mut order = plan.combined_order(rank);
                     order.sort_unstable();
                     prop_assert!(order.iter().enumerate().all(|(i, &p)| i == p));
+                    // Every group's two parts once, its partials before its sums.
+                    let finish = plan.combined_finish_order(rank);
+                    prop_assert_eq!(finish.len(), 2 * plan.groups.len());
+                    for g in 0..plan.groups.len() {
+                        let at = |own: bool| finish.iter().position(|&e| e == (g, own));
+                        prop_assert!(at(false).unwrap() < at(true).unwrap());
+                    }
                 }
             }
             // (A forced grouping overlaps whatever the prediction, as for AllReduce.)
