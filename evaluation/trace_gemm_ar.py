@@ -4,6 +4,7 @@ first GPU activity (torch.profiler / CUPTI; stream memory operations do
 not show, the gaps between activities do).
 
     python evaluation/trace_gemm_ar.py --shapes 16384x8192x1024 --backends copy_engine push
+    python evaluation/trace_gemm_ar.py --no-trace --max-groups 2 4 8 16 --backends copy_engine
 
 Prints, per shape and backend, the median call time of --iters untraced
 calls and one traced call's activities on rank 0 (streams numbered by
@@ -67,7 +68,9 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, outdir: s
         g = torch.Generator(device="cuda").manual_seed(rank)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        for backend in args.backends:
+        for backend, groups in [(b, g) for b in args.backends for g in args.max_groups or [None]]:
+            if groups is not None:
+                os.environ["FLASHOVERLAP_MAX_GROUPS"] = str(groups)
             call = lambda: flashoverlap.gemm_all_reduce(x, w, backend=backend, mode="overlap")
             for _ in range(3):
                 call()
@@ -82,6 +85,15 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, outdir: s
                 b.record()
                 b.synchronize()
                 times.append(a.elapsed_time(b) * 1e3)
+            if args.no_trace:
+                dist.barrier()
+                if rank == 0:
+                    plan = flashoverlap.plan_of(x, w, backend=backend, mode="overlap")
+                    gathered = plan.gathered or {}
+                    count = gathered.get("groups", len(plan.groups))
+                    print(f"{shape} {backend} max_groups {groups}: median {statistics.median(times):.1f} us, "
+                          f"{count} groups, predicted {plan.predicted_us:.1f} us {gathered}", flush=True)
+                continue
             dist.barrier()
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -109,6 +121,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["16384x8192x1024", "8192x8192x4096"])
     ap.add_argument("--backends", nargs="+", default=["copy_engine", "push"])
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--max-groups", type=int, nargs="*", default=None,
+                    help="time each shape under each FLASHOVERLAP_MAX_GROUPS (default: unset)")
+    ap.add_argument("--no-trace", action="store_true", help="only the untraced calls' times, one line each")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(worker, args=(2, f"file://{d}/init", args, d), nprocs=2)

@@ -529,6 +529,18 @@ def test_bad_copy_engine_all_reduce_mode_in_the_environment(monkeypatch: pytest.
     assert _env.ce_all_reduce() == "auto"
 
 
+def test_bad_copy_engine_sums_queue_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashoverlap import _env
+
+    monkeypatch.setenv("FLASHOVERLAP_CE_SUMS_QUEUE", "after")
+    with pytest.raises(ValueError, match="FLASHOVERLAP_CE_SUMS_QUEUE"):
+        _env.ce_sums_queue()
+    monkeypatch.setenv("FLASHOVERLAP_CE_SUMS_QUEUE", " Own ")
+    assert _env.ce_sums_queue() == "own"
+    monkeypatch.delenv("FLASHOVERLAP_CE_SUMS_QUEUE")
+    assert _env.ce_sums_queue() == "order"
+
+
 # The ops added with ReduceScatter, AllReduce + RMSNorm and All-to-All: the same operand checks
 # run first, before any process group or device is needed.
 

@@ -76,6 +76,20 @@ def ce_all_reduce() -> str:
     return v
 
 
+CE_SUMS_QUEUES = ("order", "own")
+
+
+def ce_sums_queue() -> str:
+    """FLASHOVERLAP_CE_SUMS_QUEUE: where the copy engines' gathered AllReduce (2 Hopper ranks) copies
+    its sums into the peer: "order" (default: on the partials' stream, each copy where the GEMM
+    finishes its part) or "own" (a stream of their own). Read once per process by the core; every
+    rank must set it alike."""
+    v = os.environ.get("FLASHOVERLAP_CE_SUMS_QUEUE", "").strip().lower() or "order"
+    if v not in CE_SUMS_QUEUES:
+        raise ValueError(f"FLASHOVERLAP_CE_SUMS_QUEUE: expected one of {CE_SUMS_QUEUES}, got {v!r}")
+    return v
+
+
 NORM_CONFIG_DEFAULT = (512, 4, 8, False, True)
 
 

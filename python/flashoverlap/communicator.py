@@ -55,6 +55,7 @@ class Communicator:
     def __init__(self, group: Optional[ProcessGroup] = None, *, name: Optional[str] = None,
                  max_ctas: Optional[int] = None, device: Optional[torch.device] = None, nccl: bool = True):
         _env.ce_all_reduce()  # a bad value is refused before anything is made
+        _env.ce_sums_queue()
         pg = resolve_group(group)
         self.group = pg
         self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(pg))
