@@ -97,7 +97,6 @@ __device__ __forceinline__ void store_release_sys(unsigned* p, unsigned v) {
 }
 using fo::load_acquire_sys;
 using fo::now_ns;
-using fo::poll_pause;
 }  // namespace
 
 struct Params {
@@ -201,7 +200,6 @@ __device__ __forceinline__ bool await_peer(const Params& p, int base_word, int a
   const unsigned long long start = p.timeout_ns ? now_ns() : 0;
   // Signed distance: epochs wrap around without harm.
   while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0 && !*static_cast<volatile int*>(&abandoned)) {
-    poll_pause();
     if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
       atomicExch(h + ERROR, 1u + base_word);
       abandoned = 1;

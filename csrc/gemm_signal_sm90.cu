@@ -193,7 +193,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           const unsigned expected = ready_counts[group];
           const unsigned long long start = timeout_ns ? fo::now_ns() : 0;
           while (fo::load_acquire_sys(flag) < expected) {
-            fo::poll_pause();
             if (timeout_ns && fo::now_ns() - start > timeout_ns) {
               atomicExch(timed_out, 1u);
               break;

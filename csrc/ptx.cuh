@@ -83,15 +83,6 @@ __device__ __forceinline__ void signal_add_sys(unsigned* counter, unsigned v) {
   asm volatile("red.release.sys.global.add.u32 [%0], %1;\n" ::"l"(counter), "r"(v) : "memory");
 }
 
-// Nanoseconds a poller sleeps between reads of a flag another GPU raises
-// (0: reads back to back). -DFO_POLL_NS=... overrides (FLASHOVERLAP_NVRTC_OPTIONS).
-#ifndef FO_POLL_NS
-#define FO_POLL_NS 128
-#endif
-__device__ __forceinline__ void poll_pause() {
-  if (FO_POLL_NS > 0) __nanosleep(FO_POLL_NS);
-}
-
 __device__ __forceinline__ unsigned load_acquire_sys(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
