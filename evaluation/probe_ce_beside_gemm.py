@@ -45,7 +45,7 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 
 class Rig:
-    def __init__(self, shape, mib: int, copies: int, gemms: int):
+    def __init__(self, shape, mib: int, copies: int, gemms: int, kernel: str = "cublas", src: str = "own"):
         m, n, k = shape
         self.gemms, self.copies, self.nbytes = gemms, copies, mib << 20
         self.a = [torch.randn(m, k, device=d, dtype=torch.bfloat16) for d in (0, 1)]
@@ -54,6 +54,9 @@ class Rig:
         self.src = [torch.randn(copies * self.nbytes // 2, device=d, dtype=torch.bfloat16) for d in (0, 1)]
         self.dst = [torch.empty(copies * self.nbytes // 2, device=d, dtype=torch.bfloat16) for d in (0, 1)]
         self.compute = [torch.cuda.Stream(device=d) for d in (0, 1)]
+        self.kernel, self.from_c = kernel, src == "c"
+        if self.from_c and copies * self.nbytes > self.c[0].numel() * 2:
+            raise SystemExit("--src c: the copies need more bytes than the GEMM's output holds")
         self.side = [torch.cuda.Stream(device=d) for d in (0, 1)]
 
     def trial(self, gemm_on, copy_from) -> tuple[float, float, bool]:
@@ -70,7 +73,12 @@ class Rig:
                     ev[0].record(c)
                     if d in gemm_on:
                         for _ in range(self.gemms):
-                            torch.matmul(self.a[d], self.b[d].t(), out=self.c[d])
+                            if self.kernel == "fo":
+                                import flashoverlap
+
+                                self.c[d] = flashoverlap.gemm(self.a[d], self.b[d])
+                            else:
+                                torch.matmul(self.a[d], self.b[d].t(), out=self.c[d])
                     ev[1].record(c)
                 s.wait_event(ev[0])
                 with torch.cuda.stream(s):
@@ -78,7 +86,8 @@ class Rig:
                     ev[2].record(s)
                     if d in copy_from:
                         dst = self.dst[1 - d].data_ptr()
-                        src = self.src[d].data_ptr()
+                        # From the GEMM's output (rows it rewrites meanwhile) or a buffer of its own.
+                        src = self.c[d].data_ptr() if self.from_c else self.src[d].data_ptr()
                         for i in range(self.copies):
                             _copy(dst + i * self.nbytes, src + i * self.nbytes, self.nbytes, s)
                     ev[3].record(s)
@@ -110,25 +119,29 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=16)
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--trials", type=int, default=9)
+    ap.add_argument("--kernel", choices=["cublas", "fo"], default="cublas",
+                    help="the GEMM: torch.matmul, or flashoverlap.gemm (the overlapped ops' kernel, no signals)")
+    ap.add_argument("--src", choices=["own", "c"], default="own",
+                    help="what the copies read: a buffer of their own, or the GEMM's output as it is rewritten")
     args = ap.parse_args()
     if torch.cuda.device_count() < 2:
         raise SystemExit("needs 2 GPUs")
     torch.ones(1, device=0).to(1)  # peer access on, both ways
     torch.ones(1, device=1).to(0)
-    print(f"# {torch.cuda.get_device_name(0)} x2; {args.copies} copies of {args.mib} MiB into the peer on one "
+    print(f"# {torch.cuda.get_device_name(0)} x2; GEMM {args.kernel}, copies from {args.src}; {args.copies} copies of {args.mib} MiB into the peer on one "
           f"stream beside back-to-back cuBLAS GEMMs; median of {args.trials}; GB/s = bytes one GPU sends / time; "
           f"copy x = copies' time / alone; gemm x = GEMMs' time / alone; * = copies outlasted the GEMMs")
     print(f"{'shape':>18} {'gemms':>5} {'pattern':>10} {'copies us':>10} {'GB/s':>6} {'copy x':>7} "
           f"{'gemms us':>9} {'gemm x':>7}")
     for shape in args.shapes:
         # Enough GEMMs to outlast the copies at a quarter of their rate alone.
-        probe = Rig(shape, args.mib, args.copies, 1)
+        probe = Rig(shape, args.mib, args.copies, 1, args.kernel, args.src)
         probe.trial((0, 1), ())
         one = statistics.median(probe.trial((0, 1), ())[1] for _ in range(3))
         bytes_us = args.copies * (args.mib << 20) / 360e3  # us at ~360 GB/s
         gemms = max(1, int(4 * bytes_us / one) + 1)
         del probe
-        rig = Rig(shape, args.mib, args.copies, gemms)
+        rig = Rig(shape, args.mib, args.copies, gemms, args.kernel, args.src)
         rig.trial((0, 1), (0, 1))
         alone_gemm = statistics.median(rig.trial((0, 1), ())[1] for _ in range(args.trials))
         alone_copy = None
@@ -147,7 +160,7 @@ def main() -> None:
                   f"{cu / alone_copy:6.2f}x {gs} {gx}{' *' if late else ''}")
         torch.cuda.synchronize(0)
         torch.cuda.synchronize(1)
-        if not torch.equal(rig.dst[1].cpu(), rig.src[0].cpu()):
+        if not args.src == "c" and not torch.equal(rig.dst[1].cpu(), rig.src[0].cpu()):
             raise SystemExit("copies did not land intact")
         del rig
 
