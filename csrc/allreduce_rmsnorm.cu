@@ -95,6 +95,7 @@ using fo::word;
 __device__ __forceinline__ void store_release_sys(unsigned* p, unsigned v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+using fo::load_acquire_sys;
 using fo::now_ns;
 }  // namespace
 
@@ -198,13 +199,12 @@ __device__ __forceinline__ bool await_peer(const Params& p, int base_word, int a
   const unsigned* flag = h + base_word + at * FO_MAX_WORLD + peer;
   const unsigned long long start = p.timeout_ns ? now_ns() : 0;
   // Signed distance: epochs wrap around without harm.
-  while (static_cast<int>(fo::poll_sys(flag) - epoch) < 0 && !*static_cast<volatile int*>(&abandoned)) {
+  while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0 && !*static_cast<volatile int*>(&abandoned)) {
     if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
       atomicExch(h + ERROR, 1u + base_word);
       abandoned = 1;
     }
   }
-  fo::polled_sys();
   return !*static_cast<volatile int*>(&abandoned);
 }
 

@@ -192,13 +192,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           const unsigned* flag = ready_flags + group * PEER_FLAG_STRIDE;
           const unsigned expected = ready_counts[group];
           const unsigned long long start = timeout_ns ? fo::now_ns() : 0;
-          while (fo::poll_sys(flag) < expected) {
+          while (fo::load_acquire_sys(flag) < expected) {
             if (timeout_ns && fo::now_ns() - start > timeout_ns) {
               atomicExch(timed_out, 1u);
               break;
             }
           }
-          fo::polled_sys();
           // The peer's TMA stores, acquired here, are read by TMA next.
           fo::fence_async_global();
           waited = group;

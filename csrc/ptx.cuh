@@ -83,27 +83,10 @@ __device__ __forceinline__ void signal_add_sys(unsigned* counter, unsigned v) {
   asm volatile("red.release.sys.global.add.u32 [%0], %1;\n" ::"l"(counter), "r"(v) : "memory");
 }
 
-// Waiting on a flag another GPU raises: poll with relaxed reads, then one
-// system-scope fence (together an acquire), or with an acquire per read
-// (-DFO_POLL_RELAXED=0).
-#ifndef FO_POLL_RELAXED
-#define FO_POLL_RELAXED 1
-#endif
-__device__ __forceinline__ unsigned poll_sys(const unsigned* p) {
+__device__ __forceinline__ unsigned load_acquire_sys(const unsigned* p) {
   unsigned v;
-#if FO_POLL_RELAXED
-  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-#else
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-#endif
   return v;
-}
-// After poll_sys saw the awaited value: what the raiser released before it
-// is visible from here on.
-__device__ __forceinline__ void polled_sys() {
-#if FO_POLL_RELAXED
-  asm volatile("fence.acq_rel.sys;\n" ::: "memory");
-#endif
 }
 
 __device__ __forceinline__ unsigned long long now_ns() {
