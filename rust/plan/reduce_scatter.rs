@@ -291,7 +291,11 @@ fn best_combined(
     let mut best: Option<(GroupPartition, Timeline, u32)> = None;
     for b in candidates {
         let p = GroupPartition::uniform(tiles, b)?;
-        for lead in [ctas, 2 * ctas] {
+        let leads: Vec<u32> = match std::env::var("FO_EXPERIMENT_LEAD_WAVES").ok().and_then(|v| v.parse::<u32>().ok()) {
+            Some(w) => vec![w * ctas],
+            None => vec![ctas, 2 * ctas],
+        };
+        for lead in leads {
             let t = predict_combined(
                 tiles,
                 k,
