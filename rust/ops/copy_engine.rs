@@ -811,7 +811,11 @@ pub fn enqueue_combined<'g>(
     };
     let one_queue = queue != SumsQueue::Own;
     let (copier, land) = (comm.stream.0, comm.land_stream.0);
-    let sender = if one_queue { copier } else { comm.reduce_stream.0 };
+    let sender = if one_queue {
+        copier
+    } else {
+        comm.reduce_stream.0
+    };
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     let events = comm.group_events.lock().unwrap_or_else(|p| p.into_inner());
     if gather.as_ref().is_some_and(|g| g.sends.is_some()) && events.len() < groups {

@@ -265,8 +265,8 @@ pub fn plan_gemm_reduce_scatter(
 
 /// The uniform grouping and lead a combined-stores call is predicted
 /// fastest with (`per` bands per group if given): the groups set how finely
-/// the own tiles wait for the peers' partials, the lead (one or two waves)
-/// how long those have to cross the link before the first own tile.
+/// the own tiles wait for the peers' partials, the lead (four waves) how
+/// long those have to cross the link before the first own tile.
 fn best_combined(
     tiles: &OutputTiles,
     k: u32,
@@ -288,31 +288,32 @@ fn best_combined(
             c
         }
     };
+    // Four waves of the peers' tiles before the first own tile: on 2x H200
+    // the 16 shapes ran 1.242x (copy engines) and 1.272x (push) over cuBLAS
+    // then NCCL against 1.215x and 1.258x with the model's pick of one or
+    // two waves, which left the GEMM's CTAs waiting for partials still
+    // crossing the link (16384 x 8192 x 1024 on the copy engines: 928 vs
+    // 1055 us).
+    let lead = 4 * ctas;
     let mut best: Option<(GroupPartition, Timeline, u32)> = None;
     for b in candidates {
         let p = GroupPartition::uniform(tiles, b)?;
-        let leads: Vec<u32> = match std::env::var("FO_EXPERIMENT_LEAD_WAVES").ok().and_then(|v| v.parse::<u32>().ok()) {
-            Some(w) => vec![w * ctas],
-            None => vec![ctas, 2 * ctas],
-        };
-        for lead in leads {
-            let t = predict_combined(
-                tiles,
-                k,
-                ctas,
-                &p,
-                hw,
-                req.world,
-                req.elem_bytes,
-                lead,
-                req.gather,
-            )?;
-            if best
-                .as_ref()
-                .map_or(true, |(_, bt, _)| t.overlap_us < bt.overlap_us)
-            {
-                best = Some((p.clone(), t, lead));
-            }
+        let t = predict_combined(
+            tiles,
+            k,
+            ctas,
+            &p,
+            hw,
+            req.world,
+            req.elem_bytes,
+            lead,
+            req.gather,
+        )?;
+        if best
+            .as_ref()
+            .map_or(true, |(_, bt, _)| t.overlap_us < bt.overlap_us)
+        {
+            best = Some((p, t, lead));
         }
     }
     best.ok_or_else(|| PlanError::InvalidPartition("no grouping within max_groups".into()))
