@@ -216,6 +216,7 @@ fn plan_with(
             .model(args, world, kernel, CollectiveKind::AllReduce)
             .comm,
         sums_stall: pushed.then_some(PUSH_GATHER.1),
+        norm: machine.fused_norm,
     });
     let req = ReduceScatterRequest {
         m: args.m,

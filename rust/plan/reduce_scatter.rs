@@ -265,8 +265,9 @@ pub fn plan_gemm_reduce_scatter(
 
 /// The uniform grouping and lead a combined-stores call is predicted
 /// fastest with (`per` bands per group if given): the groups set how finely
-/// the own tiles wait for the peers' partials, the lead (four waves) how
-/// long those have to cross the link before the first own tile.
+/// the own tiles wait for the peers' partials, the lead (four waves; one
+/// or two with a fused norm) how long those have to cross the link before
+/// the first own tile.
 fn best_combined(
     tiles: &OutputTiles,
     k: u32,
@@ -293,27 +294,34 @@ fn best_combined(
     // then NCCL against 1.215x and 1.258x with the model's pick of one or
     // two waves, which left the GEMM's CTAs waiting for partials still
     // crossing the link (16384 x 8192 x 1024 on the copy engines: 928 vs
-    // 1055 us).
-    let lead = 4 * ctas;
+    // 1055 us). With a fused norm the lead stays the model's pick of one or
+    // two waves: that is what its op was measured with.
+    let waves: &[u32] = if req.gather.is_some_and(|g| g.norm) {
+        &[1, 2]
+    } else {
+        &[4]
+    };
     let mut best: Option<(GroupPartition, Timeline, u32)> = None;
     for b in candidates {
         let p = GroupPartition::uniform(tiles, b)?;
-        let t = predict_combined(
-            tiles,
-            k,
-            ctas,
-            &p,
-            hw,
-            req.world,
-            req.elem_bytes,
-            lead,
-            req.gather,
-        )?;
-        if best
-            .as_ref()
-            .map_or(true, |(_, bt, _)| t.overlap_us < bt.overlap_us)
-        {
-            best = Some((p, t, lead));
+        for lead in waves.iter().map(|w| w * ctas) {
+            let t = predict_combined(
+                tiles,
+                k,
+                ctas,
+                &p,
+                hw,
+                req.world,
+                req.elem_bytes,
+                lead,
+                req.gather,
+            )?;
+            if best
+                .as_ref()
+                .map_or(true, |(_, bt, _)| t.overlap_us < bt.overlap_us)
+            {
+                best = Some((p.clone(), t, lead));
+            }
         }
     }
     best.ok_or_else(|| PlanError::InvalidPartition("no grouping within max_groups".into()))

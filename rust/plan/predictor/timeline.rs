@@ -262,6 +262,8 @@ pub struct Gather {
     /// stalling its CTA for f times its share of the group's link time;
     /// None: copied once the group's own tiles are stored.
     pub sums_stall: Option<f64>,
+    /// A fused norm follows each group (gemm_all_reduce_rmsnorm).
+    pub norm: bool,
 }
 
 /// The order of a combined-stores GEMM's tiles, (group, own tile?) per
