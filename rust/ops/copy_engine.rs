@@ -805,13 +805,24 @@ pub fn enqueue_combined<'g>(
         timed_out,
         timeout_ns,
     })?;
-    let queue = match (copies, gather.as_ref().and_then(|g| g.sends)) {
-        (Some(_), Some(_)) => sums_queue(),
-        _ => SumsQueue::Own,
+    let sends = gather.as_ref().and_then(|g| g.sends);
+    // The partials and the sums on one queue in the order the GEMM finishes
+    // them ([`SumsQueue::Order`]), checked before anything is enqueued.
+    let ordered = match (copies, sends) {
+        (Some(c), Some(s)) if sums_queue() == SumsQueue::Order => {
+            let order = gather.as_ref().map_or(&[][..], |g| g.finish_order);
+            let groups = c.len().min(s.len());
+            if order.len() != c.len() + s.len() || order.iter().any(|&(g, _)| g >= groups) {
+                return Err(Error::Invalid(
+                    "internal: the copies' order does not match the groups".into(),
+                ));
+            }
+            Some(order)
+        }
+        _ => None,
     };
-    let one_queue = queue != SumsQueue::Own;
     let (copier, land) = (comm.stream.0, comm.land_stream.0);
-    let sender = if one_queue {
+    let sender = if ordered.is_some() {
         copier
     } else {
         comm.reduce_stream.0
@@ -829,7 +840,7 @@ pub fn enqueue_combined<'g>(
         forked.push(copier);
     }
     if let Some(g) = &gather {
-        if g.sends.is_some() && !one_queue {
+        if g.sends.is_some() && ordered.is_none() {
             forked.push(sender);
         }
         forked.push(land);
@@ -851,31 +862,23 @@ pub fn enqueue_combined<'g>(
         events[g].record(sender)?;
         stream::write(sender, layout.gathered_flag(peer.bases[other], g, me), 1)
     };
-    let sends = gather.as_ref().and_then(|g| g.sends);
-    match (copies, sends, queue) {
-        (Some(copies), Some(sends), SumsQueue::Order) => {
-            let order = gather.as_ref().map_or(&[][..], |g| g.finish_order);
-            if order.len() != copies.len() + sends.len() {
-                return Err(Error::Invalid("internal: copy order incomplete".into()));
-            }
-            for &(g, sums) in order {
-                if sums {
-                    send(g, &sends[g])?;
-                } else {
-                    partial(g, &copies[g])?;
-                }
+    if let (Some(order), Some(copies), Some(sends)) = (ordered, copies, sends) {
+        for &(g, sums) in order {
+            if sums {
+                send(g, &sends[g])?;
+            } else {
+                partial(g, &copies[g])?;
             }
         }
-        _ => {
-            for (g, c) in copies.unwrap_or_default().iter().enumerate() {
+    } else {
+        if let Some(copies) = copies {
+            for (g, c) in copies.iter().enumerate() {
                 partial(g, c)?;
             }
-            if copies.is_some() && !one_queue {
-                comm.join.order(copier, caller)?;
-            }
-            for (g, c) in sends.unwrap_or_default().iter().enumerate() {
-                send(g, c)?;
-            }
+            comm.join.order(copier, caller)?;
+        }
+        for (g, c) in sends.unwrap_or_default().iter().enumerate() {
+            send(g, c)?;
         }
     }
     if sends.is_some() {
