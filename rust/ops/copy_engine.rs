@@ -761,10 +761,13 @@ pub struct GatherSteps<'a> {
 /// Caller S:  wait(free) set(taken at peer) [fork] GEMM (waits for ready, sums) [join] reset(ready) wait(taken) set(free at peer)
 /// Comm C:                                        wait(c0) copy(g0 -> peer) set(ready g0 at peer) ...
 ///
-/// With `gather` (an AllReduce, [`GatherSteps`]) the reduce stream copies
-/// the sums (copy engines) and the landing stream lands the peer's:
+/// With `gather` (an AllReduce, [`GatherSteps`]) the sums are copied too
+/// (copy engines) and the landing stream lands the peer's. By default
+/// ([`SumsQueue::Order`]) the sums' copies join the partials' on the comm
+/// stream, each where the GEMM finishes its part (`finish_order`); with
+/// [`SumsQueue::Own`] they run on the reduce stream:
 ///
-/// Reduce R:  wait(own c0) copy(sums g0 -> peer) [e0] set(gathered g0 at peer) ...
+/// Comm C:    ... wait(c1) copy(g1 -> peer) set(ready g1) wait(own c0) copy(sums g0 -> peer) [e0] set(gathered g0 at peer) ...
 /// Land L:    wait(gathered g0) copy(slot -> out) reset(gathered g0) [wait e0 or own c0] after(g0) ...
 ///
 /// `prepare_gemm(targets)` makes the launch before anything is enqueued.
