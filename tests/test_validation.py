@@ -514,31 +514,30 @@ def test_bad_backend_in_the_environment(no_distributed, monkeypatch: pytest.Monk
     assert _env.backend() == "auto"
 
 
-def test_bad_copy_engine_all_reduce_mode_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("var,read,bad,spaced,value,default", [
+    ("FLASHOVERLAP_CE_ALLREDUCE", "ce_all_reduce", "halves", " Gather ", "gather", "auto"),
+    ("FLASHOVERLAP_CE_SUMS_QUEUE", "ce_sums_queue", "after", " Own ", "own", "order"),
+])
+def test_copy_engine_choices_in_the_environment(monkeypatch: pytest.MonkeyPatch, var: str, read: str, bad: str,
+                                                spaced: str, value: str, default: str) -> None:
+    """A value outside the choices is refused by name; case and spaces do not matter; unset is the default."""
     from flashoverlap import _env
+
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(ValueError, match=var):
+        getattr(_env, read)()
+    monkeypatch.setenv(var, spaced)
+    assert getattr(_env, read)() == value
+    monkeypatch.delenv(var)
+    assert getattr(_env, read)() == default
+
+
+def test_planning_refuses_a_bad_copy_engine_all_reduce_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     from flashoverlap.planning import plan_gemm_all_reduce
 
     monkeypatch.setenv("FLASHOVERLAP_CE_ALLREDUCE", "halves")
     with pytest.raises(ValueError, match="FLASHOVERLAP_CE_ALLREDUCE"):
-        _env.ce_all_reduce()
-    with pytest.raises(ValueError, match="FLASHOVERLAP_CE_ALLREDUCE"):
         plan_gemm_all_reduce(4096, 8192, 4096, 2, backend="copy_engine")
-    monkeypatch.setenv("FLASHOVERLAP_CE_ALLREDUCE", " Gather ")
-    assert _env.ce_all_reduce() == "gather"
-    monkeypatch.delenv("FLASHOVERLAP_CE_ALLREDUCE")
-    assert _env.ce_all_reduce() == "auto"
-
-
-def test_bad_copy_engine_sums_queue_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flashoverlap import _env
-
-    monkeypatch.setenv("FLASHOVERLAP_CE_SUMS_QUEUE", "after")
-    with pytest.raises(ValueError, match="FLASHOVERLAP_CE_SUMS_QUEUE"):
-        _env.ce_sums_queue()
-    monkeypatch.setenv("FLASHOVERLAP_CE_SUMS_QUEUE", " Own ")
-    assert _env.ce_sums_queue() == "own"
-    monkeypatch.delenv("FLASHOVERLAP_CE_SUMS_QUEUE")
-    assert _env.ce_sums_queue() == "order"
 
 
 # The ops added with ReduceScatter, AllReduce + RMSNorm and All-to-All: the same operand checks
