@@ -425,7 +425,6 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
   }
 }
 
-// Step 2 for part `stage` of this rank's slice.
 // Step 2 over rows [first, last) of this rank's slice, with their row groups.
 __device__ __forceinline__ void reduce_range(const Params& p, int first, int last, int vecs, bool pull) {
   const RowGroup grp = row_group(last - first);
@@ -436,6 +435,7 @@ __device__ __forceinline__ void reduce_range(const Params& p, int first, int las
   }
 }
 
+// Step 2 for part `stage` of this rank's slice.
 __device__ __forceinline__ void reduce(const Params& p, int stage, int vecs, bool pull) {
   int first, last;
   part(p, p.rank, stage, first, last);
@@ -458,8 +458,6 @@ __device__ __forceinline__ void gather_rows(const Params& p, int first, int last
   }
 }
 
-// Step 3 for part `stage` of every other owner's slice: their normalized
-// rows, or their r, normalized here as the owner did.
 // Step 3 over rows [first, last) of another owner's r (full residual), with
 // their row groups.
 __device__ __forceinline__ void gather_range(const Params& p, int first, int last, int vecs) {
@@ -473,6 +471,8 @@ __device__ __forceinline__ void gather_range(const Params& p, int first, int las
   }
 }
 
+// Step 3 for part `stage` of every other owner's slice: their normalized
+// rows, or their r, normalized here as the owner did.
 __device__ __forceinline__ void gather(const Params& p, int stage, int vecs) {
   for (int i = 1; i < p.world; ++i) {
     const int owner = (p.rank + i) % p.world;

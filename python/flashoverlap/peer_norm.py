@@ -164,18 +164,19 @@ class PeerGroup:
         copy_engines (2 ranks): the copy engines move the rows, kernels of `ctas` CTAs (one at a
         time) only sum and normalize."""
         hidden = x.shape[-1]
-        lanes = None
+        tokens = x.numel() // hidden
+        lanes, chunks = None, 1
         if copy_engines:
             if self._lanes is None:
                 self._lanes = _core.NormLanes(self.device.index)
-            lanes = self._lanes
+            lanes, chunks = self._lanes, self.chunks(tokens)
         _core.allreduce_rmsnorm_launch(self.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
                                                            out.data_ptr(), residual_out.data_ptr()),
-                                       self.memory.bases, self.memory.bytes, self.rank, x.numel() // hidden, hidden, float(eps), full,
+                                       self.memory.bases, self.memory.bytes, self.rank, tokens, hidden, float(eps), full,
                                        dtype_name(x.dtype), ctas, wait_timeout_ns(),
                                        current_stream_handle(self.device.index), pull=pull,
                                        config=config or self.config, residual_sliced=residual_sliced,
-                                       lanes=lanes, chunks=self.chunks(x.numel() // hidden))
+                                       lanes=lanes, chunks=chunks)
 
     def check_error(self) -> None:
         # Only a bounded wait can record an error, and reading the word waits for the device:

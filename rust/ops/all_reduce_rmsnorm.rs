@@ -323,9 +323,7 @@ impl Checked {
         let mut args: [*mut c_void; 1] = [(&mut params as *mut Params).cast()];
         kernel.launch(self.ctas, self.threads, stream, &mut args)
     }
-}
 
-impl Checked {
     /// The copy-engine mode's kernel (`fo_arn_ce`) over rows [first, last)
     /// (`kind` [`CE_REDUCE`]: of this rank's slice; [`CE_GATHER`]: of the
     /// peer's), on at most `ctas` CTAs (one per row at least): the rows the

@@ -832,7 +832,7 @@ pub fn enqueue_combined<'g>(
     };
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     let events = comm.group_events.lock().unwrap_or_else(|p| p.into_inner());
-    if gather.as_ref().is_some_and(|g| g.sends.is_some()) && events.len() < groups {
+    if sends.is_some() && events.len() < groups {
         return Err(Error::Invalid("internal: group events not made".into()));
     }
     take_grant(peer, other, caller)?;
@@ -842,10 +842,10 @@ pub fn enqueue_combined<'g>(
     if copies.is_some() {
         forked.push(copier);
     }
-    if let Some(g) = &gather {
-        if g.sends.is_some() && ordered.is_none() {
-            forked.push(sender);
-        }
+    if sends.is_some() && ordered.is_none() {
+        forked.push(sender);
+    }
+    if gather.is_some() {
         forked.push(land);
     }
     if !forked.is_empty() {

@@ -164,16 +164,18 @@ pub fn enqueue(
         gather_on(chunks - 1)?;
     }
     // Sharded: the peer's normalized rows land on the copy engines.
-    for c in (0..chunks).filter(|_| !call.residual_full) {
-        let (f, l) = chunk(theirs, chunks, c);
-        stream::take(land, r_arrived(mine, c), 1)?;
-        if l > f {
-            stream::copy(
-                land,
-                call.out + f * row,
-                mine + layout.out_offset + f * row,
-                ((l - f) * row) as usize,
-            )?;
+    if !call.residual_full {
+        for c in 0..chunks {
+            let (f, l) = chunk(theirs, chunks, c);
+            stream::take(land, r_arrived(mine, c), 1)?;
+            if l > f {
+                stream::copy(
+                    land,
+                    call.out + f * row,
+                    mine + layout.out_offset + f * row,
+                    ((l - f) * row) as usize,
+                )?;
+            }
         }
     }
     for (event, lane) in lanes.joins.iter().zip([copy, send, land]) {

@@ -328,12 +328,16 @@ fn best_combined(
 }
 
 impl ReduceScatterPlan {
+    /// The shard (owner rank) of the tile at plan position `p`.
+    fn shard_of(&self, p: usize) -> u32 {
+        self.tile_order[p] / self.tiles_n / self.bands
+    }
+
     /// The positions of the plan in the order rank `rank` runs them with
     /// combined stores ([`combined_sequence`] with the plan's lead): per
     /// group its tiles of the other shards (pushed) and of its own, each
     /// part in the plan's order.
     pub fn combined_order(&self, rank: u32) -> Vec<usize> {
-        let shard = |p: usize| self.tile_order[p] / self.tiles_n / self.bands;
         let parts: Vec<[Vec<usize>; 2]> = self
             .groups
             .iter()
@@ -342,7 +346,7 @@ impl ReduceScatterPlan {
                     .positions
                     .clone()
                     .map(|p| p as usize)
-                    .partition(|&p| shard(p) == rank);
+                    .partition(|&p| self.shard_of(p) == rank);
                 [pushed, own]
             })
             .collect();
@@ -366,11 +370,10 @@ impl ReduceScatterPlan {
     /// part finishes at its last tile; an empty part where its group's
     /// other part does, before it).
     pub fn combined_finish_order(&self, rank: u32) -> Vec<(usize, bool)> {
-        let shard = |p: usize| self.tile_order[p] / self.tiles_n / self.bands;
         let mut last = vec![[None::<usize>; 2]; self.groups.len()];
         for (at, p) in self.combined_order(rank).into_iter().enumerate() {
             let g = self.tile_group[p] as usize;
-            last[g][usize::from(shard(p) == rank)] = Some(at);
+            last[g][usize::from(self.shard_of(p) == rank)] = Some(at);
         }
         let mut parts: Vec<(usize, usize, bool)> = Vec::with_capacity(2 * last.len());
         for (g, [pushed, own]) in last.into_iter().enumerate() {
