@@ -139,6 +139,27 @@ pub fn take(stream: RawStream, flag: sys::CUdeviceptr, value: u32) -> Result<()>
     write(stream, flag, 0)
 }
 
+/// Zeroes the device words `words` in stream order: one strided memset
+/// where they are evenly spaced (a group's counters are), else a write
+/// each.
+pub fn zero_words(stream: RawStream, words: &[sys::CUdeviceptr]) -> Result<()> {
+    let pitch = match words {
+        [] => return Ok(()),
+        [a, b, ..] => b.wrapping_sub(*a),
+        [_] => 4,
+    };
+    let even = pitch >= 4 && words.windows(2).all(|w| w[1].wrapping_sub(w[0]) == pitch);
+    if !even {
+        return words.iter().try_for_each(|&w| write(stream, w, 0));
+    }
+    // SAFETY: every word is a live device word of the current context;
+    // a row of one word per pitch touches nothing between them.
+    check(
+        unsafe { sys::cuMemsetD2D32Async(words[0], pitch as usize, 0, 1, words.len(), stream) },
+        "cuMemsetD2D32Async",
+    )
+}
+
 /// Writes `value` to `*flag` in stream order.
 pub fn write(stream: RawStream, flag: sys::CUdeviceptr, value: u32) -> Result<()> {
     // SAFETY: flag is a live device word of the current context.

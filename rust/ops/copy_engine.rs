@@ -758,16 +758,18 @@ pub struct GatherSteps<'a> {
 /// the count, copies the group into the peer's slot and sets the peer's
 /// ready flag to 1):
 ///
-/// Caller S:  wait(free) set(taken at peer) [fork] GEMM (waits for ready, sums) [join] reset(ready) wait(taken) set(free at peer)
-/// Comm C:                                        wait(c0) copy(g0 -> peer) set(ready g0 at peer) ...
+/// Caller S:  wait(free) set(taken at peer) zero(counters) [fork] GEMM (waits for ready, sums) [join] reset(ready) wait(taken) set(free at peer)
+/// Comm C:                                                        wait(c0) copy(g0 -> peer) set(ready g0 at peer) ...
 ///
 /// With `gather` (an AllReduce, [`GatherSteps`]) the sums are copied too
 /// (copy engines) and the landing stream lands the peer's. By default
 /// ([`SumsQueue::Order`]) the sums' copies join the partials' on the comm
-/// stream, each where the GEMM finishes its part (`finish_order`); with
-/// [`SumsQueue::Own`] they run on the reduce stream:
+/// stream, each where the GEMM finishes its part (`finish_order`), and
+/// the side (reduce) stream sets their gathered flags; with
+/// [`SumsQueue::Own`] the side stream copies them too:
 ///
-/// Comm C:    ... wait(c1) copy(g1 -> peer) set(ready g1) wait(own c0) copy(sums g0 -> peer) [e0] set(gathered g0 at peer) ...
+/// Comm C:    ... wait(c1) copy(g1 -> peer) set(ready g1) wait(own c0) copy(sums g0 -> peer) [e0] ...
+/// Side R:    [wait e0] set(gathered g0 at peer) ...
 /// Land L:    wait(gathered g0) copy(slot -> out) reset(gathered g0) [wait e0 or own c0] after(g0) ...
 ///
 /// `prepare_gemm(targets)` makes the launch before anything is enqueued.
@@ -824,26 +826,34 @@ pub fn enqueue_combined<'g>(
         }
         _ => None,
     };
-    let (copier, land) = (comm.stream.0, comm.land_stream.0);
-    let sender = if ordered.is_some() {
-        copier
-    } else {
-        comm.reduce_stream.0
-    };
+    let (copier, land, side) = (comm.stream.0, comm.land_stream.0, comm.reduce_stream.0);
+    // The side stream copies the sums ([`SumsQueue::Own`]) or, where they
+    // share the copier's queue, only sets their gathered flags: a stream
+    // write after a copy holds its queue ~6 us (2x H200), and the peer's
+    // landing, unlike its GEMM, can wait that long. The partials' ready
+    // flags stay on the copier: the peer's GEMM waits for them.
+    let sender = if ordered.is_some() { copier } else { side };
     let _order = comm.enqueue.lock().unwrap_or_else(|p| p.into_inner());
     let events = comm.group_events.lock().unwrap_or_else(|p| p.into_inner());
     if sends.is_some() && events.len() < groups {
         return Err(Error::Invalid("internal: group events not made".into()));
     }
     take_grant(peer, other, caller)?;
-    // The side streams start after the caller's earlier work (and, under
-    // graph capture, join the capture here), before the GEMM.
+    // The counters the copies wait for start each call at zero, zeroed here
+    // (one memset each) rather than by a write after each wait: on the copy
+    // queue each stream memory operation idles the link between copies.
+    for list in [copies, sends].into_iter().flatten() {
+        let words: Vec<u64> = list.iter().map(|c| c.counter).collect();
+        stream::zero_words(caller, &words)?;
+    }
+    // The side streams start after the caller's earlier work and the zeroing
+    // (and, under graph capture, join the capture here), before the GEMM.
     let mut forked = Vec::new();
     if copies.is_some() {
         forked.push(copier);
     }
-    if sends.is_some() && ordered.is_none() {
-        forked.push(sender);
+    if sends.is_some() {
+        forked.push(side);
     }
     if gather.is_some() {
         forked.push(land);
@@ -853,17 +863,20 @@ pub fn enqueue_combined<'g>(
     }
     gemm.enqueue(caller)?;
     let partial = |g: usize, c: &SlotCopy| -> Result<()> {
-        stream::take(copier, c.counter, c.tiles)?;
+        stream::wait_geq(copier, c.counter, c.tiles)?;
         stream::copy(copier, slot + c.slot_offset, c.src, c.bytes as usize)?;
         stream::write(copier, layout.ready_flag(peer.bases[other], g, me), 1)
     };
     let send = |g: usize, c: &SlotCopy| -> Result<()> {
-        stream::take(sender, c.counter, c.tiles)?;
+        stream::wait_geq(sender, c.counter, c.tiles)?;
         stream::copy(sender, slot + c.slot_offset, c.src, c.bytes as usize)?;
         // After the copy: what follows the landing (the fused norm)
-        // may rewrite the rows it read.
+        // may rewrite the rows it read; the flag follows it too.
         events[g].record(sender)?;
-        stream::write(sender, layout.gathered_flag(peer.bases[other], g, me), 1)
+        if sender != side {
+            events[g].wait(side)?;
+        }
+        stream::write(side, layout.gathered_flag(peer.bases[other], g, me), 1)
     };
     if let (Some(order), Some(copies), Some(sends)) = (ordered, copies, sends) {
         for &(g, sums) in order {
@@ -874,18 +887,18 @@ pub fn enqueue_combined<'g>(
             }
         }
     } else {
-        if let Some(copies) = copies {
-            for (g, c) in copies.iter().enumerate() {
-                partial(g, c)?;
-            }
-            comm.join.order(copier, caller)?;
+        for (g, c) in copies.unwrap_or_default().iter().enumerate() {
+            partial(g, c)?;
         }
         for (g, c) in sends.unwrap_or_default().iter().enumerate() {
             send(g, c)?;
         }
     }
+    if copies.is_some() {
+        comm.join.order(copier, caller)?;
+    }
     if sends.is_some() {
-        comm.reduce_join.order(sender, caller)?;
+        comm.reduce_join.order(side, caller)?;
     }
     if let Some(gather) = gather {
         for (g, l) in gather.lands.iter().enumerate() {
