@@ -162,9 +162,8 @@ pub fn enqueue(
     }
     if call.residual_full {
         gather_on(chunks - 1)?;
-    }
-    // Sharded: the peer's normalized rows land on the copy engines.
-    if !call.residual_full {
+    } else {
+        // Sharded: the peer's normalized rows land on the copy engines.
         for c in 0..chunks {
             let (f, l) = chunk(theirs, chunks, c);
             stream::take(land, r_arrived(mine, c), 1)?;

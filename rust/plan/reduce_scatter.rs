@@ -108,6 +108,12 @@ pub struct ReduceScatterPlan {
 }
 
 impl ReduceScatterRequest {
+    /// A gathered AllReduce with a fused norm after each group: its plans
+    /// keep the lead and margin its op was measured with.
+    fn fused_norm(&self) -> bool {
+        self.gather.is_some_and(|g| g.norm)
+    }
+
     fn validate(&self, hw: &HardwareModel) -> Result<(), PlanError> {
         let dims = [
             ("m", self.m),
@@ -183,7 +189,7 @@ pub fn plan_gemm_reduce_scatter(
             // With a fused norm the margin stays 1.0: its op was measured so,
             // and the norm's overlapped plan at 4096 x 8192 x 14336 ran
             // 1.3-1.5x its prediction (push, 2x H200).
-            let margin = if req.gather.is_some_and(|g| g.norm) {
+            let margin = if req.fused_norm() {
                 1.0
             } else {
                 COMBINED_OVERLAP_MARGIN
@@ -306,11 +312,7 @@ fn best_combined(
     // crossing the link (16384 x 8192 x 1024 on the copy engines: 928 vs
     // 1055 us). With a fused norm the lead stays the model's pick of one or
     // two waves: that is what its op was measured with.
-    let waves: &[u32] = if req.gather.is_some_and(|g| g.norm) {
-        &[1, 2]
-    } else {
-        &[4]
-    };
+    let waves: &[u32] = if req.fused_norm() { &[1, 2] } else { &[4] };
     let mut best: Option<(GroupPartition, Timeline, u32)> = None;
     for b in candidates {
         let p = GroupPartition::uniform(tiles, b)?;
