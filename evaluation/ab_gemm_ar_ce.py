@@ -31,7 +31,7 @@ def one_shape(m: int, n: int, k: int, rank: int, iters: int, forced: bool) -> di
     import flashoverlap
 
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    sets = max(2, min(8, (256 << 20) // ((m * k + n * k) * 2)))  # rotate past the L2
+    sets = bench.input_sets((m * k + n * k) * 2)
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k**0.5 for _ in range(sets)]
 

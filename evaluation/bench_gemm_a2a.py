@@ -167,7 +167,7 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     recvs = [matrix[p][rank] for p in range(world)]
     received = sum(recvs)
     gen = torch.Generator(device="cuda").manual_seed(4321 + rank)
-    sets = max(2, min(8, (256 << 20) // ((m * k + n * k) * 2)))
+    sets = bench.input_sets((m * k + n * k) * 2)
     xs = [torch.randn(m, k, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5 for _ in range(sets)]
     full = torch.randn(m, n, device="cuda", dtype=dtype, generator=gen)

@@ -65,7 +65,7 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     rank = dist.get_rank()
     gen = torch.Generator(device="cuda").manual_seed(4321 + rank)
     # x, w, the residual and the norm baseline's input per set.
-    sets = max(2, min(8, (256 << 20) // ((m * k + n * k + 2 * m * n) * 2)))
+    sets = bench.input_sets((m * k + n * k + 2 * m * n) * 2)
     xs = [torch.randn(m, k, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5 for _ in range(sets)]
     ys = [torch.randn(m, n, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]

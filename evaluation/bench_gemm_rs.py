@@ -70,7 +70,7 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
     world, rank = dist.get_world_size(), dist.get_rank()
     shard = m // world
     gen = torch.Generator(device="cuda").manual_seed(4321 + rank)
-    sets = max(2, min(8, (256 << 20) // ((m * k + n * k) * 2)))
+    sets = bench.input_sets((m * k + n * k) * 2)
     xs = [torch.randn(m, k, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5 for _ in range(sets)]
     full = torch.randn(m, n, device="cuda", dtype=dtype, generator=gen)

@@ -636,7 +636,7 @@ def measure_case(op: str, m: int, n: int, k: int, dtype: torch.dtype, iters: int
 
     rank = dist.get_rank()
     gen = torch.Generator(device="cuda").manual_seed(2468 + rank)
-    sets = max(2, min(8, (256 << 20) // ((m * k + n * k) * 2)))
+    sets = bench.input_sets((m * k + n * k) * 2)
     xs = [torch.randn(m, k, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5 for _ in range(sets)]
     fns, info, reference = CASE_BUILDERS[op](xs, ws, exhaustive, max_candidates, backend)

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
              f"{'M x N x K':>16} {'variant':9} " + " ".join(f"{m:>8}" for m in (*MODES, "mixed")) + "  mixed/tune"]
     print("\n".join(lines), flush=True)
     for m, n, k in SHAPES:
-        sets = max(2, min(8, (256 << 20) // ((m * k + n * k) * 2)))
+        sets = bench.input_sets((m * k + n * k) * 2)
         xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(sets)]
         fns = {"cublas": lambda i: torch.matmul(xs[i % sets], ws[i % sets].t()),

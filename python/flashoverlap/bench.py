@@ -235,6 +235,12 @@ def _max_over_ranks(v: float) -> float:
     return float(t.item())
 
 
+def input_sets(bytes_per_set: int) -> int:
+    """How many operand sets a benchmark rotates through so that no call finds its inputs in the L2
+    from the call before (60 MB on H200): enough to cover 256 MiB, 2 to 8."""
+    return max(2, min(8, (256 << 20) // max(bytes_per_set, 1)))
+
+
 def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup: int) -> tuple[dict, dict]:
     """One round of one shape: (per-iteration times of every variant, plan and error facts).
     Runs on every rank; all ranks must call it with the same arguments."""
@@ -244,9 +250,7 @@ def measure_round(m: int, n: int, k: int, dtype: torch.dtype, iters: int, warmup
 
     rank = dist.get_rank()
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    # Rotate inputs across enough sets to exceed the L2 (60 MB on H200).
-    per_set = (m * k + n * k) * 2
-    sets = max(2, min(8, (256 << 20) // max(per_set, 1)))
+    sets = input_sets((m * k + n * k) * 2)
     xs = [torch.randn(m, k, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k**0.5 for _ in range(sets)]
     buf = torch.randn(m, n, device="cuda", dtype=dtype, generator=gen)
