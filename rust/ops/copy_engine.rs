@@ -653,10 +653,25 @@ fn take_grant(peer: &PeerBuffers, other: usize, stream: RawStream) -> Result<()>
 /// (enqueued on `stream` before) and `other` took its previous grant, hands
 /// it the next one.
 fn hand_back_grant(peer: &PeerBuffers, other: usize, stream: RawStream) -> Result<()> {
-    let (layout, me) = (peer.layout, peer.rank);
-    let taken = layout.taken_flag(peer.bases[me], other);
-    stream::take(stream, taken, 1)?;
-    stream::write(stream, layout.free_flag(peer.bases[other], me), 1)
+    take_acknowledgement(peer, other, stream)?;
+    grant(peer, other, stream)
+}
+
+/// The first half of [`hand_back_grant`]: waits on `stream` until `other`
+/// took this rank's previous grant (and resets its acknowledgement).
+fn take_acknowledgement(peer: &PeerBuffers, other: usize, stream: RawStream) -> Result<()> {
+    let taken = peer.layout.taken_flag(peer.bases[peer.rank], other);
+    stream::take(stream, taken, 1)
+}
+
+/// The second half of [`hand_back_grant`], on a stream ordered after the
+/// first: `other` may write into its slot here again.
+fn grant(peer: &PeerBuffers, other: usize, stream: RawStream) -> Result<()> {
+    stream::write(
+        stream,
+        peer.layout.free_flag(peer.bases[other], peer.rank),
+        1,
+    )
 }
 
 /// FLASHOVERLAP_PEER_TIMEOUT_S in ns (0: unset, waits are unbounded), as
@@ -758,8 +773,11 @@ pub struct GatherSteps<'a> {
 /// the count, copies the group into the peer's slot and sets the peer's
 /// ready flag to 1):
 ///
-/// Caller S:  wait(free) set(taken at peer) zero(counters) [fork] GEMM (waits for ready, sums) [join] reset(ready) wait(taken) set(free at peer)
-/// Comm C:                                                        wait(c0) copy(g0 -> peer) set(ready g0 at peer) ...
+/// Caller S:  zero(counters) [fork] GEMM (waits for ready, sums) zero(ready) wait(taken) set(free at peer) [join]
+/// Comm C:                   wait(free) set(taken at peer) wait(c0) copy(g0 -> peer) set(ready g0 at peer) ...
+///
+/// (push: the caller takes the grant, wait(free) set(taken at peer), before
+/// the GEMM, which writes into the peer's slot.)
 ///
 /// With `gather` (an AllReduce, [`GatherSteps`]) the sums are copied too
 /// (copy engines) and the landing stream lands the peer's. By default
@@ -770,7 +788,8 @@ pub struct GatherSteps<'a> {
 ///
 /// Comm C:    ... wait(c1) copy(g1 -> peer) set(ready g1) wait(own c0) copy(sums g0 -> peer) [e0] ...
 /// Side R:    [wait e0] set(gathered g0 at peer) ...
-/// Land L:    wait(gathered g0) copy(slot -> out) reset(gathered g0) [wait e0 or own c0] after(g0) ...
+/// Land L:    wait(taken) wait(gathered g0) copy(slot -> out) reset(gathered g0) [wait e0 or own c0] after(g0) ...
+/// Caller S:  ... [join L] set(free at peer)
 ///
 /// `prepare_gemm(targets)` makes the launch before anything is enqueued.
 /// With a bounded wait ([`peer_timeout_ns`]) a wait that timed out in an
@@ -838,7 +857,16 @@ pub fn enqueue_combined<'g>(
     if sends.is_some() && events.len() < groups {
         return Err(Error::Invalid("internal: group events not made".into()));
     }
-    take_grant(peer, other, caller)?;
+    // Where only the copy queue writes into the peer (its copies, and the
+    // side stream's flags ordered after them), the copy queue takes the grant
+    // and the GEMM starts without waiting on the peer: each stream memory
+    // operation ahead of it costs the call ~2-5 us. A GEMM that pushes into
+    // the peer's slot needs the grant before it starts.
+    let gemm_writes_peer = copies.is_none() || gather.as_ref().is_some_and(|g| g.sends.is_none());
+    let grant_on_copier = !gemm_writes_peer && (sends.is_none() || ordered.is_some());
+    if !grant_on_copier {
+        take_grant(peer, other, caller)?;
+    }
     // The counters the copies wait for start each call at zero, zeroed here
     // (one memset each) rather than by a write after each wait: on the copy
     // queue each stream memory operation idles the link between copies.
@@ -861,7 +889,26 @@ pub fn enqueue_combined<'g>(
     if !forked.is_empty() {
         comm.fork.order_all(caller, &forked)?;
     }
+    if grant_on_copier {
+        take_grant(peer, other, copier)?;
+    }
     gemm.enqueue(caller)?;
+    // The GEMM waited for every group's ready flag: they are consumed, and
+    // zeroed here, while the last groups' copies still run, not at the end.
+    let ready: Vec<u64> = (0..groups)
+        .map(|g| layout.ready_flag(peer.bases[me], g, other))
+        .collect();
+    stream::zero_words(caller, &ready)?;
+    // Without a gather the GEMM consumed everything the peer writes into
+    // this rank's slot: the next grant goes now, before the last copies end.
+    // With one, the landing stream reads the slot last; it waits for the
+    // peer's acknowledgement of the previous grant first thing, so that
+    // only the grant itself is left for the call's end.
+    if gather.is_some() {
+        take_acknowledgement(peer, other, land)?;
+    } else {
+        hand_back_grant(peer, other, caller)?;
+    }
     let partial = |g: usize, c: &SlotCopy| -> Result<()> {
         stream::wait_geq(copier, c.counter, c.tiles)?;
         stream::copy(copier, slot + c.slot_offset, c.src, c.bytes as usize)?;
@@ -918,12 +965,9 @@ pub fn enqueue_combined<'g>(
             (gather.after)(g, land)?;
         }
         comm.land_join.order(land, caller)?;
+        grant(peer, other, caller)?;
     }
-    // The GEMM waited for every group's ready flag: they are consumed.
-    for g in 0..groups {
-        stream::write(caller, layout.ready_flag(peer.bases[me], g, other), 0)?;
-    }
-    hand_back_grant(peer, other, caller)
+    Ok(())
 }
 
 /// Enqueues an overlapped op's GEMM (`prepare_gemm(signals)`, None where
