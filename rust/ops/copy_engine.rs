@@ -435,6 +435,13 @@ pub fn enqueue(
         .chain(extra.iter().copied())
         .chain(gather_and_land.iter().copied())
         .collect();
+    // The groups' counters start at zero: one memset here rather than a
+    // reset after each wait on the copy queue, where each stream memory
+    // operation idles the links between copies.
+    if let Some(signals) = call.signals {
+        let counters: Vec<u64> = (0..call.groups.len()).map(|g| signals.counter(g)).collect();
+        stream::zero_words(caller, &counters)?;
+    }
     comm.fork.order_all(caller, &forked)?;
     launch_gemm()?;
     // This rank's slot in each peer may be written once that peer summed
@@ -445,10 +452,7 @@ pub fn enqueue(
     }
     for (g, group) in call.groups.iter().enumerate() {
         if let Some(signals) = call.signals {
-            let counter = signals.counter(g);
-            // Every tile of the group has counted, so the reset races with
-            // nothing (the other links only wait for this stream).
-            stream::take(copies, counter, group.tiles())?;
+            stream::wait_geq(copies, signals.counter(g), group.tiles())?;
         }
         if !extra.is_empty() {
             comm.link_go.order_all(copies, &extra)?;
@@ -579,7 +583,7 @@ pub fn enqueue(
 /// slot and this rank's own into the output: local copies), and runs `after`:
 ///
 /// Caller S:       wait(free) set(taken at peer) [fork] GEMM (stores, pushes, counts)       [join]
-/// Reduce stream R:     wait(c0) wait(ready g0) reduce(g0) ... wait(taken) set(free at peer)
+/// Reduce stream R:     wait(taken) wait(c0) wait(ready g0) reduce(g0) ... set(free at peer)
 pub fn enqueue_pushed<'g>(
     comm: &Communicator,
     call: &Call,
@@ -614,6 +618,9 @@ pub fn enqueue_pushed<'g>(
     if let Some(gemm) = gemm {
         gemm.enqueue(caller)?;
     }
+    // The peer's acknowledgement of the previous grant, waited for first
+    // thing, leaves only the grant itself for the call's end.
+    take_acknowledgement(peer, other, reduces)?;
     for (g, group) in call.groups.iter().enumerate() {
         let counter = signals.counter(g);
         stream::take(reduces, counter, group.tiles())?;
@@ -633,7 +640,7 @@ pub fn enqueue_pushed<'g>(
         after(g, reduces)?;
     }
     // Every pushed tile of this call is consumed.
-    hand_back_grant(peer, other, reduces)?;
+    grant(peer, other, reduces)?;
     comm.reduce_join.order(reduces, caller)
 }
 
