@@ -127,9 +127,13 @@ const GATHER_LAND_GBPS: f64 = 700.0;
 const PUSH_GATHER: (f64, f64, f64) = (0.2, 0.0, 330.0);
 
 /// The copy engines' gathered AllReduce: (the GEMM's slowdown beside
-/// the copies and landings, the copies' GB/s), fitted like PUSH_GATHER
-/// (mean error 3.3%; the combined ReduceScatter's 1.02 and 240 gave 6.5%).
-const CE_GATHER: (f64, f64) = (1.06, 300.0);
+/// the copies and landings, the copies' GB/s), fitted like PUSH_GATHER to
+/// its column of `GATHERED_H200` (mean error 1.9%). Refitted after the
+/// grant moved to the copy queue (2026-11-26), which took 15-20 us off
+/// each call: the first fit, 1.06 and 300, was then 10% pessimistic (up
+/// to 27% at K = 1024) and auto ran push where the copy engines were 2-7%
+/// faster.
+const CE_GATHER: (f64, f64) = (1.0, 390.0);
 
 /// GEMM + AllReduce on 2 ranks (with its fused norm where `fused_norm`) as
 /// a combined ReduceScatter whose sums each rank gives the peer
@@ -638,31 +642,33 @@ mod tests {
     }
 
     /// Forced overlap of gemm_all_reduce on 2x H200 with every call
-    /// gathered (FLASHOVERLAP_GATHERED_ALLREDUCE=1, bench_gemm_ar.py on
-    /// 2026-11-26): (m, k, push us, copy engines us) at n = 8192.
+    /// gathered (bench_gemm_ar.py, 2026-11-26): (m, k, push us, copy
+    /// engines us) at n = 8192. Push: FLASHOVERLAP_GATHERED_ALLREDUCE=1,
+    /// one run; copy engines: the mean of two runs after the grant moved
+    /// to the copy queue (5c151f2).
     const GATHERED_H200: [(u32, u32, f64, f64); 16] = [
-        (2048, 4096, 294.0, 295.0),
-        (2048, 14336, 785.0, 788.0),
-        (2048, 1024, 181.0, 217.0),
-        (2048, 3584, 272.0, 271.0),
-        (4096, 4096, 502.0, 503.0),
-        (4096, 14336, 1525.0, 1539.0),
-        (4096, 1024, 274.0, 337.0),
-        (4096, 3584, 453.0, 453.0),
-        (8192, 4096, 967.0, 979.0),
-        (8192, 14336, 3019.0, 3012.0),
-        (8192, 1024, 521.0, 588.0),
-        (8192, 3584, 824.0, 865.0),
-        (16384, 4096, 1822.0, 1933.0),
-        (16384, 14336, 5979.0, 5938.0),
-        (16384, 1024, 949.0, 1141.0),
-        (16384, 3584, 1659.0, 1760.0),
+        (2048, 4096, 294.0, 275.0),
+        (2048, 14336, 785.0, 783.0),
+        (2048, 1024, 181.0, 177.0),
+        (2048, 3584, 272.0, 251.0),
+        (4096, 4096, 502.0, 482.0),
+        (4096, 14336, 1525.0, 1497.0),
+        (4096, 1024, 274.0, 283.0),
+        (4096, 3584, 453.0, 426.0),
+        (8192, 4096, 967.0, 955.0),
+        (8192, 14336, 3019.0, 2949.0),
+        (8192, 1024, 521.0, 504.0),
+        (8192, 3584, 824.0, 837.0),
+        (16384, 4096, 1822.0, 1811.0),
+        (16384, 14336, 5979.0, 5848.0),
+        (16384, 1024, 949.0, 875.0),
+        (16384, 3584, 1659.0, 1640.0),
     ];
 
     #[test]
     fn the_gathered_model_fits_its_measurements() {
         // As fitted (PUSH_GATHER, CE_GATHER).
-        for (backend, bound) in [(Backend::Push, 0.05), (Backend::CopyEngine, 0.04)] {
+        for (backend, bound) in [(Backend::Push, 0.05), (Backend::CopyEngine, 0.03)] {
             let mut errors = vec![];
             for &(m, k, push, ce) in &GATHERED_H200 {
                 let a = GemmArgs {
