@@ -451,16 +451,20 @@ const PUSH_A2A_FIXED_US: f64 = 0.0;
 const PUSH_A2A_GEMM_SLOWDOWN: f64 = 1.0;
 /// The copy engines' ReduceScatter with combined stores (2 ranks): per
 /// group a stream wait, a copy into the peer's slot and a flag write, at
-/// the copies' rate beside a GEMM. The rate and the per-group cost were
-/// fitted to two bench_gemm_rs.py runs on 2x H200 (2026-11-26, forced
-/// overlap, the 16 shapes; after the grant moved to the copy queue): mean
-/// error 2.2% (the first estimates, 240 GB/s and 2 us per group, were 7%
-/// pessimistic, 21-29% at K = 1024, where the links bound the call).
+/// the copies' rate beside a GEMM. The rate was fitted to two
+/// bench_gemm_rs.py runs on 2x H200 (2026-11-26, forced overlap, the 16
+/// shapes; after the grant moved to the copy queue): mean error 2.2% (the
+/// first estimate, 240 GB/s, was 7% pessimistic, 21-29% at K = 1024, where
+/// the links bound the call). Those runs fix each shape's group count, so
+/// they cannot tell the per-group cost: a fit with none, 0.2 points
+/// better, planned 8-16 groups where 2-8 ran, and measured 1-6% slower
+/// (2x H200, same day: the gathered AllReduce at 16384 x 8192 x 3584, 16
+/// groups, 1.39x of sequential against 1.48x with 8).
 const CE_COMBINED_LATENCY_US: f64 = 10.0;
 const CE_COMBINED_GBPS: f64 = 330.0;
 const CE_COMBINED_FIXED_US: f64 = 25.0;
 const CE_COMBINED_GEMM_SLOWDOWN: f64 = 1.02;
-const CE_COMBINED_GROUP_US: f64 = 0.0;
+const CE_COMBINED_GROUP_US: f64 = 2.0;
 
 /// The push backend's rate on H200 in GB/s of bus traffic (on 2 ranks: an
 /// AllReduce's group bytes, half a ReduceScatter's): its bytes cross NVLink

@@ -128,7 +128,7 @@ const PUSH_GATHER: (f64, f64, f64) = (0.2, 0.0, 330.0);
 
 /// The copy engines' gathered AllReduce: (the GEMM's slowdown beside
 /// the copies and landings, the copies' GB/s), fitted like PUSH_GATHER to
-/// its column of `GATHERED_H200` (mean error 1.9%). Refitted after the
+/// its column of `GATHERED_H200` (mean error 2.1%). Refitted after the
 /// grant moved to the copy queue (2026-11-26), which took 15-20 us off
 /// each call: the first fit, 1.06 and 300, was then 10% pessimistic (up
 /// to 27% at K = 1024) and auto ran push where the copy engines were 2-7%
