@@ -795,7 +795,7 @@ pub struct GatherSteps<'a> {
 ///
 /// Comm C:    ... wait(c1) copy(g1 -> peer) set(ready g1) wait(own c0) copy(sums g0 -> peer) [e0] ...
 /// Side R:    [wait e0] set(gathered g0 at peer) ...
-/// Land L:    wait(taken) wait(gathered g0) copy(slot -> out) reset(gathered g0) [wait e0 or own c0] after(g0) ...
+/// Land L:    wait(taken) wait(gathered g0) reset(gathered g0) copy(slot -> out) [wait e0 or own c0] after(g0) ...
 /// Caller S:  ... [join L] set(free at peer)
 ///
 /// `prepare_gemm(targets)` makes the launch before anything is enqueued.
@@ -869,7 +869,7 @@ pub fn enqueue_combined<'g>(
     // and the GEMM starts without waiting on the peer: each stream memory
     // operation ahead of it costs the call ~2-5 us. A GEMM that pushes into
     // the peer's slot needs the grant before it starts.
-    let gemm_writes_peer = copies.is_none() || gather.as_ref().is_some_and(|g| g.sends.is_none());
+    let gemm_writes_peer = copies.is_none() || (gather.is_some() && sends.is_none());
     let grant_on_copier = !gemm_writes_peer && (sends.is_none() || ordered.is_some());
     if !grant_on_copier {
         take_grant(peer, other, caller)?;
