@@ -217,6 +217,19 @@ def config_lines(rows: list, configs: Sequence[Sequence[int]], fo_ctas: Sequence
     return lines
 
 
+def pull_lines(rows: list) -> list[str]:
+    """Each pull variant's time and its ratio to symm (x already in peer memory for both)."""
+    names = sorted(k[:-3] for k in (rows[0] if rows else {}) if k.startswith("fo_pull"))
+    if not names:
+        return []
+    lines = ["", "# pull mode (x already in this rank's peer buffer, like symm's input): us, and / symm"]
+    for r in rows:
+        cells = [f"{n}={fmt(r[n + '_us'], 0)}({fmt(r[n + '_us'] / r['symm_us'], 0, '.3f')})" for n in names]
+        lines.append(f"{r['tokens']:>6} symm={fmt(r['symm_us'], 0)} shard={fmt(r['best_sharded_us'], 0)} "
+                     f"full={fmt(r['best_us'], 0)} " + " ".join(cells))
+    return lines
+
+
 def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error of got against the fp32 reference; inf for a wrong shape or a NaN."""
     if tuple(got.shape) != tuple(ref.shape):
@@ -266,6 +279,9 @@ def make_row(tokens: int, hidden: int, dtype: str, world: int, sets: int, times:
         for c in fo_ctas:
             name = f"fo_{c}@{config_name(config)}"
             row[f"{name}_us"] = times.get(name, nan)
+    for name in sorted(times):
+        if name.startswith("fo_pull"):
+            row[f"{name}_us"] = times[name]
     row["best_ctas"], row["best_us"] = best_of(times, fo_ctas)
     row["best_sharded_ctas"], row["best_sharded_us"] = best_of(times, fo_ctas, "fo_sharded_")
     baselines = [t for t in (row["nccl_norm_us"], row["nccl_cnorm_us"]) if _finite(t)]
@@ -538,7 +554,38 @@ class _Case:
         for config in ctx.configs:
             for c in ctx.fo_ctas:
                 v[f"fo_{c}@{config_name(config)}"] = (fo_config(c, tuple(config)), "norm", "full")
+        if ctx.pull:
+            self._pull_variants(ctx, v)
         self.variants = v
+
+    def _pull_variants(self, ctx: "_Rank", v: dict) -> None:
+        """fo_pull[_sharded]_<c>[@config] (c: the most CTAs of the bars): the kernel in pull mode with x already in this rank's
+        partial area (as a producer storing there leaves it; symm's x likewise lies in its buffer),
+        one peer group per operand set so that the rotation matches symm's."""
+        from flashoverlap.peer_norm import _slice
+
+        tokens, sets, weight = self.tokens, self.sets, self.weight
+        partials = ctx.pull_partials(tokens, sets)
+        for (_, part), x in zip(partials, self.xs):
+            part.copy_(x)
+        a, b = _slice(tokens, ctx.world, ctx.rank)
+        residuals = self.residuals
+
+        def call(ctas, full, config):
+            def run(i):
+                group, part = partials[i % sets]
+                out = torch.empty_like(part)
+                r = torch.empty_like(part) if full else part.new_empty((b - a, part.shape[1]))
+                group.launch(part, residuals[i % sets], weight, out, r, EPS, ctas, full=full, pull=True,
+                             config=config)
+                return out, r
+            return run
+
+        for config in [None] + [tuple(c) for c in ctx.configs]:
+            tag = "" if config is None else f"@{config_name(config)}"
+            for c in ctx.fo_ctas[-1:]:
+                v[f"fo_pull_{c}{tag}"] = (call(c, True, config), "norm", "full")
+                v[f"fo_pull_sharded_{c}{tag}"] = (call(c, False, config), "norm", "sharded")
 
     def check(self, ctx: "_Rank") -> dict:
         """Each variant's relative error on operand set 0 against the fp32 reference (this rank)."""
@@ -596,6 +643,9 @@ class _Rank:
         self.curve_ctas = clamp_ctas(cfg["curve_ctas"], self.sms)
         self.curve_tokens = tuple(cfg["curve_tokens"])
         self.configs = [tuple(c) for c in cfg.get("configs", [])]
+        self.pull = bool(cfg.get("pull"))
+        self.pull_groups: list = []
+        self.pull_tokens = 0
         self.group_name = dist.group.WORLD.group_name
         self.op_name = _name(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
         self.symm: dict[int, tuple] = {}
@@ -646,6 +696,33 @@ class _Rank:
 
     def sets(self, tokens: int) -> int:
         return rotation_sets(tokens * self.hidden * self.dtype.itemsize, self.l2)
+
+    def pull_partials(self, tokens: int, sets: int) -> list:
+        """`sets` (peer group, partial area of [tokens, hidden]) pairs in pull layout, each group's
+        buffers made for this token count (collective: every rank asks alike). The buffers of the
+        previous token count are freed first: one per operand set would not fit at every size."""
+        import torch.distributed as dist
+
+        from flashoverlap.peer_norm import PeerGroup
+
+        if self.pull_tokens != tokens:
+            torch.cuda.synchronize()
+            dist.barrier()
+            for group in self.pull_groups:
+                if group.memory is not None:
+                    group.memory.close()
+                    group.memory = None
+            self.pull_tokens = tokens
+        while len(self.pull_groups) < sets:
+            self.pull_groups.append(PeerGroup(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()),
+                                              op="pull"))
+        nbytes = 65536 + 3 * tokens * self.hidden * self.dtype.itemsize
+        pairs = []
+        for group in self.pull_groups[:sets]:
+            if not group.ensure(nbytes):
+                raise RuntimeError("pull: no peer access")
+            pairs.append((group, group.partial(tokens, self.hidden, self.dtype)))
+        return pairs
 
     def symm_buffers(self, tokens: int, sets: int) -> tuple[Optional[list], str]:
         """`sets` symmetric-memory buffers of [tokens, hidden] (kept across rounds: the rendezvous is
@@ -761,6 +838,7 @@ def _worker(rank, world, init_method, cfg, result_path):
     import flashoverlap
 
     bench.init_worker(rank, world, init_method)
+    ctx = None
     try:
         ctx = _Rank(cfg)
         # Correctness of every variant at every token count before any timing; errors max over
@@ -797,6 +875,9 @@ def _worker(rank, world, init_method, cfg, result_path):
                 json.dump({"meta": meta, "rows": rows}, f)
     finally:
         flashoverlap.destroy_peer_groups()
+        for group in ctx.pull_groups if ctx is not None else []:
+            if group.memory is not None:
+                group.memory.close()
         dist.destroy_process_group()
 
 
@@ -819,6 +900,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="also time NCCL + a torch.compile'd add-RMSNorm (then the bar's baseline is the faster)")
     p.add_argument("--configs", type=parse_config, nargs="*", default=[],
                    help="also time the fused kernel as each THREADSxUNROLL[sSTAGES] (e.g. 512x2 512x4s4)")
+    p.add_argument("--pull", action="store_true",
+                   help="also time the kernel in pull mode on x already in its peer buffer")
     p.add_argument("--out", default=None, help="path without extension (default: evaluation/results/"
                                                "bench_all_reduce_rmsnorm_<gpu>x<world>_<dtype>)")
     args = p.parse_args(argv)
@@ -833,12 +916,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
            "warmup": args.warmup, "fo_ctas": list(FO_CTAS), "curve_ctas": list(CURVE_CTAS),
            "curve_tokens": list(CURVE_TOKENS), "conc_tokens": args.conc_tokens, "conc_ctas": args.conc_ctas,
            "gemm": list(args.gemm), "compiled_norm": args.compiled_norm,
-           "configs": [list(c) for c in args.configs]}
+           "configs": [list(c) for c in args.configs], "pull": args.pull}
     data = bench.spawn_ranks(_worker, world, cfg)
     rows, meta = data["rows"], data["meta"]
     lines = table(rows, meta, args.dtype, meta["fo_ctas"])
     lines += curve_lines(rows, meta["curve_ctas"])
     lines += config_lines(rows, cfg["configs"], meta["fo_ctas"])
+    lines += pull_lines(rows)
     lines += conc_lines(meta["concurrency"])
     lines += ["", "# correctness (relative error vs fp32, max over ranks, every variant; checked before timing)"]
     wrong = False

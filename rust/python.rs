@@ -1141,11 +1141,6 @@ fn allreduce_rmsnorm_launch(
             ));
         }
     }
-    if pull && !residual_full {
-        return Err(PyValueError::new_err(
-            "residual_out: the pull layout keeps the full residual only",
-        ));
-    }
     let call = arn::Call {
         x: tensors.0,
         residual: tensors.1,

@@ -381,11 +381,9 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         None => (0, call.tokens),
         Some(p) => (p.first, p.first + call.tokens),
     };
-    let pull_ok = call
-        .pull
-        .map_or(true, |p| end <= p.rows && call.residual_full);
+    let pull_ok = call.pull.map_or(true, |p| end <= p.rows);
     // A slice of the residual is all a rank reads only where it normalizes its slice alone.
-    let sliced_ok = !call.residual_sliced || (!call.residual_full && call.pull.is_none());
+    let sliced_ok = !call.residual_sliced || !call.residual_full;
     if end > i32::MAX as u64 || call.rank >= world || !pull_ok || !sliced_ok {
         return Err(Error::Invalid(format!(
             "internal: tokens {} from {row0} / rank {} of {world} / {:?}",
