@@ -16,8 +16,11 @@
 //! (bit for bit as the peer did) on the caller's stream, one chunk behind
 //! the sums, so that one kernel of `ctas` CTAs runs at a time.
 //!
-//! The flags (1 = arrived) are reset by their one waiter, so CUDA-graph
-//! replays work. Nothing else orders one call after the previous: every
+//! The flags (1 = arrived) are reset on their waiter's side, all of a kind
+//! by one memset once it waited for the last (x arrived: on S after the
+//! last sum, before its r leaves, which the peer's next x flags follow;
+//! r arrived: at the end of S or L), so CUDA-graph replays work. Nothing
+//! else orders one call after the previous: every
 //! write into the peer's buffer follows (through the flags) the peer's
 //! reads of the previous call. The x copies follow this rank's previous
 //! call, whose landings waited for every r the peer sent, sent once the
@@ -138,13 +141,22 @@ pub fn enqueue(
     // CTAs, each chunk's after the next one's sum: one kernel at a time.
     let gather_on = |c: u32| -> Result<()> {
         let (f, l) = chunk(theirs, chunks, c);
-        stream::take(caller, r_arrived(mine, c), 1)?;
+        stream::wait_geq(caller, r_arrived(mine, c), 1)?;
         checked.launch_rows(kernel, f, l, arn::CE_GATHER, caller)
     };
+    // Each stream memory operation on a lane costs microseconds, so a flag's
+    // one waiter only waits, and one memset per lane resets all of a call's
+    // flags of a kind once it has waited for the last (see `reset`).
+    let x_flags: Vec<u64> = (0..chunks).map(|c| x_arrived(mine, c)).collect();
+    let r_flags: Vec<u64> = (0..chunks).map(|c| r_arrived(mine, c)).collect();
     for c in 0..chunks {
         let (f, l) = chunk(own, chunks, c);
-        stream::take(caller, x_arrived(mine, c), 1)?;
+        stream::wait_geq(caller, x_arrived(mine, c), 1)?;
         checked.launch_rows(kernel, f, l, arn::CE_REDUCE, caller)?;
+        if c + 1 == chunks {
+            // Before the last r leaves: the peer's next x flags follow it.
+            stream::zero_words(caller, &x_flags)?;
+        }
         lanes.reduced[c as usize].record(caller)?;
         lanes.reduced[c as usize].wait(send)?;
         if l > f {
@@ -162,11 +174,12 @@ pub fn enqueue(
     }
     if call.residual_full {
         gather_on(chunks - 1)?;
+        stream::zero_words(caller, &r_flags)?;
     } else {
         // Sharded: the peer's normalized rows land on the copy engines.
         for c in 0..chunks {
             let (f, l) = chunk(theirs, chunks, c);
-            stream::take(land, r_arrived(mine, c), 1)?;
+            stream::wait_geq(land, r_arrived(mine, c), 1)?;
             if l > f {
                 stream::copy(
                     land,
@@ -176,10 +189,14 @@ pub fn enqueue(
                 )?;
             }
         }
+        stream::zero_words(land, &r_flags)?;
     }
-    for (event, lane) in lanes.joins.iter().zip([copy, send, land]) {
-        event.order(lane, caller)?;
-    }
+    // The caller waits for one lane: the others' last work is ordered before
+    // the land lane's end there, where it has long finished.
+    let [copy_done, send_done, land_done] = &lanes.joins;
+    copy_done.order(copy, land)?;
+    send_done.order(send, land)?;
+    land_done.order(land, caller)?;
     Ok(())
 }
 
