@@ -148,6 +148,7 @@ pub fn enqueue(
     // one waiter only waits, and one memset per lane resets all of a call's
     // flags of a kind once it has waited for the last (see `reset`).
     let x_flags: Vec<u64> = (0..chunks).map(|c| x_arrived(mine, c)).collect();
+    let r_flags: Vec<u64> = (0..chunks).map(|c| r_arrived(mine, c)).collect();
     for c in 0..chunks {
         let (f, l) = chunk(own, chunks, c);
         stream::wait_geq(caller, x_arrived(mine, c), 1)?;
@@ -173,13 +174,12 @@ pub fn enqueue(
     }
     if call.residual_full {
         gather_on(chunks - 1)?;
-        let r_flags: Vec<u64> = (0..chunks).map(|c| r_arrived(mine, c)).collect();
         stream::zero_words(caller, &r_flags)?;
     } else {
         // Sharded: the peer's normalized rows land on the copy engines.
         for c in 0..chunks {
             let (f, l) = chunk(theirs, chunks, c);
-            stream::take(land, r_arrived(mine, c), 1)?;
+            stream::wait_geq(land, r_arrived(mine, c), 1)?;
             if l > f {
                 stream::copy(
                     land,
@@ -189,6 +189,7 @@ pub fn enqueue(
                 )?;
             }
         }
+        stream::zero_words(land, &r_flags)?;
     }
     // The caller waits for one lane: the others' last work is ordered before
     // the land lane's end there, where it has long finished.
