@@ -24,7 +24,8 @@
 //! Pull mode (gemm_all_reduce_rmsnorm with `backend="peer"`): the GEMM stores
 //! its partial straight into an x area of its own buffer, no slots; one call
 //! per wave group covers that group's rows, every owner reading its slice of
-//! them from each peer's x area:
+//! them from each peer's x area (a sharded call: the normalized rows go to
+//! the out area, as in push mode):
 //!   [0, 64 KiB) header | out area [rows, hidden] | residual area | x area
 
 use std::ffi::c_void;
@@ -269,7 +270,7 @@ pub struct Call {
     pub dtype: Dtype,
     /// Bytes of each rank's buffer (the same on every rank).
     pub buffer_bytes: u64,
-    /// Pull mode (`tokens` rows from `first`; the full residual only).
+    /// Pull mode (`tokens` rows from `first`; either residual mode).
     pub pull: Option<Pull>,
     /// The compiled shape of the kernel the call is launched with.
     pub config: NormConfig,
@@ -601,6 +602,12 @@ mod tests {
             bad.residual_sliced = true;
             assert!(checked(&bad, 8).is_err());
         }
+        // A pull call keeps either residual, a sharded one read from a slice too.
+        let mut pulled = call(2, false, pull);
+        pulled.residual_sliced = true;
+        let params = checked(&pulled, 8).unwrap().params.unwrap();
+        assert_eq!((params.residual_full, params.residual_sliced), (0, 1));
+        assert!(params.x_offset > 0);
     }
 
     #[test]

@@ -170,13 +170,14 @@ def test_pipelined_parts(world, config) -> None:
 @pytest.mark.parametrize("config", [None, (512, 4, 4, False), RING4])
 def test_pull_layout(config) -> None:
     """The layout gemm_all_reduce_rmsnorm(backend="peer") uses: each rank's partial copied into its
-    own x area, every owner reading its rows there from each peer (loads, not pushes)."""
+    own x area, every owner reading its rows there from each peer (loads, not pushes); both
+    residual modes, one after the other on the same buffers."""
     world, tokens, hidden = 2, 3001, 1024
     ranks = Ranks(world, tokens, hidden, torch.float16, config=config, pull=True)
     if config is not None:
         assert _core.allreduce_rmsnorm_stages(tokens, world, 4, config) == 4
-    for i, ctas in enumerate([4, 7]):
-        run_and_check(ranks, tokens, True, ctas, seed=50 + i)
+    for i, (ctas, full) in enumerate([(4, True), (7, False), (5, True), (3, False)]):
+        run_and_check(ranks, tokens, full, ctas, seed=50 + i)
 
 
 ONESHOT = (512, 4, 4, True)
