@@ -37,6 +37,11 @@ computes r = all_reduce(x) + residual, out = r * rsqrt(mean(r^2) + eps) * weight
                    ring where r is given (Hopper), one-shot where o is given (on 2 ranks every rank
                    reduces every row), full residual, c in 8, 16, 32: the sweep that picks the
                    kernel's shape (its best<=32 per config is listed)
+  fo_pull[_sharded]_32[@config]  (--pull) the kernel in its pull layout on 32 CTAs (and each
+                   --configs config), x copied beforehand into this rank's partial area of a peer
+                   buffer of its own per operand set, as symm's x lies in its buffer: each owner
+                   loads the peers' rows of its slice over NVLink, no push step; not a bar (no
+                   public function takes x in peer memory), listed with its ratio to symm
 
 fo_<c> and fo_sharded_<c> call the registered op torch.ops.flashoverlap.all_reduce_rmsnorm, what
 the public function dispatches to and what a CUDA graph replays; the public function adds its
