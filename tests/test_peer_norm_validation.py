@@ -282,13 +282,13 @@ def test_copy_engine_settings_default_and_parse(monkeypatch) -> None:
 
 
 def test_copy_engine_chunks_follow_the_rows() -> None:
-    """Automatic chunks: one per 1024 rows of a slice, at most 4; a set count wins; the mode only
+    """Automatic chunks: one per 1024 rows of a slice, at most 6; a set count wins; the mode only
     on 2 ranks from the threshold on, up to 32 CTAs."""
     from flashoverlap import peer_norm
 
     group = peer_norm.PeerGroup.__new__(peer_norm.PeerGroup)
     group.world, group.ce_min_tokens, group.ce_chunks = 2, 4096, 0
-    assert [group.chunks(t) for t in (1, 2047, 4096, 8192, 16384, 65536)] == [1, 1, 2, 4, 4, 4]
+    assert [group.chunks(t) for t in (1, 2047, 4096, 8192, 12288, 16384, 65536)] == [1, 1, 2, 4, 6, 6, 6]
     group.ce_chunks = 8
     assert group.chunks(4096) == 8
     assert group.copy_engines(4096, 32) and not group.copy_engines(4095, 32)

@@ -35,7 +35,7 @@ MAX_HIDDEN = 16384
 DEFAULT_CTAS = 16
 CE_CHUNK_ROWS = 1024
 CE_MAX_CTAS = 32
-CE_MAX_AUTO_CHUNKS = 4
+CE_MAX_AUTO_CHUNKS = 6
 
 _LIB.define("all_reduce_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps, str group_name, "
             "str residual_out='full', int? ctas=None) -> (Tensor, Tensor)")
@@ -146,7 +146,9 @@ class PeerGroup:
     def chunks(self, tokens: int) -> int:
         """Row ranges per slice of a copy-engine call: FLASHOVERLAP_NORM_CE_CHUNKS, else one per
         CE_CHUNK_ROWS rows, at most CE_MAX_AUTO_CHUNKS (on 2x H200 at hidden 8192 and 32 CTAs, 2
-        chunks took 0.88x the time of 4 at 4K tokens, 4 took 0.95x of 2 and 0.99x of 8 at 16K)."""
+        chunks took 0.88x the time of 4 at 4K tokens, 4 took 0.95x of 2 and 0.99x of 8 at 16K; from
+        5 the first and last are half-size, and 6 so cut took 0.90-0.97x the time of 4 equal ones
+        at 16K, norm_pull_sentinel_h200x2.txt)."""
         if self.ce_chunks:
             return self.ce_chunks
         rows = (tokens + 1) // 2

@@ -65,11 +65,28 @@ impl Lanes {
     }
 }
 
-/// Rows [first, last) of `slice` cut into `chunks` near-equal ranges.
+/// Chunks from which the first and the last of a slice are half the others'
+/// size: the first x lands sooner and the last r leaves sooner, the two
+/// ends of the pipeline where one side waits (on 2x H200, 6 chunks so cut
+/// took 0.90-0.97x the time of 4 equal ones at 16K tokens; 4 so cut gained
+/// nothing at 8K).
+pub const TAPER_MIN_CHUNKS: u32 = 5;
+
+/// Rows [first, last) of chunk `c` of `slice` cut into `chunks` ranges:
+/// near-equal, but for half-size ends from [`TAPER_MIN_CHUNKS`] on.
 pub fn chunk(slice: (u64, u64), chunks: u32, c: u32) -> (u64, u64) {
     let (a, b) = slice;
     let n = u64::from(chunks.max(1));
-    let at = |i: u64| a + (b - a) * i / n;
+    let taper = chunks >= TAPER_MIN_CHUNKS;
+    // Weight of the chunks before chunk i: 1 for each end, 2 for the others where tapered.
+    let before = |i: u64| match (taper, i) {
+        (false, i) => i,
+        (true, 0) => 0,
+        (true, i) if i >= n => 2 * n - 2,
+        (true, i) => 2 * i - 1,
+    };
+    let total = before(n);
+    let at = |i: u64| a + (b - a) * before(i) / total;
     (at(u64::from(c)), at(u64::from(c) + 1))
 }
 
@@ -212,12 +229,32 @@ mod tests {
                 for c in 0..chunks {
                     let (f, l) = chunk((a, b), chunks, c);
                     assert_eq!(f, next);
-                    assert!(l >= f && l - f <= (b - a).div_ceil(u64::from(chunks)));
+                    // Tapered: the inner chunks are 2 / (2n - 2) of the slice.
+                    let share = if chunks >= TAPER_MIN_CHUNKS {
+                        (2 * (b - a)).div_ceil(2 * u64::from(chunks) - 2)
+                    } else {
+                        (b - a).div_ceil(u64::from(chunks))
+                    };
+                    assert!(l >= f && l - f <= share);
                     next = l;
                 }
                 assert_eq!(next, b);
             }
         }
+    }
+
+    #[test]
+    fn long_slices_have_half_size_ends() {
+        let rows = |c| {
+            let (f, l) = chunk((0, 6000), 6, c);
+            l - f
+        };
+        assert_eq!(
+            (0..6).map(rows).collect::<Vec<_>>(),
+            [600, 1200, 1200, 1200, 1200, 600]
+        );
+        let (f, l) = chunk((0, 4000), 4, 0);
+        assert_eq!((f, l), (0, 1000));
     }
 
     #[test]
