@@ -165,7 +165,7 @@ pub fn enqueue(
     };
     // Each stream memory operation on a lane costs microseconds, so a flag's
     // one waiter only waits, and one memset per lane resets all of a call's
-    // flags of a kind once it has waited for the last (see `reset`).
+    // flags of a kind once it has waited for the last (see the module's notes).
     let x_flags: Vec<u64> = (0..chunks).map(|c| x_arrived(mine, c)).collect();
     let r_flags: Vec<u64> = (0..chunks).map(|c| r_arrived(mine, c)).collect();
     for c in 0..chunks {
