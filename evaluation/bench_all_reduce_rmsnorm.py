@@ -564,9 +564,10 @@ class _Case:
         self.variants = v
 
     def _pull_variants(self, ctx: "_Rank", v: dict) -> None:
-        """fo_pull[_sharded]_<c>[@config] (c: the most CTAs of the bars): the kernel in pull mode with x already in this rank's
-        partial area (as a producer storing there leaves it; symm's x likewise lies in its buffer),
-        one peer group per operand set so that the rotation matches symm's."""
+        """fo_pull[_sharded]_<c>[@config] (c: the most CTAs of the bars): the kernel in pull mode
+        with x already in this rank's partial area (as a producer storing there leaves it; symm's x
+        likewise lies in its buffer), one peer group per operand set so that the rotation matches
+        symm's."""
         from flashoverlap.peer_norm import _slice
 
         tokens, sets, weight = self.tokens, self.sets, self.weight
