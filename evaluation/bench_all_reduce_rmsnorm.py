@@ -709,26 +709,33 @@ class _Rank:
         previous token count are freed first: one per operand set would not fit at every size."""
         import torch.distributed as dist
 
+        from flashoverlap import _core
+        from flashoverlap._validation import dtype_name
         from flashoverlap.peer_norm import PeerGroup
 
         if self.pull_tokens != tokens:
             torch.cuda.synchronize()
             dist.barrier()
-            for group in self.pull_groups:
-                if group.memory is not None:
-                    group.memory.close()
-                    group.memory = None
+            self.free_pull_buffers()
             self.pull_tokens = tokens
         while len(self.pull_groups) < sets:
             self.pull_groups.append(PeerGroup(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()),
                                               op="pull"))
-        nbytes = 65536 + 3 * tokens * self.hidden * self.dtype.itemsize
+        nbytes = _core.allreduce_rmsnorm_buffer_bytes(self.world, tokens, self.hidden, dtype_name(self.dtype),
+                                                      pull=True)
         pairs = []
         for group in self.pull_groups[:sets]:
             if not group.ensure(nbytes):
                 raise RuntimeError("pull: no peer access")
             pairs.append((group, group.partial(tokens, self.hidden, self.dtype)))
         return pairs
+
+    def free_pull_buffers(self) -> None:
+        """Closes every pull group's buffers (pull_partials makes them again)."""
+        for group in self.pull_groups:
+            if group.memory is not None:
+                group.memory.close()
+                group.memory = None
 
     def symm_buffers(self, tokens: int, sets: int) -> tuple[Optional[list], str]:
         """`sets` symmetric-memory buffers of [tokens, hidden] (kept across rounds: the rendezvous is
@@ -881,9 +888,8 @@ def _worker(rank, world, init_method, cfg, result_path):
                 json.dump({"meta": meta, "rows": rows}, f)
     finally:
         flashoverlap.destroy_peer_groups()
-        for group in ctx.pull_groups if ctx is not None else []:
-            if group.memory is not None:
-                group.memory.close()
+        if ctx is not None:
+            ctx.free_pull_buffers()
         dist.destroy_process_group()
 
 
