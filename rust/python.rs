@@ -1054,7 +1054,7 @@ fn allreduce_rmsnorm_stages(
     ctas: u32,
     config: Option<NormTuple>,
 ) -> PyResult<u32> {
-    let config = norm_config(config)?;
+    let config = arn::resolved(norm_config(config)?, tokens, world, ctas, true, false);
     let oneshot = arn::runs_oneshot(config, world, true, false);
     Ok(arn::stages(tokens, world, ctas, config, oneshot, false))
 }
@@ -1184,6 +1184,7 @@ fn allreduce_rmsnorm_launch(
                 &kernel, &call, ctas, chunks, stream, lanes,
             );
         }
+        let config = arn::resolved(config, tokens, world, ctas, residual_full, pull);
         let ring = arn::default_takes_ring(tokens, world, ctas, pull);
         call.config = arn::effective(config, world, hidden, dtype, dev.major, ring);
         let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype, call.config))?;

@@ -311,6 +311,13 @@ impl NormConfig {
         ring: false,
         ..Self::DEFAULT
     };
+    /// What the default runs one-shot as (all_reduce_rmsnorm::resolved):
+    /// the plain build, one part.
+    pub const ONESHOT: Self = Self {
+        stages: 1,
+        oneshot: true,
+        ..Self::PLAIN
+    };
 
     /// Whether this is the default, ring or not (its stage rule and where
     /// the ring runs follow from that).

@@ -9,16 +9,16 @@
 //!                            FLAG_SLOTS parts: CTAs x stages), then the
 //!                            copy-engine mode's flags (ops::norm_copy_engines)
 //!   slot area                world slots of ceil(tokens / world) rows: what
-//!                            each source pushed of R's slice (one-shot:
-//!                            world - 1 slots of every row)
+//!                            each source pushed of R's slice
 //!   out area                 [tokens, hidden]: rows other owners normalized
 //!   residual area            [tokens, hidden]: their residual rows (full mode)
 //! The three areas are each a third of the buffer whatever the call's size:
 //! a push writes into the peers' slot areas before it waits for anything,
 //! and must not land on rows a peer still gathers from its out or residual
-//! area for the previous call (of another size). One-shot calls end with a
-//! flag exchange, so that the next call's pushes cannot overwrite the slots
-//! a peer still reads.
+//! area for the previous call (of another size). One-shot calls copy R's
+//! own x into the slot area or the out area, alternating by the call's
+//! epoch, for the peers to load: a half is written again two calls later,
+//! once the peers' kernels that read it have ended.
 //! The header starts zeroed and is never reset: flags carry epochs.
 //!
 //! Pull mode (gemm_all_reduce_rmsnorm with `backend="peer"`): the GEMM stores
@@ -213,6 +213,38 @@ pub const RING_MIN_ROWS: u64 = 16;
 pub fn runs_oneshot(config: NormConfig, world: usize, residual_full: bool, pull: bool) -> bool {
     config.oneshot && world == 2 && residual_full && !pull
 }
+
+/// The config a call of `tokens` rows on `ctas` CTAs runs with when asked
+/// for `config`: the default one-shot ([`NormConfig::ONESHOT`]) where it
+/// applies ([`runs_oneshot`]) on at most [`ONESHOT_MAX_TOKENS`] rows and
+/// [`ONESHOT_MAX_ROWS_PER_CTA`] rows a CTA, else `config`. One-shot needs
+/// one flag exchange instead of two and no peer stores, but every rank sums
+/// and normalizes every row. On 2x H200 (hidden 8192, against the two-shot
+/// default, evaluation/results/norm_oneshot_pull_h200x2.txt) it took 0.90x
+/// the time at 128 tokens on 32 CTAs, 0.92x on 16, 0.93x at 256 on 32 and
+/// 0.96x on 16, 1.00x at 512 on 32; with more rows a CTA it lost (1.04x at
+/// 256 tokens on 8 CTAs, 1.10x at 512 on 8).
+pub fn resolved(
+    config: NormConfig,
+    tokens: u64,
+    world: usize,
+    ctas: u32,
+    residual_full: bool,
+    pull: bool,
+) -> NormConfig {
+    let oneshot = NormConfig::ONESHOT;
+    if config.is_default()
+        && tokens <= ONESHOT_MAX_TOKENS
+        && tokens <= ONESHOT_MAX_ROWS_PER_CTA * u64::from(ctas)
+        && runs_oneshot(oneshot, world, residual_full, pull)
+    {
+        oneshot
+    } else {
+        config
+    }
+}
+pub const ONESHOT_MAX_TOKENS: u64 = 512;
+pub const ONESHOT_MAX_ROWS_PER_CTA: u64 = 16;
 
 /// Rows [start, end) of `tokens` that `rank` owns (the kernel's split).
 pub fn slice(tokens: u64, world: usize, rank: usize) -> (u64, u64) {
@@ -534,6 +566,40 @@ mod tests {
                 stages(tokens, 2, 32, NormConfig::PLAIN, false, false)
             );
         }
+    }
+
+    #[test]
+    fn the_default_runs_small_full_pushes_of_two_ranks_one_shot() {
+        let default = NormConfig::DEFAULT;
+        let max = ONESHOT_MAX_TOKENS;
+        assert_eq!(
+            resolved(default, max, 2, 32, true, false),
+            NormConfig::ONESHOT
+        );
+        assert_eq!(
+            resolved(NormConfig::PLAIN, 1, 2, 1, true, false),
+            NormConfig::ONESHOT
+        );
+        assert_eq!(
+            resolved(default, 128, 2, 8, true, false),
+            NormConfig::ONESHOT
+        );
+        // Larger calls, more rows a CTA, other worlds, the sharded residual, pull mode and
+        // asked-for configs keep theirs.
+        assert_eq!(resolved(default, max + 1, 2, 132, true, false), default);
+        assert_eq!(resolved(default, 129, 2, 8, true, false), default);
+        assert_eq!(resolved(default, 128, 3, 32, true, false), default);
+        assert_eq!(resolved(default, 128, 2, 32, false, false), default);
+        assert_eq!(resolved(default, 128, 2, 32, true, true), default);
+        let asked = NormConfig::new(512, 4, 4).unwrap();
+        assert_eq!(resolved(asked, 128, 2, 32, true, false), asked);
+        // One part, plain loads: the build the two-shot default uses off the ring.
+        let one = NormConfig::ONESHOT;
+        assert!(one.oneshot && !one.ring && one.stages == 1 && !one.is_default());
+        assert_eq!(
+            crate::cuda::kernels::allreduce_rmsnorm_spec(Dtype::Bf16, one),
+            crate::cuda::kernels::allreduce_rmsnorm_spec(Dtype::Bf16, NormConfig::PLAIN)
+        );
     }
 
     #[test]
