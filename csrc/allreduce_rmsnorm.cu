@@ -140,8 +140,8 @@ __device__ __forceinline__ uint4* slot(const Params& p, int owner, int source) {
 // One-shot: the half of `rank`'s buffer that holds its x in the call of
 // `epoch`. Each half spans an area (a third of the buffer, fixed for its
 // life), so calls of different sizes alternate on the same two halves.
-__device__ __forceinline__ const uint4* half(const Params& p, int rank, unsigned epoch) {
-  return reinterpret_cast<const uint4*>(area(p, rank, 65536ull + (epoch & 1u) * (p.out_offset - 65536ull)));
+__device__ __forceinline__ uint4* half(const Params& p, int rank, unsigned epoch) {
+  return reinterpret_cast<uint4*>(area(p, rank, 65536ull + (epoch & 1u) * (p.out_offset - 65536ull)));
 }
 __device__ __forceinline__ int slice_start(const Params& p, int owner) {
   return p.row0 + static_cast<int>(static_cast<long long>(p.tokens) * owner / p.world);
@@ -350,7 +350,7 @@ __device__ __forceinline__ void push(const Params& p, int stage, int vecs, unsig
     int first, last;
     part(p, p.rank, stage, first, last);
     const long long at = static_cast<long long>(first - p.row0) * vecs;
-    copy(const_cast<uint4*>(half(p, p.rank, epoch)) + at, p.x + static_cast<long long>(first) * vecs,
+    copy(half(p, p.rank, epoch) + at, p.x + static_cast<long long>(first) * vecs,
          static_cast<long long>(last - first) * vecs);
     return;
   }

@@ -61,7 +61,9 @@ pub struct Layout {
 impl Layout {
     /// Push mode: a call of `tokens` rows in buffers of `capacity` bytes
     /// (`bytes` is what the call needs: a smaller capacity only sizes the
-    /// areas, for [`Layout::needed`]). `oneshot`: one-shot slots.
+    /// areas, for [`Layout::needed`]). `oneshot`: a slot of every row (what
+    /// each half of a one-shot call holds; the kernel places the halves at
+    /// the slot and out areas, so the row count only sizes them).
     pub fn new(
         world: usize,
         tokens: u64,
