@@ -44,6 +44,12 @@
 // calls later, after seeing the peer's flags of the call in between, which
 // the peer raises only once its kernel of the call before (the last to
 // read that half) has ended.
+// With the copy engines (copy_engines, fo_arn_ce below) one-shot's rows of
+// the peer are not loaded over NVLink: its copy engines landed all of its x
+// in this rank's slot area first (`landed`).
+// Two ranks sum in one packed 16-bit add (exactly rounded, as the AllReduce
+// would return); more ranks in fp32 in rank order. A row stays in registers
+// from its loads to its stores, held by a group of warps (row_group).
 // Pull mode (x_offset != 0: gemm_all_reduce_rmsnorm, one call per wave
 // group): the producing GEMM stored each rank's partial straight into its
 // own buffer's x area, so step 1 pushes nothing and only raises ready;
@@ -92,10 +98,19 @@ constexpr int FLAG_SLOTS = 1015;
 constexpr int READY = 16;
 constexpr int DONE = READY + FLAG_SLOTS * FO_MAX_WORLD;
 
+using fo::add2;
 using fo::high;
 using fo::low;
+using fo::mul2;
 using fo::pack2;
 using fo::word;
+
+// A thread's running sum of squares over the words of r, in one fixed
+// order wherever a row's scale is computed (owner and gatherer alike).
+__device__ __forceinline__ float add_squares(float squares, unsigned t) {
+  squares = fmaf(low(t), low(t), squares);
+  return fmaf(high(t), high(t), squares);
+}
 
 __device__ __forceinline__ void store_release_sys(unsigned* p, unsigned v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
@@ -142,6 +157,15 @@ __device__ __forceinline__ uint4* slot(const Params& p, int owner, int source) {
 // life), so calls of different sizes alternate on the same two halves.
 __device__ __forceinline__ uint4* half(const Params& p, int rank, unsigned epoch) {
   return reinterpret_cast<uint4*>(area(p, rank, 65536ull + (epoch & 1u) * (p.out_offset - 65536ull)));
+}
+// One-shot with the copy engines: where they landed the peer's x (every row)
+// in this rank's own buffer, the slot area's start (2 ranks).
+__device__ __forceinline__ const uint4* landed(const Params& p) {
+  return reinterpret_cast<const uint4*>(area(p, p.rank, 65536ull));
+}
+// One-shot: where the peer `src`'s x lies for this rank, from its first row.
+__device__ __forceinline__ const uint4* peer_x(const Params& p, int src, unsigned epoch) {
+  return p.copy_engines ? landed(p) : half(p, src, epoch);
 }
 __device__ __forceinline__ int slice_start(const Params& p, int owner) {
   return p.row0 + static_cast<int>(static_cast<long long>(p.tokens) * owner / p.world);
@@ -240,17 +264,22 @@ __device__ __forceinline__ void finish(unsigned* own) {
   }
 }
 
-// The warps that share a row. A part with fewer rows than the CTA has warps
-// gives each row `size` warps (a power of two, at most 15 groups: the named
-// barriers 1..15), so that a short call is not one warp's chain of loads per
-// row. Thread `t` of the group's `threads` takes vectors t, t + threads, ...
+// The warps that share a row, which its threads hold in registers from its
+// loads to its stores: REG_VECS vectors a thread at most, so a row of `vecs`
+// vectors takes at least vecs / (32 REG_VECS) warps (hidden 8192: 4). A part
+// with fewer rows than the CTA has warps gives each row more (a power of
+// two, at most 15 groups: the named barriers 1..15), so that a short call is
+// not a few warps' chains of loads. Thread `t` of the group's `threads`
+// takes vectors t, t + threads, ... (k-th: t + k threads).
+constexpr int REG_VECS = 2048 / (THREADS < 256 ? THREADS : 256);
 struct RowGroup {
   int size, index, count, t, threads;
 };
 
-__device__ __forceinline__ RowGroup row_group(int rows) {
+__device__ __forceinline__ RowGroup row_group(int rows, int vecs) {
   int size = 1;
-  for (int c = 2; c <= WARPS && rows * c <= WARPS; c *= 2) {
+  while (size * 32 * REG_VECS < vecs) size *= 2;
+  for (int c = 2 * size; c <= WARPS && rows * c <= WARPS; c *= 2) {
     if (WARPS / c <= 15) size = c;
   }
   const int warp = threadIdx.x / 32;
@@ -282,60 +311,50 @@ __device__ __forceinline__ float group_sum(float v, const RowGroup& g, int parit
   return total;
 }
 
-// A thread's share of sum(r^2) over a row of r, in the order in which the
-// reduce step accumulates it (its vectors in blocks of UNROLL), then summed
-// over the row's group: bit-identical wherever it is computed.
-template <int FIXED>
-__device__ __forceinline__ float row_scale(const uint4* r_row, int vecs, const RowGroup& g, int parity, float hidden,
-                                           float eps) {
-  const int threads = row_threads<FIXED>(g);
-  float squares = 0.f;
-  for (int v0 = g.t; v0 < vecs; v0 += threads * UNROLL) {
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int v = v0 + threads * u;
-      if (v >= vecs) continue;
-      const uint4 r = r_row[v];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const unsigned t = word(r, i);
-        squares += low(t) * low(t) + high(t) * high(t);
-      }
-    }
-  }
-  return rsqrtf(group_sum<FIXED>(squares, g, parity) / hidden + eps);
-}
-
+// r * scale rounded to 16 bits, times the weight rounded again: vLLM's
+// fused_add_rms_norm arithmetic, the weight's product one packed instruction.
 __device__ __forceinline__ uint4 normalized(uint4 r, uint4 g, float scale) {
   uint4 y;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const unsigned rw = word(r, i), gw = word(g, i);
-    word(y, i) = pack2(low(rw) * scale * low(gw), high(rw) * scale * high(gw));
+    const unsigned rw = word(r, i);
+    word(y, i) = mul2(pack2(low(rw) * scale, high(rw) * scale), word(g, i));
   }
   return y;
 }
 
-// Normalizes a row of r by `scale` (the thread's vectors, UNROLL loads in
-// flight), handing store(v, r, y) each vector of r and of the normalized row.
+// Whether a thread's vectors k0.. of a row exist for any thread of its group
+// (the same answer in all of them: the loops below stop there together).
+__device__ __forceinline__ bool block_live(int k0, int threads, int vecs) { return k0 * threads < vecs; }
+
+// The row's scale from r in registers (a thread's vectors k = 0, 1, ..., in
+// this order on every rank, so the owner and a gatherer get the same bits),
+// then its normalized vectors handed to store(v, r, y).
 template <int FIXED, typename Store>
-__device__ __forceinline__ void normalize_row(const uint4* r_row, const uint4* weight, float scale, int vecs,
-                                              const RowGroup& grp, Store store) {
+__device__ __forceinline__ void normalize_regs(const uint4 (&r)[REG_VECS], const uint4* weight, int vecs,
+                                               const RowGroup& grp, int parity, float hidden, float eps,
+                                               Store store) {
   const int threads = row_threads<FIXED>(grp);
-  for (int v0 = grp.t; v0 < vecs; v0 += threads * UNROLL) {
-    uint4 r[UNROLL], g[UNROLL];
+  float squares = 0.f;
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int v = v0 + threads * u;
-      if (v < vecs) {
-        r[u] = r_row[v];
-        g[u] = weight[v];
-      }
+  for (int k = 0; k < REG_VECS; ++k) {
+    if (!block_live(k, threads, vecs)) break;
+    if (grp.t + k * threads < vecs) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) squares = add_squares(squares, word(r[k], i));
     }
+  }
+  const float scale = rsqrtf(group_sum<FIXED>(squares, grp, parity) / hidden + eps);
+#pragma unroll
+  for (int k0 = 0; k0 < REG_VECS; k0 += UNROLL) {
+    if (!block_live(k0, threads, vecs)) break;
+    uint4 g[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) g[u] = weight[min(grp.t + (k0 + u) * threads, vecs - 1)];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int v = v0 + threads * u;
-      if (v < vecs) store(v, r[u], normalized(r[u], g[u], scale));
+      const int v = grp.t + (k0 + u) * threads;
+      if (v < vecs) store(v, r[k0 + u], normalized(r[k0 + u], g[u], scale));
     }
   }
 }
@@ -365,7 +384,8 @@ __device__ __forceinline__ void push(const Params& p, int stage, int vecs, unsig
 }
 
 // Step 2 over rows [first, last) of this rank's slice: a row group per row.
-template <int FIXED>
+// TWO: p.world == 2 (the sources' sum one packed add; else an fp32 sum).
+template <int FIXED, bool TWO>
 __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last, int vecs, bool pull,
                                             const RowGroup& grp, unsigned epoch) {
   const int s0 = slice_first(p, p.rank);
@@ -374,85 +394,115 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
   // with the copy engines they copy it).
   const bool share_r = p.residual_full && !p.oneshot && !p.copy_engines;
   const bool share_out = !p.residual_full && !p.copy_engines;
+  // Where source src's rows of this rank's slice lie (`base`: the row's offset in whole-output
+  // arrays; `local`: in the slice's).
+  auto source = [&](int src, long long base, long long local) -> const uint4* {
+    return pull            ? reinterpret_cast<const uint4*>(area(p, src, p.x_offset)) + base
+           : src == p.rank ? p.x + base
+           : p.oneshot     ? peer_x(p, src, epoch) + local
+                           : slot(p, p.rank, src) + local;
+  };
   int parity = 0;
   for (int row = first + grp.index; row < last; row += grp.count, parity ^= 1) {
     const long long base = static_cast<long long>(row) * vecs;
     const long long local = static_cast<long long>(row - s0) * vecs;
     uint4* r_row = p.residual_out + (p.residual_full ? base : local);
-    float squares = 0.f;
-    for (int v0 = grp.t; v0 < vecs; v0 += threads * UNROLL) {
-      float acc[UNROLL][8];
-      uint4 res[UNROLL];
+    const uint4* res_row = p.residual + (p.residual_sliced ? local : base);
+    uint4 r[REG_VECS];
+    // UNROLL vectors of every array in flight at a time; past the row's end a thread loads its last
+    // vector again (and stores nothing): no predicated loads, whose partly defined arrays the
+    // compiler keeps in local memory.
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int v = v0 + threads * u;
+    for (int k0 = 0; k0 < REG_VECS; k0 += UNROLL) {
+      if (!block_live(k0, threads, vecs)) break;
+      int at[UNROLL];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
-        if (v < vecs) res[u] = p.residual[(p.residual_sliced ? local : base) + v];
-      }
-      // Rank order, so that every rank would get bit-identical sums. (Two ranks' loads all issued
-      // before the first sum took 1.00-1.04x this loop's time: more registers, no fewer waits.)
-      for (int src = 0; src < p.world; ++src) {
-        const uint4* from = pull ? reinterpret_cast<const uint4*>(area(p, src, p.x_offset)) + base
-                            : src == p.rank ? p.x + base
-                            : p.oneshot     ? half(p, src, epoch) + local
-                                            : slot(p, p.rank, src) + local;
+      for (int u = 0; u < UNROLL; ++u) at[u] = min(grp.t + (k0 + u) * threads, vecs - 1);
+      // s: the AllReduce's result, 16-bit (two ranks: one packed add, both sources' loads in flight
+      // at once; more: an fp32 sum in rank order, so every rank would get bit-identical sums).
+      uint4 sum[UNROLL], res[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) res[u] = res_row[at[u]];
+      if constexpr (TWO) {
+        const uint4 *a = source(0, base, local), *b = source(1, base, local);
         uint4 w[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-          const int v = v0 + threads * u;
-          if (v < vecs) w[u] = from[v];
+          sum[u] = a[at[u]];
+          w[u] = b[at[u]];
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            acc[u][2 * i] += low(word(w[u], i));
-            acc[u][2 * i + 1] += high(word(w[u], i));
+          for (int i = 0; i < 4; ++i) word(sum[u], i) = add2(word(sum[u], i), word(w[u], i));
+        }
+      } else {
+        float acc[UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
+        }
+        for (int src = 0; src < p.world; ++src) {
+          const uint4* from = source(src, base, local);
+          uint4 w[UNROLL];
+#pragma unroll
+          for (int u = 0; u < UNROLL; ++u) w[u] = from[at[u]];
+#pragma unroll
+          for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              acc[u][2 * i] += low(word(w[u], i));
+              acc[u][2 * i + 1] += high(word(w[u], i));
+            }
           }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) word(sum[u], i) = pack2(acc[u][2 * i], acc[u][2 * i + 1]);
         }
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const int v = v0 + threads * u;
-        if (v >= vecs) continue;
-        uint4 r;
+        uint4& t = r[k0 + u];
+        // The sum with the residual is rounded again.
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          // The AllReduce's result is 16-bit; the sum with the residual is rounded again.
-          const unsigned s = pack2(acc[u][2 * i], acc[u][2 * i + 1]);
-          const unsigned rw = word(res[u], i);
-          const unsigned t = pack2(low(s) + low(rw), high(s) + high(rw));
-          squares += low(t) * low(t) + high(t) * high(t);
-          word(r, i) = t;
-        }
-        r_row[v] = r;
+        for (int i = 0; i < 4; ++i) word(t, i) = add2(word(sum[u], i), word(res[u], i));
+        const int v = grp.t + (k0 + u) * threads;
+        if (v >= vecs) continue;
+        r_row[v] = t;
         for (int i = 1; share_r && i < p.world; ++i) {
           const int peer = (p.rank + i) % p.world;
-          reinterpret_cast<uint4*>(area(p, peer, p.res_offset))[base + v] = r;
+          reinterpret_cast<uint4*>(area(p, peer, p.res_offset))[base + v] = t;
         }
       }
     }
-    const float scale = rsqrtf(group_sum<FIXED>(squares, grp, parity) / p.hidden + p.eps);
-    // r_row: this thread's vectors, written by it above.
-    normalize_row<FIXED>(r_row, p.weight, scale, vecs, grp, [&](int v, uint4, uint4 y) {
-      p.out[base + v] = y;
-      for (int i = 1; share_out && i < p.world; ++i) {
-        const int peer = (p.rank + i) % p.world;
-        reinterpret_cast<uint4*>(area(p, peer, p.out_offset))[base + v] = y;
-      }
-    });
+    normalize_regs<FIXED>(r, p.weight, vecs, grp, parity, static_cast<float>(p.hidden), p.eps,
+                          [&](int v, uint4, uint4 y) {
+                            p.out[base + v] = y;
+                            for (int i = 1; share_out && i < p.world; ++i) {
+                              const int peer = (p.rank + i) % p.world;
+                              reinterpret_cast<uint4*>(area(p, peer, p.out_offset))[base + v] = y;
+                            }
+                          });
   }
 }
 
 // Step 2 over rows [first, last) of this rank's slice, with their row groups.
 __device__ __forceinline__ void reduce_range(const Params& p, int first, int last, int vecs, bool pull,
                                              unsigned epoch = 0) {
-  const RowGroup grp = row_group(last - first);
+  const RowGroup grp = row_group(last - first, vecs);
   if (grp.size == 1) {
-    reduce_rows<WARP_ROWS>(p, first, last, vecs, pull, grp, epoch);
+    if (p.world == 2) {
+      reduce_rows<WARP_ROWS, true>(p, first, last, vecs, pull, grp, epoch);
+    } else {
+      reduce_rows<WARP_ROWS, false>(p, first, last, vecs, pull, grp, epoch);
+    }
+  } else if (p.world == 2) {
+    reduce_rows<ANY_ROWS, true>(p, first, last, vecs, pull, grp, epoch);
   } else {
-    reduce_rows<ANY_ROWS>(p, first, last, vecs, pull, grp, epoch);
+    reduce_rows<ANY_ROWS, false>(p, first, last, vecs, pull, grp, epoch);
   }
 }
 
@@ -468,21 +518,28 @@ __device__ __forceinline__ void reduce(const Params& p, int stage, int vecs, boo
 template <int FIXED>
 __device__ __forceinline__ void gather_rows(const Params& p, int first, int last, int vecs, const RowGroup& grp) {
   const uint4* staged = reinterpret_cast<const uint4*>(area(p, p.rank, p.res_offset));
+  const int threads = row_threads<FIXED>(grp);
   int parity = 0;
   for (int row = first + grp.index; row < last; row += grp.count, parity ^= 1) {
     const long long base = static_cast<long long>(row) * vecs;
-    const float scale = row_scale<FIXED>(staged + base, vecs, grp, parity, static_cast<float>(p.hidden), p.eps);
-    normalize_row<FIXED>(staged + base, p.weight, scale, vecs, grp, [&](int v, uint4 r, uint4 y) {
-      p.residual_out[base + v] = r;
-      p.out[base + v] = y;
-    });
+    uint4 r[REG_VECS];
+#pragma unroll
+    for (int k = 0; k < REG_VECS; ++k) {
+      if (!block_live(k, threads, vecs)) break;
+      r[k] = staged[base + min(grp.t + k * threads, vecs - 1)];
+    }
+    normalize_regs<FIXED>(r, p.weight, vecs, grp, parity, static_cast<float>(p.hidden), p.eps,
+                          [&](int v, uint4 rv, uint4 y) {
+                            p.residual_out[base + v] = rv;
+                            p.out[base + v] = y;
+                          });
   }
 }
 
 // Step 3 over rows [first, last) of another owner's r (full residual), with
 // their row groups.
 __device__ __forceinline__ void gather_range(const Params& p, int first, int last, int vecs) {
-  const RowGroup grp = row_group(last - first);
+  const RowGroup grp = row_group(last - first, vecs);
   // Groups change between owners: no warp may write a slot another still reads.
   if (grp.size > 1) __syncthreads();
   if (grp.size == 1) {
@@ -613,6 +670,7 @@ __device__ __forceinline__ void ring_load(const Params& p, const Job& j, unsigne
     for (int src = 0; src < p.world; ++src) {
       const void* from = pull ? row_at(area(p, src, p.x_offset), j.row, row_bytes)
                          : src == p.rank ? row_at(p.x, j.row, row_bytes)
+                         : p.oneshot     ? row_at(landed(p), j.row - s0, row_bytes)
                                          : row_at(slot(p, p.rank, src), j.row - s0, row_bytes);
       fo::bulk_load(at + src * row_bytes, from, row_bytes, bar);
     }
@@ -682,34 +740,37 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
     const int v = compute_thread() + k * THREADS;
     if (v >= vecs) continue;
     if (j.kind == REDUCE) {
-      float acc[8];
+      // The AllReduce's result is 16-bit (reduce_rows' arithmetic); the sum with the residual is
+      // rounded again.
+      uint4 s = slot_ptr[v];
+      if (p.world == 2) {
+        const uint4 w = slot_ptr[vecs + v];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-      for (int src = 0; src < p.world; ++src) {
-        const uint4 w = slot_ptr[src * vecs + v];
+        for (int i = 0; i < 4; ++i) word(s, i) = add2(word(s, i), word(w, i));
+      } else {
+        float acc[8];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          acc[2 * i] += low(word(w, i));
-          acc[2 * i + 1] += high(word(w, i));
+        for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+        for (int src = 0; src < p.world; ++src) {
+          const uint4 w = slot_ptr[src * vecs + v];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[2 * i] += low(word(w, i));
+            acc[2 * i + 1] += high(word(w, i));
+          }
         }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) word(s, i) = pack2(acc[2 * i], acc[2 * i + 1]);
       }
       const uint4 res = slot_ptr[p.world * vecs + v];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        // The AllReduce's result is 16-bit; the sum with the residual is rounded again.
-        const unsigned s = pack2(acc[2 * i], acc[2 * i + 1]);
-        const unsigned rw = word(res, i);
-        word(r[k], i) = pack2(low(s) + low(rw), high(s) + high(rw));
-      }
+      for (int i = 0; i < 4; ++i) word(r[k], i) = add2(word(s, i), word(res, i));
       slot_ptr[v] = r[k];
     } else {
       r[k] = slot_ptr[v];
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const unsigned t = word(r[k], i);
-      squares += low(t) * low(t) + high(t) * high(t);
-    }
+    for (int i = 0; i < 4; ++i) squares = add_squares(squares, word(r[k], i));
   }
   const float scale = rsqrtf(cta_sum(squares, parity) / p.hidden + p.eps);
 #pragma unroll
@@ -893,8 +954,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
 
 // Copy-engine mode (2 ranks, csrc's part of rust/ops/norm_copy_engines.rs):
 // the copy engines moved the peer's x rows of this rank's slice into its
-// slot before this launch, and move the rows it writes afterwards, so the
-// kernel only sums and normalizes, with no flag and no peer access.
+// slot before this launch (one-shot: all its rows, to the slot area's
+// start), and move the rows it writes afterwards, so the kernel only sums
+// and normalizes, with no flag and no peer access.
 // kind 1: rows [first, last) of this rank's slice: sum, add the residual,
 // normalize (a reduce); kind 2: rows of the peer's slice (full residual):
 // its r, landed in this rank's residual area, into residual_out,

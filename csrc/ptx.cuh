@@ -68,6 +68,27 @@ __device__ __forceinline__ float half_to_float(unsigned short h) {
 __device__ __forceinline__ float low(unsigned w) { return half_to_float(w & 0xffffu); }
 __device__ __forceinline__ float high(unsigned w) { return half_to_float(w >> 16); }
 #endif
+// a + b and a * b of two pairs of 16-bit values, each result rounded once
+// (the fma forms, which sm_80 has for bf16x2 too): one instruction a pair
+// where unpacking to fp32 and packing again takes five or more.
+__device__ __forceinline__ unsigned fma2(unsigned a, unsigned b, unsigned c) {
+  unsigned d;
+#if FO_BF16
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#else
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+#endif
+  return d;
+}
+#if FO_BF16
+constexpr unsigned ONES2 = 0x3f803f80u;  // 1.0, 1.0
+#else
+constexpr unsigned ONES2 = 0x3c003c00u;
+#endif
+constexpr unsigned NEG_ZEROS2 = 0x80008000u;  // -0.0 twice: x * y + (-0) keeps the sign of a zero product
+__device__ __forceinline__ unsigned add2(unsigned a, unsigned b) { return fma2(a, ONES2, b); }
+__device__ __forceinline__ unsigned mul2(unsigned a, unsigned b) { return fma2(a, b, NEG_ZEROS2); }
+
 __device__ __forceinline__ unsigned& word(uint4& v, int i) { return reinterpret_cast<unsigned*>(&v)[i]; }
 __device__ __forceinline__ unsigned word(const uint4& v, int i) { return reinterpret_cast<const unsigned*>(&v)[i]; }
 

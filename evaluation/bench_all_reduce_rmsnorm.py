@@ -529,13 +529,16 @@ class _Case:
 
         def fo_config(ctas, config):
             """The kernel compiled as `config`, launched on the op's peer buffers (made by api_16's
-            first call, which runs before any of these)."""
+            first call, which runs before any of these), with the copy engines where the op would
+            use them."""
             from flashoverlap import peer_norm
 
             def call(i):
                 x, residual = xs[i % sets], residuals[i % sets]
                 out, r = torch.empty_like(x), torch.empty_like(x)
-                peer_norm._GROUPS[ctx.op_name].launch(x, residual, weight, out, r, EPS, ctas, config=config)
+                group = peer_norm._GROUPS[ctx.op_name]
+                group.launch(x, residual, weight, out, r, EPS, ctas, config=config,
+                             copy_engines=group.copy_engines(x.shape[0], ctas))
                 return out, r
             return call
 

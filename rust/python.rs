@@ -1169,12 +1169,10 @@ fn allreduce_rmsnorm_launch(
         let mut call = call;
         let world = call.bases.len();
         if let Some(lanes) = lanes {
-            // The ring's build where it runs (each CTA's rows through it in bulk copies).
-            let two_shot = kernels::NormConfig {
-                oneshot: false,
-                ..config
-            };
-            call.config = arn::effective(two_shot, world, hidden, dtype, dev.major, true);
+            // The ring's build where it runs (each CTA's rows through it in bulk copies);
+            // one-shot where the config asks for it, or the default's rule, and the call allows it.
+            let ce = arn::resolved_copy_engines(config, tokens, world, residual_full);
+            call.config = arn::effective(ce, world, hidden, dtype, dev.major, true);
             let kernel = kernels::load(
                 &dev,
                 &kernels::allreduce_rmsnorm_ce_spec(dtype, call.config),

@@ -146,9 +146,10 @@ NORM_CE_MIN_TOKENS_DEFAULT = 4096
 def norm_copy_engines() -> tuple[int, int]:
     """(FLASHOVERLAP_NORM_CE_MIN_TOKENS, FLASHOVERLAP_NORM_CE_CHUNKS): all_reduce_rmsnorm on 2 ranks
     lets the copy engines move the rows (its CTAs only sum and normalize) from this many tokens on
-    (default 4096; 0: never) on up to 32 CTAs, in this many row ranges per slice (1-64; default 0:
-    one per 1024 rows of a slice, at most 6; from 5 on the first and the last are half-size). Read
-    when a peer group is made; every rank of a group must set them alike."""
+    (default 4096; 0: never) on up to 32 CTAs, in this many row ranges per slice (of all the rows
+    for one-shot calls: the full residual from 8192 tokens on; 1-64; default 0: one per 1024 rows
+    of a slice, at most 6; from 5 on the first and the last are half-size). Read when a peer group
+    is made; every rank of a group must set them alike."""
     tokens = _int("FLASHOVERLAP_NORM_CE_MIN_TOKENS", NORM_CE_MIN_TOKENS_DEFAULT)
     chunks = _int("FLASHOVERLAP_NORM_CE_CHUNKS", 0)
     assert tokens is not None and chunks is not None

@@ -248,6 +248,34 @@ pub fn resolved(
 pub const ONESHOT_MAX_TOKENS: u64 = 512;
 pub const ONESHOT_MAX_ROWS_PER_CTA: u64 = 16;
 
+/// The config a call that the copy engines serve (ops::norm_copy_engines)
+/// runs with when asked for `config`: one-shot where `config` asks for it,
+/// and for the default from [`ONESHOT_CE_MIN_TOKENS`] on, where the call
+/// allows it ([`runs_oneshot`]); else two-shot. One-shot sends all of x
+/// to the peer and each rank sums and normalizes every row: the same bytes
+/// cross NVLink, but one copy-engine latency is in the chain instead of two
+/// and nothing comes back. On 2x H200 (hidden 8192, 32 CTAs,
+/// evaluation/results/norm_copy_engines_oneshot_h200x2.txt) it took
+/// 0.92-0.96x the two-shot time at 8K tokens and 0.98-0.99x at 16K, but
+/// 1.01-1.03x at 4K.
+pub fn resolved_copy_engines(
+    config: NormConfig,
+    tokens: u64,
+    world: usize,
+    residual_full: bool,
+) -> NormConfig {
+    let oneshot = NormConfig {
+        oneshot: true,
+        ..config
+    };
+    let asked = config.oneshot || (config.is_default() && tokens >= ONESHOT_CE_MIN_TOKENS);
+    NormConfig {
+        oneshot: asked && runs_oneshot(oneshot, world, residual_full, false),
+        ..config
+    }
+}
+pub const ONESHOT_CE_MIN_TOKENS: u64 = 8192;
+
 /// Rows [start, end) of `tokens` that `rank` owns (the kernel's split).
 pub fn slice(tokens: u64, world: usize, rank: usize) -> (u64, u64) {
     let at = |r: usize| tokens * r as u64 / world as u64;
@@ -602,6 +630,30 @@ mod tests {
             crate::cuda::kernels::allreduce_rmsnorm_spec(Dtype::Bf16, one),
             crate::cuda::kernels::allreduce_rmsnorm_spec(Dtype::Bf16, NormConfig::PLAIN)
         );
+    }
+
+    #[test]
+    fn the_copy_engines_run_the_default_one_shot_from_8k_tokens() {
+        let default = NormConfig::DEFAULT;
+        let resolved =
+            |config, tokens, world, full| resolved_copy_engines(config, tokens, world, full);
+        let one = resolved(default, ONESHOT_CE_MIN_TOKENS, 2, true);
+        // The default's shape otherwise, ring included (the copy-engine kernel's build).
+        assert!(one.oneshot && one.ring && one.threads == default.threads);
+        assert!(!resolved(default, ONESHOT_CE_MIN_TOKENS - 1, 2, true).oneshot);
+        assert!(
+            !resolved(default, 16384, 2, false).oneshot,
+            "sharded: two-shot"
+        );
+        assert!(
+            !resolved(default, 16384, 3, true).oneshot,
+            "3 ranks: two-shot"
+        );
+        // A one-shot config asks for it at any size; another shape never gets it unasked.
+        let asked = NormConfig::with(512, 4, 1, true).unwrap();
+        assert!(resolved(asked, 4096, 2, true).oneshot);
+        let other = NormConfig::new(512, 2, 4).unwrap();
+        assert!(!resolved(other, 16384, 2, true).oneshot);
     }
 
     #[test]

@@ -26,6 +26,7 @@ CASES = [
     (1, 1024, "bfloat16", "sharded", 2),
     (2051, 16384, "float16", "sharded", 4),
     (4096, 2048, "bfloat16", "full", 3),
+    (8192, 2048, "bfloat16", "full", 16),  # 2 ranks: the copy engines, one-shot by default
 ]
 
 
@@ -160,16 +161,22 @@ def _run_ranks(world: int, out_dir: Path, timeout_s: float = 240.0) -> None:
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
-@pytest.mark.parametrize("world,ce_min_tokens", [(2, None), (2, "1"), (2, "0"), (3, None)])
-def test_matches_fp32_composition(tmp_path: Path, monkeypatch, world: int, ce_min_tokens) -> None:
+@pytest.mark.parametrize("world,ce_min_tokens,config",
+                         [(2, None, None), (2, "1", None), (2, "1", "512x4o"), (2, "0", None), (3, None, None)])
+def test_matches_fp32_composition(tmp_path: Path, monkeypatch, world: int, ce_min_tokens, config) -> None:
     """ce_min_tokens (FLASHOVERLAP_NORM_CE_MIN_TOKENS): None, the default (2 ranks: the copy
     engines move the rows of the 4096-token case, the kernel's stores the others', so calls of
     both kinds follow each other on one group's buffers); "1": every call of 2 ranks on the copy
-    engines, the graph replays and the sharded chain included; "0": none."""
+    engines, the graph replays and the sharded chain included; "0": none. config
+    (FLASHOVERLAP_NORM_CONFIG) "512x4o" with "1": the full-residual calls one-shot on the copy
+    engines (all of x to the peer, each rank normalizing every row), the sharded ones two-shot,
+    on the same buffers."""
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                        "NVSHMEM_DISABLE_NVLS": "1", "FLASHOVERLAP_PEER_TIMEOUT_S": "30"})
     if ce_min_tokens is not None:
         monkeypatch.setenv("FLASHOVERLAP_NORM_CE_MIN_TOKENS", ce_min_tokens)
+    if config is not None:
+        monkeypatch.setenv("FLASHOVERLAP_NORM_CONFIG", config)
     _run_ranks(world, tmp_path)
     failures = [f for r in range(world) for f in json.loads(Path(tmp_path, f"rank{r}.json").read_text())]
     assert not failures, "\n".join(failures[:10])
