@@ -635,8 +635,7 @@ mod tests {
     #[test]
     fn the_copy_engines_run_the_default_one_shot_from_8k_tokens() {
         let default = NormConfig::DEFAULT;
-        let resolved =
-            |config, tokens, world, full| resolved_copy_engines(config, tokens, world, full);
+        let resolved = resolved_copy_engines;
         let one = resolved(default, ONESHOT_CE_MIN_TOKENS, 2, true);
         // The default's shape otherwise, ring included (the copy-engine kernel's build).
         assert!(one.oneshot && one.ring && one.threads == default.threads);

@@ -101,6 +101,15 @@ fn word(base: u64, index: u64) -> u64 {
     base + 4 * index
 }
 
+/// The buffer at `base`'s flag for x of chunk `c` arrived, and for r (or
+/// the normalized rows) of chunk `c` arrived.
+fn x_arrived(base: u64, c: u32) -> u64 {
+    word(base, CE_ARRIVED_WORD + u64::from(c))
+}
+fn r_arrived(base: u64, c: u32) -> u64 {
+    word(base, CE_ARRIVED_WORD + u64::from(MAX_CHUNKS + c))
+}
+
 /// Enqueues a call (push layout, 2 ranks, two-shot) on the caller's stream
 /// and `lanes`, `kernel` (fo_arn_ce of the call's config, loaded before
 /// anything is enqueued) on `ctas` CTAs, one launch at a time. Both ranks
@@ -138,8 +147,6 @@ pub fn enqueue(
     );
     let row = u64::from(call.hidden) * u64::from(call.dtype.bytes());
     let (mine, other) = (call.bases[me], call.bases[peer]);
-    let x_arrived = |base: u64, c: u32| word(base, CE_ARRIVED_WORD + u64::from(c));
-    let r_arrived = |base: u64, c: u32| word(base, CE_ARRIVED_WORD + u64::from(MAX_CHUNKS + c));
     // What this rank sends of its slice after the sum: r (full: the peer
     // normalizes it, bit for bit as here) or the normalized rows.
     let (sent, area) = if call.residual_full {
@@ -258,7 +265,6 @@ fn enqueue_oneshot(
     let (me, peer) = (call.rank, 1 - call.rank);
     let row = u64::from(call.hidden) * u64::from(call.dtype.bytes());
     let (mine, other) = (call.bases[me], call.bases[peer]);
-    let x_arrived = |base: u64, c: u32| word(base, CE_ARRIVED_WORD + u64::from(c));
     let consumed = |base: u64| word(base, CE_CONSUMED_WORD);
     let rows = (0, call.tokens);
     let copy = lanes.copy.0;
