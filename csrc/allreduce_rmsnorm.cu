@@ -224,21 +224,24 @@ __device__ __forceinline__ void raise(const Params& p, int ready_slot, int done_
   }
 }
 
-// Spins until `peer` raised flag[at][peer] of the kind at base_word in this
-// rank's buffer to `epoch` (an acquire), or the call was abandoned; after
-// `timeout_ns` records the error and abandons the call. True if the flag came.
-__device__ __forceinline__ bool await_peer(const Params& p, int base_word, int at, int peer, unsigned epoch) {
-  unsigned* h = header(p, p.rank);
-  const unsigned* flag = h + base_word + at * FO_MAX_WORLD + peer;
+// Spins until the word at `flag` reaches `value` (an acquire), or the call
+// was abandoned; after `timeout_ns` records `error` in this rank's header
+// and abandons the call. True if the value came.
+// await_peer: the word of flag[at][peer] of the kind at base_word in this
+// rank's buffer, raised to `epoch` by `peer`.
+__device__ __forceinline__ bool await_word(const Params& p, const unsigned* flag, unsigned value, unsigned error) {
   const unsigned long long start = p.timeout_ns ? now_ns() : 0;
   // Signed distance: epochs wrap around without harm.
-  while (static_cast<int>(load_acquire_sys(flag) - epoch) < 0 && !*static_cast<volatile int*>(&abandoned)) {
+  while (static_cast<int>(load_acquire_sys(flag) - value) < 0 && !*static_cast<volatile int*>(&abandoned)) {
     if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
-      atomicExch(h + ERROR, 1u + base_word);
+      atomicExch(header(p, p.rank) + ERROR, error);
       abandoned = 1;
     }
   }
   return !*static_cast<volatile int*>(&abandoned);
+}
+__device__ __forceinline__ bool await_peer(const Params& p, int base_word, int at, int peer, unsigned epoch) {
+  return await_word(p, header(p, p.rank) + base_word + at * FO_MAX_WORLD + peer, epoch, 1u + base_word);
 }
 
 // Waits until every peer raised flag[at][peer] of the kind at base_word in
@@ -970,6 +973,52 @@ __device__ __forceinline__ void cta_rows(int first, int last, int& f, int& l) {
   f = first + static_cast<int>(rows * blockIdx.x / gridDim.x);
   l = first + static_cast<int>(rows * (blockIdx.x + 1) / gridDim.x);
 }
+
+// One-shot on the copy engines in one launch (fo_arn_ce_chunks; 2 ranks,
+// full residual): the peer's copy engines land its x in `count` row ranges
+// (every row: one-shot), each followed by x_arrived[c] = 1 in this rank's
+// header; every CTA waits for each range's flag in turn and sums, adds the
+// residual and normalizes its share of the range's rows. No stream wait or
+// launch stands between the ranges (each cost ~8 us on 2x H200). The last
+// CTA to finish zeroes the flags, tells the peer that this rank has read
+// every row landed here (consumed = 1 in the peer's header) and waits for
+// the peer's word: the call ends with both ranks done reading, so a call of
+// any mode may write into the peer's buffer next.
+// Header words; keep in step with rust/ops/norm_copy_engines.rs.
+constexpr int CE_ARRIVED = DONE + FLAG_SLOTS * FO_MAX_WORLD;
+constexpr int CE_CONSUMED = CE_ARRIVED + 64;
+constexpr int CE_FINISHED = 3;  // CTAs of the launch done
+constexpr int CE_LAUNCH_CHUNKS = 16;
+struct Chunks {
+  int count;
+  int bounds[CE_LAUNCH_CHUNKS + 1];  // range c: rows [bounds[c], bounds[c + 1])
+};
+
+// Every thread: once range c's rows have landed (false: the wait timed out).
+__device__ __forceinline__ bool ce_arrived(const Params& p, int c) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    await_word(p, header(p, p.rank) + CE_ARRIVED + c, 1u, 1u + CE_ARRIVED + c);
+#if FO_RING
+    fo::fence_async_global();  // the rows, acquired above, read by TMA next
+#endif
+  }
+  __syncthreads();
+  return !abandoned;
+}
+
+// The launch's end: the last CTA zeroes the flags and exchanges consumed.
+__device__ __forceinline__ void ce_close(const Params& p, int count) {
+  __syncthreads();
+  if (threadIdx.x != 0 || abandoned) return;
+  unsigned* own = header(p, p.rank);
+  __threadfence();
+  if (atomicAdd(own + CE_FINISHED, 1u) != gridDim.x - 1) return;
+  own[CE_FINISHED] = 0;
+  for (int c = 0; c < count; ++c) own[CE_ARRIVED + c] = 0;
+  store_release_sys(header(p, 1 - p.rank) + CE_CONSUMED, 1u);
+  if (await_word(p, own + CE_CONSUMED, 1u, 1u + CE_CONSUMED)) own[CE_CONSUMED] = 0;
+}
 }  // namespace
 
 #if FO_RING
@@ -988,6 +1037,23 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_arn_ce(Param
   int parity = 0;
   ring_run(p, runs, l > f ? 1 : 0, 0, false, false, vecs, slots, slot_bytes, ring, at, weight, parity, 0);
 }
+extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_arn_ce_chunks(Params p, Chunks ch) {
+  extern __shared__ __align__(128) char ring[];
+  const int vecs = p.hidden / VEC;
+  unsigned slot_bytes;
+  uint4 weight[ROW_VECS];
+  const unsigned slots = ring_setup(p, vecs, slot_bytes, weight);
+  Cursor at = {0, 0, 0, 0};
+  int parity = 0;
+  for (int c = 0; c < ch.count && ce_arrived(p, c); ++c) {
+    int f, l;
+    cta_rows(ch.bounds[c], ch.bounds[c + 1], f, l);
+    Run runs[MAX_RUNS];
+    runs[0] = {REDUCE, f, l - f, p.rank, slice_first(p, p.rank)};
+    ring_run(p, runs, l > f ? 1 : 0, 0, false, false, vecs, slots, slot_bytes, ring, at, weight, parity, 0);
+  }
+  ce_close(p, ch.count);
+}
 #else
 extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_ce(Params p, int first, int last, int kind) {
   int f, l;
@@ -997,5 +1063,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_ce(Params p, int fi
   } else {
     gather_range(p, f, l, p.hidden / VEC);
   }
+}
+extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_ce_chunks(Params p, Chunks ch) {
+  if (threadIdx.x == 0) abandoned = 0;
+  for (int c = 0; c < ch.count && ce_arrived(p, c); ++c) {
+    int f, l;
+    cta_rows(ch.bounds[c], ch.bounds[c + 1], f, l);
+    reduce_range(p, f, l, p.hidden / VEC, false);
+  }
+  ce_close(p, ch.count);
 }
 #endif

@@ -1104,11 +1104,11 @@ fn allreduce_rmsnorm_partial(
 /// `config`: (threads, unroll, stages, oneshot) of the kernel (default the library's;
 /// other values for the benchmark's sweep). `residual_sliced` (sharded mode):
 /// the residual tensor holds this rank's slice rows only. `lanes` (2 ranks,
-/// push mode): the copy engines move the rows, in `chunks` per slice, and
-/// the kernel, on `ctas` CTAs one launch at a time, only sums and normalizes
-/// (ops::norm_copy_engines).
+/// push mode): the copy engines move the rows, in `chunks` row ranges (0:
+/// the library's count, norm_copy_engines::auto_chunks), and the kernel on
+/// `ctas` CTAs only sums and normalizes (ops::norm_copy_engines).
 #[pyfunction]
-#[pyo3(signature = (device, tensors, bases, buffer_bytes, rank, tokens, hidden, eps, residual_full, dtype, ctas, timeout_ns, stream, pull=false, config=None, residual_sliced=false, lanes=None, chunks=4))]
+#[pyo3(signature = (device, tensors, bases, buffer_bytes, rank, tokens, hidden, eps, residual_full, dtype, ctas, timeout_ns, stream, pull=false, config=None, residual_sliced=false, lanes=None, chunks=0))]
 #[allow(clippy::too_many_arguments)]
 fn allreduce_rmsnorm_launch(
     py: Python<'_>,
@@ -1177,9 +1177,13 @@ fn allreduce_rmsnorm_launch(
                 &dev,
                 &kernels::allreduce_rmsnorm_ce_spec(dtype, call.config),
             )?;
+            let chunked = kernels::load(
+                &dev,
+                &kernels::allreduce_rmsnorm_ce_chunks_spec(dtype, call.config),
+            )?;
             let stream = stream::from_handle(stream);
             return crate::ops::norm_copy_engines::enqueue(
-                &kernel, &call, ctas, chunks, stream, lanes,
+                &kernel, &chunked, &call, ctas, chunks, stream, lanes,
             );
         }
         let config = arn::resolved(config, tokens, world, ctas, residual_full, pull);

@@ -281,16 +281,13 @@ def test_copy_engine_settings_default_and_parse(monkeypatch) -> None:
     assert _env.norm_copy_engines() == (0, 16)
 
 
-def test_copy_engine_chunks_follow_the_rows() -> None:
-    """Automatic chunks: one per 1024 rows of a slice, at most 6; a set count wins; the mode only
-    on 2 ranks from the threshold on, up to 32 CTAs."""
+def test_copy_engines_serve_two_ranks_from_the_threshold() -> None:
+    """The copy-engine mode only on 2 ranks from the threshold on, up to 32 CTAs (the row ranges
+    are the core's: norm_copy_engines::auto_chunks, tested in Rust)."""
     from flashoverlap import peer_norm
 
     group = peer_norm.PeerGroup.__new__(peer_norm.PeerGroup)
     group.world, group.ce_min_tokens, group.ce_chunks = 2, 4096, 0
-    assert [group.chunks(t) for t in (1, 2047, 4096, 8192, 12288, 16384, 65536)] == [1, 1, 2, 4, 6, 6, 6]
-    group.ce_chunks = 8
-    assert group.chunks(4096) == 8
     assert group.copy_engines(4096, 32) and not group.copy_engines(4095, 32)
     assert group.copy_engines(1 << 20, 1) and not group.copy_engines(1 << 20, peer_norm.CE_MAX_CTAS + 1)
     group.world = 3

@@ -140,16 +140,18 @@ def norm_config() -> tuple:
         raise ValueError(f"FLASHOVERLAP_NORM_CONFIG: {e}") from None
 
 
-NORM_CE_MIN_TOKENS_DEFAULT = 4096
+NORM_CE_MIN_TOKENS_DEFAULT = 2048
 
 
 def norm_copy_engines() -> tuple[int, int]:
     """(FLASHOVERLAP_NORM_CE_MIN_TOKENS, FLASHOVERLAP_NORM_CE_CHUNKS): all_reduce_rmsnorm on 2 ranks
     lets the copy engines move the rows (its CTAs only sum and normalize) from this many tokens on
-    (default 4096; 0: never) on up to 32 CTAs, in this many row ranges per slice (of all the rows
-    for one-shot calls: the full residual from 8192 tokens on; 1-64; default 0: one per 1024 rows
-    of a slice, at most 6; from 5 on the first and the last are half-size). Read when a peer group
-    is made; every rank of a group must set them alike."""
+    (default 2048; 0: never) on up to 32 CTAs, in this many row ranges (1-64; default 0: the
+    library's count). Two-shot calls (the sharded residual) cut each slice, one range per 1024
+    rows, at most 6, the first and last half-size from 5 on; one-shot calls (the full residual)
+    cut all the rows, into 4 ranges up to 2048 tokens, 6 up to 4096, else 8 (at most 16), each
+    0.8 the size of the one before. Read when a peer group is made; every rank of a group must
+    set them alike."""
     tokens = _int("FLASHOVERLAP_NORM_CE_MIN_TOKENS", NORM_CE_MIN_TOKENS_DEFAULT)
     chunks = _int("FLASHOVERLAP_NORM_CE_CHUNKS", 0)
     assert tokens is not None and chunks is not None

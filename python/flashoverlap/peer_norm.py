@@ -33,9 +33,7 @@ MAX_WORLD = 8
 MAX_HIDDEN = 16384
 # CTAs per call: few enough to leave the SMs to overlapping compute.
 DEFAULT_CTAS = 16
-CE_CHUNK_ROWS = 1024
 CE_MAX_CTAS = 32
-CE_MAX_AUTO_CHUNKS = 6
 
 _LIB.define("all_reduce_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps, str group_name, "
             "str residual_out='full', int? ctas=None) -> (Tensor, Tensor)")
@@ -143,17 +141,6 @@ class PeerGroup:
         same answer on every rank."""
         return self.world == 2 and 0 < self.ce_min_tokens <= tokens and ctas <= CE_MAX_CTAS
 
-    def chunks(self, tokens: int) -> int:
-        """Row ranges per slice of a copy-engine call: FLASHOVERLAP_NORM_CE_CHUNKS, else one per
-        CE_CHUNK_ROWS rows, at most CE_MAX_AUTO_CHUNKS (on 2x H200 at hidden 8192 and 32 CTAs, 2
-        chunks took 0.88x the time of 4 at 4K tokens, 4 took 0.95x of 2 and 0.99x of 8 at 16K; from
-        5 the first and last are half-size, and 6 so cut took 0.90-0.97x the time of 4 equal ones
-        at 16K, norm_pull_sentinel_h200x2.txt)."""
-        if self.ce_chunks:
-            return self.ce_chunks
-        rows = (tokens + 1) // 2
-        return min(CE_MAX_AUTO_CHUNKS, max(1, rows // CE_CHUNK_ROWS))
-
     def launch(self, x, residual, weight, out, residual_out, eps: float, ctas: int, *, full: bool = True,
                pull: bool = False, config=None, residual_sliced: bool = False,
                copy_engines: bool = False) -> None:
@@ -167,18 +154,18 @@ class PeerGroup:
         time) only sum and normalize."""
         hidden = x.shape[-1]
         tokens = x.numel() // hidden
-        lanes, chunks = None, 1
+        lanes = None
         if copy_engines:
             if self._lanes is None:
                 self._lanes = _core.NormLanes(self.device.index)
-            lanes, chunks = self._lanes, self.chunks(tokens)
+            lanes = self._lanes
         _core.allreduce_rmsnorm_launch(self.device.index, (x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
                                                            out.data_ptr(), residual_out.data_ptr()),
                                        self.memory.bases, self.memory.bytes, self.rank, tokens, hidden, float(eps), full,
                                        dtype_name(x.dtype), ctas, wait_timeout_ns(),
                                        current_stream_handle(self.device.index), pull=pull,
                                        config=config or self.config, residual_sliced=residual_sliced,
-                                       lanes=lanes, chunks=chunks)
+                                       lanes=lanes, chunks=self.ce_chunks)
 
     def check_error(self) -> None:
         # Only a bounded wait can record an error, and reading the word waits for the device:

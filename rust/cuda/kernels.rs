@@ -451,6 +451,16 @@ pub fn allreduce_rmsnorm_ce_spec(dtype: Dtype, config: NormConfig) -> KernelSpec
     }
 }
 
+/// One-shot on the copy engines in one launch (fo_arn_ce_chunks: waits for
+/// each landed range's flag itself), from the same module as
+/// [`allreduce_rmsnorm_ce_spec`].
+pub fn allreduce_rmsnorm_ce_chunks_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
+    KernelSpec {
+        entry: "fo_arn_ce_chunks",
+        ..allreduce_rmsnorm_spec(dtype, config)
+    }
+}
+
 /// Every variant the library can launch on `arch`, for the compile check CI
 /// runs (the peer reduction for 2, 4 and 8 ranks, the un-reorder copy
 /// for each GEMM tile, the fused add + RMSNorm).

@@ -255,9 +255,10 @@ pub const ONESHOT_MAX_ROWS_PER_CTA: u64 = 16;
 /// to the peer and each rank sums and normalizes every row: the same bytes
 /// cross NVLink, but one copy-engine latency is in the chain instead of two
 /// and nothing comes back. On 2x H200 (hidden 8192, 32 CTAs,
-/// evaluation/results/norm_copy_engines_oneshot_h200x2.txt) it took
-/// 0.92-0.96x the two-shot time at 8K tokens and 0.98-0.99x at 16K, but
-/// 1.01-1.03x at 4K.
+/// evaluation/results/norm_ce_one_launch_h200x2.txt), in one launch that
+/// waits for the landed ranges itself, it took 0.87x the two-shot time at
+/// 4K tokens, 0.93x at 8K and 16K, and 0.96x the time of the kernel alone
+/// (no copy engines) at 2K.
 pub fn resolved_copy_engines(
     config: NormConfig,
     tokens: u64,
@@ -274,7 +275,7 @@ pub fn resolved_copy_engines(
         ..config
     }
 }
-pub const ONESHOT_CE_MIN_TOKENS: u64 = 8192;
+pub const ONESHOT_CE_MIN_TOKENS: u64 = 2048;
 
 /// Rows [start, end) of `tokens` that `rank` owns (the kernel's split).
 pub fn slice(tokens: u64, world: usize, rank: usize) -> (u64, u64) {
@@ -419,6 +420,50 @@ impl Checked {
         ];
         kernel.launch(grid, self.threads, stream, &mut args)
     }
+}
+
+impl Checked {
+    /// One-shot's copy-engine kernel (`fo_arn_ce_chunks`) over every row,
+    /// landed in the ranges [bounds[c], bounds[c + 1]) whose flags it waits
+    /// for, on at most `ctas` CTAs (one per row at least).
+    pub fn launch_chunks(&self, kernel: &Kernel, bounds: &[u64], stream: RawStream) -> Result<()> {
+        let Some(params) = self.params else {
+            return Ok(());
+        };
+        let count = bounds.len().saturating_sub(1);
+        if !(1..=CE_LAUNCH_CHUNKS).contains(&count) {
+            return Err(Error::Invalid(format!(
+                "internal: one launch waits for 1 to {CE_LAUNCH_CHUNKS} ranges, got {count}"
+            )));
+        }
+        let mut params = Params {
+            copy_engines: 1,
+            ..params
+        };
+        let mut chunks = Chunks {
+            count: count as i32,
+            bounds: [0; CE_LAUNCH_CHUNKS + 1],
+        };
+        for (to, &b) in chunks.bounds.iter_mut().zip(bounds) {
+            *to = b as i32;
+        }
+        let grid = self.ctas.min(params.tokens as u32);
+        let mut args: [*mut c_void; 2] = [
+            (&mut params as *mut Params).cast(),
+            (&mut chunks as *mut Chunks).cast(),
+        ];
+        kernel.launch(grid, self.threads, stream, &mut args)
+    }
+}
+
+/// Ranges one `fo_arn_ce_chunks` launch waits for at most (the kernel's
+/// CE_LAUNCH_CHUNKS), and their bounds as it takes them.
+pub const CE_LAUNCH_CHUNKS: usize = 16;
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct Chunks {
+    count: i32,
+    bounds: [i32; CE_LAUNCH_CHUNKS + 1],
 }
 
 /// `fo_arn_ce`'s kinds of rows (the kernel's CE_REDUCE and CE_GATHER).
@@ -633,7 +678,7 @@ mod tests {
     }
 
     #[test]
-    fn the_copy_engines_run_the_default_one_shot_from_8k_tokens() {
+    fn the_copy_engines_run_the_default_one_shot_from_its_threshold() {
         let default = NormConfig::DEFAULT;
         let resolved = resolved_copy_engines;
         let one = resolved(default, ONESHOT_CE_MIN_TOKENS, 2, true);

@@ -97,6 +97,60 @@ pub fn chunk(slice: (u64, u64), chunks: u32, c: u32) -> (u64, u64) {
     (at(u64::from(c)), at(u64::from(c) + 1))
 }
 
+/// Row ranges of a call left to the library (`chunks` 0): two-shot, one
+/// per [`CHUNK_ROWS`] rows of a slice, at most [`MAX_AUTO_CHUNKS`]; one-shot
+/// 4 up to 2K tokens, 6 up to 4K, else 8 (2x H200, hidden 8192, 32 CTAs,
+/// evaluation/results/norm_ce_one_launch_h200x2.txt: 4, 6 and 8 ranges
+/// took 154 / 155 / 162 us at 2K, 271 / 262 / 266 at 4K, 458 / 443 / 445 at
+/// 8K, 907 / 859 / 817 at 16K).
+pub fn auto_chunks(tokens: u64, oneshot: bool) -> u32 {
+    if oneshot {
+        match tokens {
+            ..=2048 => 4,
+            2049..=4096 => 6,
+            _ => 8,
+        }
+    } else {
+        let slice = tokens.div_ceil(2);
+        (slice / CHUNK_ROWS).clamp(1, u64::from(MAX_AUTO_CHUNKS)) as u32
+    }
+}
+pub const CHUNK_ROWS: u64 = 1024;
+pub const MAX_AUTO_CHUNKS: u32 = 6;
+
+/// Each one-shot range after the first is this share of the one before
+/// (the first is half the second): the kernel on 32 CTAs sums and
+/// normalizes a range in ~0.83x the time its copy takes, so a range is
+/// done before the next one lands and the one left after the last copy is
+/// small (on 2x H200 at 16K tokens, 8 ranges so cut: 817 us against 876
+/// for the slices' cut, [`chunk`]).
+pub const ONESHOT_RATIO: f64 = 0.8;
+
+/// Rows [first, last) of one-shot's range `c` of `rows` rows cut into
+/// `chunks`, [`ONESHOT_RATIO`] apart (from 3 ranges; fewer: [`chunk`]).
+pub fn oneshot_chunk(rows: u64, chunks: u32, c: u32) -> (u64, u64) {
+    if chunks < 3 {
+        return chunk((0, rows), chunks, c);
+    }
+    let weight = |i: u32| {
+        if i == 0 {
+            0.5
+        } else {
+            ONESHOT_RATIO.powi(i as i32 - 1)
+        }
+    };
+    let before = |i: u32| (0..i).map(weight).sum::<f64>();
+    let total = before(chunks);
+    let at = |i: u32| {
+        if i >= chunks {
+            rows
+        } else {
+            ((rows as f64) * before(i) / total).round() as u64
+        }
+    };
+    (at(c), at(c + 1))
+}
+
 fn word(base: u64, index: u64) -> u64 {
     base + 4 * index
 }
@@ -116,6 +170,7 @@ fn r_arrived(base: u64, c: u32) -> u64 {
 /// must enqueue it with the same tokens and `chunks`.
 pub fn enqueue(
     kernel: &Kernel,
+    chunked: &Kernel,
     call: &Call,
     ctas: u32,
     chunks: u32,
@@ -127,17 +182,21 @@ pub fn enqueue(
             "internal: the copy engines' AllReduce + RMSNorm serves push calls of 2 ranks".into(),
         ));
     }
-    if !(1..=MAX_CHUNKS).contains(&chunks) {
+    if chunks > MAX_CHUNKS {
         return Err(Error::Invalid(format!(
-            "chunks: expected 1 to {MAX_CHUNKS}, got {chunks}"
+            "chunks: expected 0 (by rows) or 1 to {MAX_CHUNKS}, got {chunks}"
         )));
     }
     let checked = arn::checked(call, ctas)?;
     if call.tokens == 0 {
         return Ok(());
     }
+    let chunks = match chunks {
+        0 => auto_chunks(call.tokens, call.oneshot()),
+        n => n,
+    };
     if call.oneshot() {
-        return enqueue_oneshot(kernel, call, &checked, chunks, caller, lanes);
+        return enqueue_oneshot(chunked, call, &checked, chunks, caller, lanes);
     }
     let layout = call.layout()?;
     let (me, peer) = (call.rank, 1 - call.rank);
@@ -239,13 +298,15 @@ pub const CE_CONSUMED_WORD: u64 = CE_ARRIVED_WORD + MAX_CHUNKS as u64;
 
 /// One-shot (2 ranks, full residual, a one-shot config): the copy engines
 /// move ALL of this rank's x into the peer's slot area, in `chunks` row
-/// ranges of every row, and each rank sums, adds its own residual and
-/// normalizes every row as the peer's land (no r comes back, one copy-engine
-/// latency in the chain instead of two; the same bytes cross NVLink):
+/// ranges of every row (at most [`arn::CE_LAUNCH_CHUNKS`]), and each rank
+/// sums, adds its own residual and normalizes every row as the peer's land,
+/// in one launch of `chunked` (fo_arn_ce_chunks) that waits for each range's
+/// flag itself (no r comes back, one copy-engine latency in the chain
+/// instead of two; the same bytes cross NVLink):
 ///
 /// Copy C:  copy(x rows of chunk c -> the peer's slot area) set(x arrived c at peer) ...
-/// S:       wait(x arrived c) reduce(chunk c) ... zero every x arrived, set(consumed at peer),
-///          wait(consumed) zero(consumed) [C done]
+/// S:       fo_arn_ce_chunks(wait x arrived c, reduce chunk c, ...; last CTA: zero every
+///          x arrived, set consumed at peer, wait consumed, zero it) [C done]
 ///
 /// The closing exchange ends a call only once both ranks have read every
 /// row landed in their buffers, so the next call, of any mode, may write
@@ -255,24 +316,26 @@ pub const CE_CONSUMED_WORD: u64 = CE_ARRIVED_WORD + MAX_CHUNKS as u64;
 /// r or rows, sent after its sums), one-shot calls by loads read nothing
 /// of the slot area but the half the copying rank wrote itself.
 fn enqueue_oneshot(
-    kernel: &Kernel,
+    chunked: &Kernel,
     call: &Call,
     checked: &arn::Checked,
     chunks: u32,
     caller: RawStream,
     lanes: &Lanes,
 ) -> Result<()> {
-    let (me, peer) = (call.rank, 1 - call.rank);
+    let chunks = chunks.min(arn::CE_LAUNCH_CHUNKS as u32);
     let row = u64::from(call.hidden) * u64::from(call.dtype.bytes());
-    let (mine, other) = (call.bases[me], call.bases[peer]);
-    let consumed = |base: u64| word(base, CE_CONSUMED_WORD);
-    let rows = (0, call.tokens);
+    let other = call.bases[1 - call.rank];
+    let bounds: Vec<u64> = (0..chunks)
+        .map(|c| oneshot_chunk(call.tokens, chunks, c).0)
+        .chain(std::iter::once(call.tokens))
+        .collect();
     let copy = lanes.copy.0;
     lanes.fork.order(caller, copy)?;
     // (Each flag written from a lane of its own, after an event of its copy, so that no memory
     // operation stands between the copies, took 1.4-1.6x the time on 2x H200.)
-    for c in 0..chunks {
-        let (f, l) = chunk(rows, chunks, c);
+    for (c, w) in bounds.windows(2).enumerate() {
+        let (f, l) = (w[0], w[1]);
         if l > f {
             stream::copy(
                 copy,
@@ -281,18 +344,9 @@ fn enqueue_oneshot(
                 ((l - f) * row) as usize,
             )?;
         }
-        stream::write(copy, x_arrived(other, c), 1)?;
+        stream::write(copy, x_arrived(other, c as u32), 1)?;
     }
-    for c in 0..chunks {
-        let (f, l) = chunk(rows, chunks, c);
-        stream::wait_geq(caller, x_arrived(mine, c), 1)?;
-        checked.launch_rows(kernel, f, l, arn::CE_REDUCE, caller)?;
-    }
-    let x_flags: Vec<u64> = (0..chunks).map(|c| x_arrived(mine, c)).collect();
-    stream::zero_words(caller, &x_flags)?;
-    stream::write(caller, consumed(other), 1)?;
-    stream::wait_geq(caller, consumed(mine), 1)?;
-    stream::write(caller, consumed(mine), 0)?;
+    checked.launch_chunks(chunked, &bounds, caller)?;
     lanes.joins[0].order(copy, caller)
 }
 
@@ -337,6 +391,52 @@ mod tests {
     }
 
     #[test]
+    fn oneshot_ranges_cover_every_row_and_shrink() {
+        for rows in [1u64, 7, 2048, 4096, 16384, 16383] {
+            for chunks in 1..=16 {
+                let ranges: Vec<_> = (0..chunks)
+                    .map(|c| oneshot_chunk(rows, chunks, c))
+                    .collect();
+                assert_eq!(ranges[0].0, 0);
+                assert_eq!(ranges[chunks as usize - 1].1, rows);
+                assert!(ranges
+                    .windows(2)
+                    .all(|w| w[0].1 == w[1].0 && w[0].0 <= w[0].1));
+            }
+        }
+        let sizes: Vec<u64> = (0..8)
+            .map(|c| {
+                let (f, l) = oneshot_chunk(16384, 8, c);
+                l - f
+            })
+            .collect();
+        // Half the second, then each 0.8 of the one before.
+        assert!((sizes[0] * 2).abs_diff(sizes[1]) <= 2);
+        assert!(sizes[1..]
+            .windows(2)
+            .all(|w| w[1] < w[0] && w[1] * 10 >= w[0] * 7));
+        assert!(
+            sizes[7] < 16384 / 12,
+            "the range left after the last copy is small"
+        );
+    }
+
+    #[test]
+    fn automatic_ranges_follow_the_rows_and_the_mode() {
+        let two_shot: Vec<u32> = [1u64, 2047, 4096, 8192, 12288, 16384, 65536]
+            .iter()
+            .map(|&t| auto_chunks(t, false))
+            .collect();
+        assert_eq!(two_shot, [1, 1, 2, 4, 6, 6, 6]);
+        let one_shot: Vec<u32> = [2048u64, 4096, 8192, 16384]
+            .iter()
+            .map(|&t| auto_chunks(t, true))
+            .collect();
+        assert_eq!(one_shot, [4, 6, 8, 8]);
+        assert!(u64::from(auto_chunks(1 << 20, true)) <= arn::CE_LAUNCH_CHUNKS as u64);
+    }
+
+    #[test]
     fn the_kernel_has_both_builds_and_kinds() {
         let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
         let spec = crate::cuda::kernels::allreduce_rmsnorm_ce_spec(
@@ -353,6 +453,25 @@ mod tests {
             "constexpr int CE_REDUCE = {}, CE_GATHER = {};",
             arn::CE_REDUCE,
             arn::CE_GATHER
+        )));
+        let chunked = crate::cuda::kernels::allreduce_rmsnorm_ce_chunks_spec(
+            crate::dtype::Dtype::Bf16,
+            crate::cuda::kernels::NormConfig::DEFAULT,
+        );
+        let entry = format!("{}(Params p, Chunks ch)", chunked.entry);
+        assert_eq!(source.matches(&entry).count(), 2);
+        // The one-launch kernel's header words and range count, as laid out here.
+        assert!(source.contains("constexpr int CE_ARRIVED = DONE + FLAG_SLOTS * FO_MAX_WORLD;"));
+        assert_eq!(
+            CE_ARRIVED_WORD,
+            16 + 2 * arn::FLAG_SLOTS as u64 * arn::MAX_WORLD as u64
+        );
+        assert!(source.contains(&format!(
+            "constexpr int CE_CONSUMED = CE_ARRIVED + {MAX_CHUNKS};"
+        )));
+        assert!(source.contains(&format!(
+            "constexpr int CE_LAUNCH_CHUNKS = {};",
+            arn::CE_LAUNCH_CHUNKS
         )));
     }
 
