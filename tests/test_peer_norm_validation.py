@@ -275,7 +275,7 @@ def test_copy_engine_settings_default_and_parse(monkeypatch) -> None:
 
     monkeypatch.delenv("FLASHOVERLAP_NORM_CE_MIN_TOKENS", raising=False)
     monkeypatch.delenv("FLASHOVERLAP_NORM_CE_CHUNKS", raising=False)
-    assert _env.norm_copy_engines() == (_env.NORM_CE_MIN_TOKENS_DEFAULT, 0)
+    assert _env.norm_copy_engines() == (None, 0)
     monkeypatch.setenv("FLASHOVERLAP_NORM_CE_MIN_TOKENS", "0")
     monkeypatch.setenv("FLASHOVERLAP_NORM_CE_CHUNKS", "16")
     assert _env.norm_copy_engines() == (0, 16)
@@ -284,7 +284,7 @@ def test_copy_engine_settings_default_and_parse(monkeypatch) -> None:
 def test_copy_engines_serve_two_ranks_from_the_threshold() -> None:
     """The copy-engine mode only on 2 ranks from the threshold on, up to 32 CTAs (the row ranges
     are the core's: norm_copy_engines::auto_chunks, tested in Rust)."""
-    from flashoverlap import peer_norm
+    from flashoverlap import _env, peer_norm
 
     group = peer_norm.PeerGroup.__new__(peer_norm.PeerGroup)
     group.world, group.ce_min_tokens, group.ce_chunks = 2, 4096, 0
@@ -294,3 +294,9 @@ def test_copy_engines_serve_two_ranks_from_the_threshold() -> None:
     assert not group.copy_engines(1 << 20, 16)
     group.world, group.ce_min_tokens = 2, 0
     assert not group.copy_engines(1 << 20, 16)
+    # Unset: one-shot (full residual) and two-shot (sharded) calls have thresholds of their own.
+    group.ce_min_tokens = None
+    full, sharded = _env.NORM_CE_MIN_TOKENS_FULL, _env.NORM_CE_MIN_TOKENS_SHARDED
+    assert full < sharded
+    assert group.copy_engines(full, 32) and not group.copy_engines(full - 1, 32)
+    assert not group.copy_engines(full, 32, full=False) and group.copy_engines(sharded, 32, full=False)

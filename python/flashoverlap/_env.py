@@ -140,22 +140,26 @@ def norm_config() -> tuple:
         raise ValueError(f"FLASHOVERLAP_NORM_CONFIG: {e}") from None
 
 
-NORM_CE_MIN_TOKENS_DEFAULT = 2048
+# Where the copy engines take over by default: one-shot calls (the full residual) from 2K tokens,
+# two-shot ones (sharded) from 4K (at 2K they took 1.24x the kernel's time, 2x H200).
+NORM_CE_MIN_TOKENS_FULL = 2048
+NORM_CE_MIN_TOKENS_SHARDED = 4096
 
 
-def norm_copy_engines() -> tuple[int, int]:
+def norm_copy_engines() -> tuple[int | None, int]:
     """(FLASHOVERLAP_NORM_CE_MIN_TOKENS, FLASHOVERLAP_NORM_CE_CHUNKS): all_reduce_rmsnorm on 2 ranks
     lets the copy engines move the rows (its CTAs only sum and normalize) from this many tokens on
-    (default 2048; 0: never) on up to 32 CTAs, in this many row ranges (1-64; default 0: the
-    library's count). Two-shot calls (the sharded residual) cut each slice, one range per 1024
-    rows, at most 6, the first and last half-size from 5 on; one-shot calls (the full residual)
-    cut all the rows, into 4 ranges up to 2048 tokens, 6 up to 4096, else 8 (at most 16), each
-    0.8 the size of the one before. Read when a peer group is made; every rank of a group must
-    set them alike."""
-    tokens = _int("FLASHOVERLAP_NORM_CE_MIN_TOKENS", NORM_CE_MIN_TOKENS_DEFAULT)
+    (unset: None, the library's NORM_CE_MIN_TOKENS_FULL for the full residual and
+    NORM_CE_MIN_TOKENS_SHARDED for the sharded one; 0: never) on up to 32 CTAs, in this many row
+    ranges (1-64; default 0: the library's count). Two-shot calls (the sharded residual) cut
+    each slice, one range per 1024 rows, at most 6, the first and last half-size from 5 on;
+    one-shot calls (the full residual) cut all the rows, into 4 ranges up to 2048 tokens, 6 up
+    to 4096, else 8 (at most 16), each 0.8 the size of the one before. Read when a peer group is
+    made; every rank of a group must set them alike."""
+    tokens = _int("FLASHOVERLAP_NORM_CE_MIN_TOKENS", None)
     chunks = _int("FLASHOVERLAP_NORM_CE_CHUNKS", 0)
-    assert tokens is not None and chunks is not None
-    if tokens < 0:
+    assert chunks is not None
+    if tokens is not None and tokens < 0:
         raise ValueError(f"FLASHOVERLAP_NORM_CE_MIN_TOKENS: expected >= 0, got {tokens}")
     if not 0 <= chunks <= 64:
         raise ValueError(f"FLASHOVERLAP_NORM_CE_CHUNKS: expected 0 (by rows) or 1 to 64, got {chunks}")

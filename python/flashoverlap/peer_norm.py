@@ -134,12 +134,16 @@ class PeerGroup:
         ptr = _core.allreduce_rmsnorm_partial(self.core_buffers(), rows, hidden, dtype_name(dtype))
         return _alias(ptr, (rows, hidden), dtype)
 
-    def copy_engines(self, tokens: int, ctas: int) -> bool:
-        """Whether a call of `tokens` rows on `ctas` CTAs lets the copy engines move them (2 ranks,
-        from FLASHOVERLAP_NORM_CE_MIN_TOKENS on, up to CE_MAX_CTAS: with more, the kernel's own
-        stores move the rows faster, 448 against 475 us at 8K tokens on 64 CTAs on 2x H200): the
-        same answer on every rank."""
-        return self.world == 2 and 0 < self.ce_min_tokens <= tokens and ctas <= CE_MAX_CTAS
+    def copy_engines(self, tokens: int, ctas: int, full: bool = True) -> bool:
+        """Whether a call of `tokens` rows on `ctas` CTAs keeping the full residual (else sharded)
+        lets the copy engines move them (2 ranks, from FLASHOVERLAP_NORM_CE_MIN_TOKENS on, by
+        default the _env thresholds of its residual mode, up to CE_MAX_CTAS: with more, the
+        kernel's own stores move the rows faster, 448 against 475 us at 8K tokens on 64 CTAs on
+        2x H200): the same answer on every rank."""
+        least = self.ce_min_tokens
+        if least is None:
+            least = _env.NORM_CE_MIN_TOKENS_FULL if full else _env.NORM_CE_MIN_TOKENS_SHARDED
+        return self.world == 2 and 0 < least <= tokens and ctas <= CE_MAX_CTAS
 
     def launch(self, x, residual, weight, out, residual_out, eps: float, ctas: int, *, full: bool = True,
                pull: bool = False, config=None, residual_sliced: bool = False,
@@ -316,7 +320,7 @@ def _impl(x, residual, weight, eps: float, group_name: str, residual_out: str = 
     res = torch.empty_like(x) if residual_out == "full" else x.new_empty((b - a, hidden))
     ctas = min(ctas or DEFAULT_CTAS, state.sms)
     state.launch(x, residual, weight, out, res, eps, ctas, full=residual_out == "full", residual_sliced=sliced,
-                 copy_engines=state.copy_engines(tokens, ctas))
+                 copy_engines=state.copy_engines(tokens, ctas, residual_out == "full"))
     return out, res
 
 
