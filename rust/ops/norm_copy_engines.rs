@@ -14,7 +14,7 @@
 //! Land L:  (sharded) wait(r arrived c) copy(the peer's normalized rows of chunk c -> out) ... zero every r arrived
 //!          [C done] [G done]; S waits for L's end
 //!
-//! One-shot (full residual; the default from 8K tokens on:
+//! One-shot (full residual; the default from 2K tokens on:
 //! all_reduce_rmsnorm::resolved_copy_engines) sends all of x instead and
 //! has each rank normalize every row, with no r coming back
 //! ([`enqueue_oneshot`]).
@@ -122,8 +122,9 @@ pub const MAX_AUTO_CHUNKS: u32 = 6;
 /// (the first is half the second): the kernel on 32 CTAs sums and
 /// normalizes a range in ~0.83x the time its copy takes, so a range is
 /// done before the next one lands and the one left after the last copy is
-/// small (on 2x H200 at 16K tokens, 8 ranges so cut: 817 us against 876
-/// for the slices' cut, [`chunk`]).
+/// small (2x H200, 16K tokens: 8 ranges so cut in one launch took 817 us,
+/// the launch per range of half-size-ended ranges 872;
+/// evaluation/results/norm_ce_one_launch_h200x2.txt).
 pub const ONESHOT_RATIO: f64 = 0.8;
 
 /// Rows [first, last) of one-shot's range `c` of `rows` rows cut into

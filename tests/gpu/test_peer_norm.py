@@ -25,8 +25,8 @@ CASES = [
     (7, 4096, "float16", "full", 32),
     (1, 1024, "bfloat16", "sharded", 2),
     (2051, 16384, "float16", "sharded", 4),
-    (4096, 2048, "bfloat16", "full", 3),
-    (8192, 2048, "bfloat16", "full", 16),  # 2 ranks: the copy engines, one-shot by default
+    (4096, 2048, "bfloat16", "full", 3),  # 2 ranks: the copy engines, one-shot by default (6 ranges)
+    (8192, 2048, "bfloat16", "full", 16),  # the same, 8 ranges
 ]
 
 
@@ -165,8 +165,8 @@ def _run_ranks(world: int, out_dir: Path, timeout_s: float = 240.0) -> None:
                          [(2, None, None), (2, "1", None), (2, "1", "512x4o"), (2, "0", None), (3, None, None)])
 def test_matches_fp32_composition(tmp_path: Path, monkeypatch, world: int, ce_min_tokens, config) -> None:
     """ce_min_tokens (FLASHOVERLAP_NORM_CE_MIN_TOKENS): None, the default (2 ranks: the copy
-    engines move the rows of the 4096-token case, the kernel's stores the others', so calls of
-    both kinds follow each other on one group's buffers); "1": every call of 2 ranks on the copy
+    engines move the rows of the 4096- and 8192-token cases, one-shot, the kernel's stores the
+    others', so calls of both kinds follow each other on one group's buffers); "1": every call of 2 ranks on the copy
     engines, the graph replays and the sharded chain included; "0": none. config
     (FLASHOVERLAP_NORM_CONFIG) "512x4o" with "1": the full-residual calls one-shot on the copy
     engines (all of x to the peer, each rank normalizing every row), the sharded ones two-shot,
