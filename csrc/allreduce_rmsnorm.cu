@@ -112,6 +112,22 @@ __device__ __forceinline__ float add_squares(float squares, unsigned t) {
   return fmaf(high(t), high(t), squares);
 }
 
+// More than two ranks sum in fp32 in rank order: acc += w's eight values,
+// then the sum rounded to 16 bits (every rank gets bit-identical sums).
+__device__ __forceinline__ void accumulate(float (&acc)[8], uint4 w) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] += low(word(w, i));
+    acc[2 * i + 1] += high(word(w, i));
+  }
+}
+__device__ __forceinline__ uint4 packed(const float (&acc)[8]) {
+  uint4 s;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) word(s, i) = pack2(acc[2 * i], acc[2 * i + 1]);
+  return s;
+}
+
 __device__ __forceinline__ void store_release_sys(unsigned* p, unsigned v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
@@ -452,19 +468,10 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
 #pragma unroll
           for (int u = 0; u < UNROLL; ++u) w[u] = from[at[u]];
 #pragma unroll
-          for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              acc[u][2 * i] += low(word(w[u], i));
-              acc[u][2 * i + 1] += high(word(w[u], i));
-            }
-          }
+          for (int u = 0; u < UNROLL; ++u) accumulate(acc[u], w[u]);
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) word(sum[u], i) = pack2(acc[u][2 * i], acc[u][2 * i + 1]);
-        }
+        for (int u = 0; u < UNROLL; ++u) sum[u] = packed(acc[u]);
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
@@ -754,16 +761,8 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
         float acc[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-        for (int src = 0; src < p.world; ++src) {
-          const uint4 w = slot_ptr[src * vecs + v];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            acc[2 * i] += low(word(w, i));
-            acc[2 * i + 1] += high(word(w, i));
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) word(s, i) = pack2(acc[2 * i], acc[2 * i + 1]);
+        for (int src = 0; src < p.world; ++src) accumulate(acc, slot_ptr[src * vecs + v]);
+        s = packed(acc);
       }
       const uint4 res = slot_ptr[p.world * vecs + v];
 #pragma unroll
