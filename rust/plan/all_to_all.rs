@@ -235,27 +235,38 @@ pub fn recv_phases(matrix: &[Vec<u64>], me: usize) -> Result<Vec<u64>, PlanError
 /// that no earlier group computed (a band two destinations share goes to
 /// the earlier of their groups).
 pub fn natural_bands(sends: &[u64], groups: u32, bm: u64) -> Vec<Vec<u64>> {
+    let mut bands = vec![Vec::new(); groups as usize];
+    each_natural_band(sends, groups, bm, |g, band| bands[g as usize].push(band));
+    bands
+}
+
+/// How many of [`natural_bands`] each group computes, without listing them
+/// (the predictor's search asks for every group count on every call).
+pub fn natural_band_counts(sends: &[u64], groups: u32, bm: u64) -> Vec<u64> {
+    let mut counts = vec![0; groups as usize];
+    each_natural_band(sends, groups, bm, |g, _| counts[g as usize] += 1);
+    counts
+}
+
+/// Calls `visit(g, band)` for each of [`natural_bands`], groups in order.
+fn each_natural_band(sends: &[u64], groups: u32, bm: u64, mut visit: impl FnMut(u32, u64)) {
     let total: u64 = sends.iter().sum();
     let (starts, phases) = (offsets(sends), natural_phases(sends));
     let mut taken = vec![false; total.div_ceil(bm) as usize];
-    (0..groups)
-        .map(|g| {
-            let mut bands = Vec::new();
-            for (d, &rows) in sends.iter().enumerate() {
-                let a = part_phased(rows, phases[d], g, groups);
-                let b = part_phased(rows, phases[d], g + 1, groups);
-                if b == a {
-                    continue;
-                }
-                for band in (starts[d] + a) / bm..(starts[d] + b).div_ceil(bm) {
-                    if !std::mem::replace(&mut taken[band as usize], true) {
-                        bands.push(band);
-                    }
+    for g in 0..groups {
+        for (d, &rows) in sends.iter().enumerate() {
+            let a = part_phased(rows, phases[d], g, groups);
+            let b = part_phased(rows, phases[d], g + 1, groups);
+            if b == a {
+                continue;
+            }
+            for band in (starts[d] + a) / bm..(starts[d] + b).div_ceil(bm) {
+                if !std::mem::replace(&mut taken[band as usize], true) {
+                    visit(g, band);
                 }
             }
-            bands
-        })
-        .collect()
+        }
+    }
 }
 
 fn check_splits(name: &str, splits: &[u64], world: u32) -> Result<(), PlanError> {

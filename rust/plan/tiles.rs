@@ -119,7 +119,12 @@ pub const MAX_TABLE_ROWS: u64 = 1 << 30;
 /// complement).
 pub fn pushed_row(slot_row: u64) -> u32 {
     debug_assert!(slot_row < MAX_TABLE_ROWS, "slot row {slot_row}");
-    (-(slot_row as i64) - 1) as i32 as u32
+    negated(slot_row)
+}
+
+/// -r - 1 as the kernel reads a table row (i32, two's complement).
+fn negated(row: u64) -> u32 {
+    (-(row as i64) - 1) as i32 as u32
 }
 
 /// A row table's store row for a tile the push backend both stores here, at
@@ -128,7 +133,8 @@ pub fn pushed_row(slot_row: u64) -> u32 {
 /// and sends to row `slot_row` of the peer's slot.
 pub fn dual_row(slot_row: u64) -> u32 {
     debug_assert!(slot_row < MAX_TABLE_ROWS, "slot row {slot_row}");
-    pushed_row(slot_row | MAX_TABLE_ROWS)
+    // The marker bit is set on purpose: not a pushed row's (which asserts it clear).
+    negated(slot_row | MAX_TABLE_ROWS)
 }
 
 #[cfg(test)]
