@@ -112,6 +112,14 @@ __device__ __forceinline__ float add_squares(float squares, unsigned t) {
   return fmaf(high(t), high(t), squares);
 }
 
+// a + b of two vectors of eight 16-bit values, each rounded once.
+__device__ __forceinline__ uint4 added(uint4 a, uint4 b) {
+  uint4 s;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) word(s, i) = add2(word(a, i), word(b, i));
+  return s;
+}
+
 // More than two ranks sum in fp32 in rank order: acc += w's eight values,
 // then the sum rounded to 16 bits (every rank gets bit-identical sums).
 __device__ __forceinline__ void accumulate(float (&acc)[8], uint4 w) {
@@ -271,16 +279,19 @@ __device__ __forceinline__ bool wait_all(const Params& p, int base_word, int at,
   return !abandoned;
 }
 
+// Thread 0 of a CTA, once its stores are done: whether its CTA is the
+// launch's last to get here (counted at `counter`, reset for the next launch).
+__device__ __forceinline__ bool last_cta(unsigned* counter) {
+  __threadfence();
+  if (atomicAdd(counter, 1u) != gridDim.x - 1) return false;
+  *counter = 0;
+  return true;
+}
+
 // The last CTA of the call to finish moves this rank to the next epoch.
 __device__ __forceinline__ void finish(unsigned* own) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(own + FINISHED, 1u) == gridDim.x - 1) {
-      own[FINISHED] = 0;
-      atomicAdd(own + EPOCH, 1u);
-    }
-  }
+  if (threadIdx.x == 0 && last_cta(own + FINISHED)) atomicAdd(own + EPOCH, 1u);
 }
 
 // The warps that share a row, which its threads hold in registers from its
@@ -451,10 +462,7 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
           w[u] = b[at[u]];
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) word(sum[u], i) = add2(word(sum[u], i), word(w[u], i));
-        }
+        for (int u = 0; u < UNROLL; ++u) sum[u] = added(sum[u], w[u]);
       } else {
         float acc[UNROLL][8];
 #pragma unroll
@@ -476,9 +484,7 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         uint4& t = r[k0 + u];
-        // The sum with the residual is rounded again.
-#pragma unroll
-        for (int i = 0; i < 4; ++i) word(t, i) = add2(word(sum[u], i), word(res[u], i));
+        t = added(sum[u], res[u]);  // the sum with the residual is rounded again
         const int v = grp.t + (k0 + u) * threads;
         if (v >= vecs) continue;
         r_row[v] = t;
@@ -754,9 +760,7 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
       // rounded again.
       uint4 s = slot_ptr[v];
       if (p.world == 2) {
-        const uint4 w = slot_ptr[vecs + v];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) word(s, i) = add2(word(s, i), word(w, i));
+        s = added(s, slot_ptr[vecs + v]);
       } else {
         float acc[8];
 #pragma unroll
@@ -764,9 +768,7 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
         for (int src = 0; src < p.world; ++src) accumulate(acc, slot_ptr[src * vecs + v]);
         s = packed(acc);
       }
-      const uint4 res = slot_ptr[p.world * vecs + v];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) word(r[k], i) = add2(word(s, i), word(res, i));
+      r[k] = added(s, slot_ptr[p.world * vecs + v]);
       slot_ptr[v] = r[k];
     } else {
       r[k] = slot_ptr[v];
@@ -1011,9 +1013,7 @@ __device__ __forceinline__ void ce_close(const Params& p, int count) {
   __syncthreads();
   if (threadIdx.x != 0 || abandoned) return;
   unsigned* own = header(p, p.rank);
-  __threadfence();
-  if (atomicAdd(own + CE_FINISHED, 1u) != gridDim.x - 1) return;
-  own[CE_FINISHED] = 0;
+  if (!last_cta(own + CE_FINISHED)) return;
   for (int c = 0; c < count; ++c) own[CE_ARRIVED + c] = 0;
   store_release_sys(header(p, 1 - p.rank) + CE_CONSUMED, 1u);
   if (await_word(p, own + CE_CONSUMED, 1u, 1u + CE_CONSUMED)) own[CE_CONSUMED] = 0;
