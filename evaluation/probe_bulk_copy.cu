@@ -5,19 +5,9 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("err %s line %d\n", cudaGetErrorString(e), __LINE__); return 1; } } while (0)
+#include "probe_copy.cuh"
 
-__global__ void __launch_bounds__(512) reg_copy(uint4* to, const uint4* from, long long n) {
-  const long long per = (n + gridDim.x - 1) / gridDim.x;
-  const long long b0 = per * blockIdx.x, b1 = min(n, b0 + per);
-  for (long long i0 = b0 + threadIdx.x; i0 < b1; i0 += 512 * 4) {
-    uint4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) { long long i = i0 + u * 512; if (i < b1) v[u] = from[i]; }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) { long long i = i0 + u * 512; if (i < b1) to[i] = v[u]; }
-  }
-}
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("err %s line %d\n", cudaGetErrorString(e), __LINE__); return 1; } } while (0)
 
 __device__ __forceinline__ unsigned sa(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 

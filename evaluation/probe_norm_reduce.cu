@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "probe_check.cuh"
+#include "probe_copy.cuh"
 
 __global__ void fill(uint4* p, long long n, unsigned seed) {
   for (long long i = blockIdx.x * 256ll + threadIdx.x; i < n; i += 256ll * gridDim.x) {
@@ -25,24 +26,6 @@ __global__ void fill(uint4* p, long long n, unsigned seed) {
       (&v.x)[k] = (a ^ ((h >> 15) & 1u) << 15) | (b ^ ((h >> 31) & 1u) << 15) << 16;
     }
     p[i] = v;
-  }
-}
-
-__global__ void __launch_bounds__(512) copy_rows(uint4* to, const uint4* from, long long n) {
-  const long long per = (n + gridDim.x - 1) / gridDim.x;
-  const long long b0 = per * blockIdx.x, b1 = min(n, b0 + per);
-  for (long long i0 = b0 + threadIdx.x; i0 < b1; i0 += 512 * 4) {
-    uint4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const long long i = i0 + u * 512;
-      if (i < b1) v[u] = from[i];
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const long long i = i0 + u * 512;
-      if (i < b1) to[i] = v[u];
-    }
   }
 }
 
@@ -109,7 +92,7 @@ int main(int argc, char** argv) {
     const float r = median_us([&] { fo_arn_ce<<<ctas, threads, smem>>>(p, 0, tokens, 1); });
     CK(cudaGetLastError());
     const float c = median_us([&] {
-      copy_rows<<<ctas, 512>>>(reinterpret_cast<uint4*>(out), reinterpret_cast<const uint4*>(x), vecs);
+      reg_copy<<<ctas, 512>>>(reinterpret_cast<uint4*>(out), reinterpret_cast<const uint4*>(x), vecs);
     });
     CK(cudaGetLastError());
     std::printf("%4d %11.1f %9.1f %24.1f %9.1f\n", ctas, r, 5.0 * bytes / r / 1e3 / ctas, c,
