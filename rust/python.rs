@@ -1173,17 +1173,11 @@ fn allreduce_rmsnorm_launch(
             // one-shot where the config asks for it, or the default's rule, and the call allows it.
             let ce = arn::resolved_copy_engines(config, tokens, world, residual_full);
             call.config = arn::effective(ce, world, hidden, dtype, dev.major, true);
-            let kernel = kernels::load(
-                &dev,
-                &kernels::allreduce_rmsnorm_ce_spec(dtype, call.config),
-            )?;
-            let chunked = kernels::load(
-                &dev,
-                &kernels::allreduce_rmsnorm_ce_chunks_spec(dtype, call.config),
-            )?;
+            let ce = &crate::ops::norm_copy_engines::kernel_spec(dtype, &call);
+            let kernel = kernels::load(&dev, ce)?;
             let stream = stream::from_handle(stream);
             return crate::ops::norm_copy_engines::enqueue(
-                &kernel, &chunked, &call, ctas, chunks, stream, lanes,
+                &kernel, &call, ctas, chunks, stream, lanes,
             );
         }
         let config = arn::resolved(config, tokens, world, ctas, residual_full, pull);

@@ -420,9 +420,7 @@ impl Checked {
         ];
         kernel.launch(grid, self.threads, stream, &mut args)
     }
-}
 
-impl Checked {
     /// One-shot's copy-engine kernel (`fo_arn_ce_chunks`) over every row,
     /// landed in the ranges [bounds[c], bounds[c + 1]) whose flags it waits
     /// for, on at most `ctas` CTAs (one per row at least).

@@ -36,8 +36,9 @@
 //! The same holds against the peer-store kernel's calls before and after.
 
 use super::all_reduce_rmsnorm::{self as arn, Call, HEADER_BYTES};
-use crate::cuda::kernels::Kernel;
+use crate::cuda::kernels::{self, Kernel, KernelSpec};
 use crate::cuda::stream::{self, Event, OwnedStream, RawStream};
+use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 
 /// Header words of the copy-engine mode's flags (u32 indices), after the
@@ -165,13 +166,22 @@ fn r_arrived(base: u64, c: u32) -> u64 {
     word(base, CE_ARRIVED_WORD + u64::from(MAX_CHUNKS + c))
 }
 
-/// Enqueues a call (push layout, 2 ranks, two-shot) on the caller's stream
-/// and `lanes`, `kernel` (fo_arn_ce of the call's config, loaded before
-/// anything is enqueued) on `ctas` CTAs, one launch at a time. Both ranks
-/// must enqueue it with the same tokens and `chunks`.
+/// The kernel a call runs, from the build of its config: one-shot's single
+/// launch (fo_arn_ce_chunks), else the per-chunk kernel (fo_arn_ce).
+pub fn kernel_spec(dtype: Dtype, call: &Call) -> KernelSpec {
+    if call.oneshot() {
+        kernels::allreduce_rmsnorm_ce_chunks_spec(dtype, call.config)
+    } else {
+        kernels::allreduce_rmsnorm_ce_spec(dtype, call.config)
+    }
+}
+
+/// Enqueues a call (push layout, 2 ranks) on the caller's stream and
+/// `lanes`, `kernel` ([`kernel_spec`]'s, loaded before anything is
+/// enqueued) on `ctas` CTAs, one launch at a time. Both ranks must enqueue
+/// it with the same tokens and `chunks`.
 pub fn enqueue(
     kernel: &Kernel,
-    chunked: &Kernel,
     call: &Call,
     ctas: u32,
     chunks: u32,
@@ -197,7 +207,7 @@ pub fn enqueue(
         n => n,
     };
     if call.oneshot() {
-        return enqueue_oneshot(chunked, call, &checked, chunks, caller, lanes);
+        return enqueue_oneshot(kernel, call, &checked, chunks, caller, lanes);
     }
     let layout = call.layout()?;
     let (me, peer) = (call.rank, 1 - call.rank);
