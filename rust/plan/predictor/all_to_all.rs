@@ -88,18 +88,15 @@ impl AllToAllShape<'_> {
         let world = self.world();
         let mut rows = Vec::with_capacity(world * world * groups as usize);
         for p in 0..world {
+            // Where each destination's block starts on the sender's band grid (natural only).
             let phases = match self.segments {
-                Segments::Padded(_) => None,
-                Segments::Natural => Some(natural_phases(&self.matrix[p])),
+                Segments::Padded(_) => vec![0; world],
+                Segments::Natural => natural_phases(&self.matrix[p]),
             };
-            for q in 0..world {
-                let total = self.matrix[p][q];
-                let bound = |g: u32| match (self.segments, &phases) {
-                    (Segments::Padded(unit), _) => part_on(total, 0, unit, g, groups),
-                    (Segments::Natural, Some(phases)) => part_phased(total, phases[q], g, groups),
-                    (Segments::Natural, None) => {
-                        unreachable!("phases are worked out for the natural layout")
-                    }
+            for (&total, &phase) in self.matrix[p].iter().zip(&phases) {
+                let bound = |g: u32| match self.segments {
+                    Segments::Padded(unit) => part_on(total, 0, unit, g, groups),
+                    Segments::Natural => part_phased(total, phase, g, groups),
                 };
                 let mut before = bound(0);
                 for g in 0..groups {
