@@ -97,6 +97,16 @@ constexpr int EPOCH = 0, FINISHED = 1, ERROR = 2;
 constexpr int FLAG_SLOTS = 1015;
 constexpr int READY = 16;
 constexpr int DONE = READY + FLAG_SLOTS * FO_MAX_WORLD;
+// The copy-engine modes' words (after the kernel's flags; keep in step with
+// rust/ops/norm_copy_engines.rs): x arrived per landed range, consumed (the
+// one-shot close), and the CTAs of a launch done.
+constexpr int CE_ARRIVED = DONE + FLAG_SLOTS * FO_MAX_WORLD;
+constexpr int CE_CONSUMED = CE_ARRIVED + 64;
+constexpr int CE_FINISHED = 3;
+// Params::copy_engines: the rows moved by copy engines with a flag per
+// landed range (CE_FLAGS), or in one copy into a watch area whose every
+// 16-bit value not yet landed holds the sentinel (CE_WATCH).
+constexpr int CE_FLAGS = 1, CE_WATCH = 2;
 
 using fo::add2;
 using fo::high;
@@ -155,6 +165,7 @@ struct Params {
   unsigned long long res_offset;           // the residual area (full mode): [tokens, hidden]
   unsigned long long timeout_ns;
   unsigned long long x_offset;             // pull mode: every rank's partial, [row0 + tokens, hidden]; 0: push
+  unsigned long long watch_offset;         // the watch area (2 ranks, push mode): [tokens, hidden]
   int rank, world, tokens, hidden;
   float eps;
   int residual_full;
@@ -162,7 +173,7 @@ struct Params {
   int stages;                              // parts per chunk, CTAs x stages <= FLAG_SLOTS
   int oneshot;                             // every rank reduces every row (2 ranks, full, push)
   int residual_sliced;                     // sharded: residual holds this rank's slice rows only
-  int copy_engines;                        // the copy engines move the rows: no peer store here
+  int copy_engines;                        // the copy engines move the rows (CE_FLAGS, CE_WATCH): no peer store here
 };
 
 namespace {
@@ -184,8 +195,9 @@ __device__ __forceinline__ uint4* half(const Params& p, int rank, unsigned epoch
 }
 // One-shot with the copy engines: where they landed the peer's x (every row)
 // in this rank's own buffer, the slot area's start (2 ranks).
+// Watching: the watch area.
 __device__ __forceinline__ const uint4* landed(const Params& p) {
-  return reinterpret_cast<const uint4*>(area(p, p.rank, 65536ull));
+  return reinterpret_cast<const uint4*>(area(p, p.rank, p.copy_engines == CE_WATCH ? p.watch_offset : 65536ull));
 }
 // One-shot: where the peer `src`'s x lies for this rank, from its first row.
 __device__ __forceinline__ const uint4* peer_x(const Params& p, int src, unsigned epoch) {
@@ -292,6 +304,49 @@ __device__ __forceinline__ bool last_cta(unsigned* counter) {
 __device__ __forceinline__ void finish(unsigned* own) {
   __syncthreads();
   if (threadIdx.x == 0 && last_cta(own + FINISHED)) atomicAdd(own + EPOCH, 1u);
+}
+
+// Watch mode: the peer's copy engine lands all of its x in one copy into
+// this rank's watch area, whose every 16-bit value holds WATCH_SENTINEL (a
+// NaN in bf16 and fp16) until its byte pair lands; then x_arrived[0] = 1.
+// A vector holding the sentinel has not landed, unless the flag is up (x
+// itself held it); the reader puts the sentinel back once it has the value.
+constexpr unsigned WATCH_SENTINEL = 0xffffffffu;
+__device__ __forceinline__ uint4 load_volatile(const uint4* at) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(at)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_sentinel(uint4* at) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"l"(at), "r"(WATCH_SENTINEL) : "memory");
+}
+// Whether any 16-bit value of v is the sentinel's (0xffff): a zero half of ~v.
+__device__ __forceinline__ bool unlanded(uint4 v) {
+  const unsigned w[4] = {~v.x, ~v.y, ~v.z, ~v.w};
+  unsigned zero = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) zero |= (w[i] - 0x00010001u) & ~w[i] & 0x80008000u;
+  return zero != 0;
+}
+// The vector at `at` once landed (or the call abandoned: garbage, never used).
+__device__ __noinline__ uint4 await_landed(const Params& p, const uint4* at) {
+  const unsigned* arrived = header(p, p.rank) + CE_ARRIVED;
+  const unsigned long long start = p.timeout_ns ? now_ns() : 0;
+  for (;;) {
+    // The acquire orders the load after it behind every byte of the copy.
+    if (load_acquire_sys(arrived) != 0) return load_volatile(at);
+    __nanosleep(256);
+    const uint4 v = load_volatile(at);
+    if (!unlanded(v) || *static_cast<volatile int*>(&abandoned)) return v;
+    if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
+      atomicExch(header(p, p.rank) + ERROR, 1u + CE_ARRIVED);
+      abandoned = 1;
+      return v;
+    }
+  }
 }
 
 // The warps that share a row, which its threads hold in registers from its
@@ -424,6 +479,7 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
   // with the copy engines they copy it).
   const bool share_r = p.residual_full && !p.oneshot && !p.copy_engines;
   const bool share_out = !p.residual_full && !p.copy_engines;
+  const bool watch = p.copy_engines == CE_WATCH;
   // Where source src's rows of this rank's slice lie (`base`: the row's offset in whole-output
   // arrays; `local`: in the slice's).
   auto source = [&](int src, long long base, long long local) -> const uint4* {
@@ -454,12 +510,28 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) res[u] = res_row[at[u]];
       if constexpr (TWO) {
-        const uint4 *a = source(0, base, local), *b = source(1, base, local);
         uint4 w[UNROLL];
+        if (watch) {
+          // This rank's x and the peer's from the watch area (a + b == b + a, bit for bit).
+          uint4* seen = const_cast<uint4*>(landed(p)) + local;
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          sum[u] = a[at[u]];
-          w[u] = b[at[u]];
+          for (int u = 0; u < UNROLL; ++u) {
+            sum[u] = p.x[base + at[u]];
+            w[u] = load_volatile(seen + at[u]);
+          }
+#pragma unroll
+          for (int u = 0; u < UNROLL; ++u) {
+            if (grp.t + (k0 + u) * threads >= vecs) continue;  // another thread's vector
+            if (unlanded(w[u])) w[u] = await_landed(p, seen + at[u]);
+            store_sentinel(seen + at[u]);
+          }
+        } else {
+          const uint4 *a = source(0, base, local), *b = source(1, base, local);
+#pragma unroll
+          for (int u = 0; u < UNROLL; ++u) {
+            sum[u] = a[at[u]];
+            w[u] = b[at[u]];
+          }
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) sum[u] = added(sum[u], w[u]);
@@ -985,10 +1057,6 @@ __device__ __forceinline__ void cta_rows(int first, int last, int& f, int& l) {
 // every row landed here (consumed = 1 in the peer's header) and waits for
 // the peer's word: the call ends with both ranks done reading, so a call of
 // any mode may write into the peer's buffer next.
-// Header words; keep in step with rust/ops/norm_copy_engines.rs.
-constexpr int CE_ARRIVED = DONE + FLAG_SLOTS * FO_MAX_WORLD;
-constexpr int CE_CONSUMED = CE_ARRIVED + 64;
-constexpr int CE_FINISHED = 3;  // CTAs of the launch done
 constexpr int CE_LAUNCH_CHUNKS = 16;
 struct Chunks {
   int count;
@@ -1014,11 +1082,43 @@ __device__ __forceinline__ void ce_close(const Params& p, int count) {
   if (threadIdx.x != 0 || abandoned) return;
   unsigned* own = header(p, p.rank);
   if (!last_cta(own + CE_FINISHED)) return;
-  for (int c = 0; c < count; ++c) own[CE_ARRIVED + c] = 0;
+  // Watching, the flag follows the copy's last byte, which the CTAs may have seen before it.
+  for (int c = 0; c < count; ++c) {
+    if (await_word(p, own + CE_ARRIVED + c, 1u, 1u + CE_ARRIVED + c)) own[CE_ARRIVED + c] = 0;
+  }
   store_release_sys(header(p, 1 - p.rank) + CE_CONSUMED, 1u);
   if (await_word(p, own + CE_CONSUMED, 1u, 1u + CE_CONSUMED)) own[CE_CONSUMED] = 0;
 }
+
+// Watch mode's rows: blocks of a row per row group, dealt to the CTAs in
+// turn, so that every CTA works just behind the copy's front.
+__device__ __forceinline__ void watch_rows(const Params& p) {
+  const int vecs = p.hidden / VEC;
+  int size = 1;
+  while (size * 32 * REG_VECS < vecs) size *= 2;
+  const int rows = max(WARPS / size, 1);
+  if (threadIdx.x >= THREADS) return;  // the ring build's producer warp
+  for (int f = blockIdx.x * rows; f < p.tokens; f += gridDim.x * rows) {
+    reduce_range(p, f, min(f + rows, p.tokens), vecs, false);
+  }
+}
 }  // namespace
+
+// One-shot on the copy engines, watching (2 ranks, full residual): the
+// peer's x lands in one copy into the watch area, each vector known landed
+// by its value; every CTA sums, adds the residual and normalizes its rows
+// as they land, puts the sentinel back, and the last CTA closes the call as
+// fo_arn_ce_chunks' does. Plain loads in both builds.
+#if FO_RING
+extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_arn_ce_watch(Params p) {
+#else
+extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_ce_watch(Params p) {
+#endif
+  if (threadIdx.x == 0) abandoned = 0;
+  __syncthreads();
+  watch_rows(p);
+  ce_close(p, 1);
+}
 
 #if FO_RING
 extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_arn_ce(Params p, int first, int last, int kind) {

@@ -1267,6 +1267,12 @@ impl PyPeerMemory {
             )));
         }
         driver::bind(self.device).map_err(to_py)?;
+        // 2 ranks: the watch area holds the sentinel before any peer can copy into it (every
+        // rank attaches before any calls).
+        if let Some(offset) = arn::watch_offset(handles.len(), self.live()?.bytes as u64) {
+            crate::cuda::memory::fill_from(self.live()?, offset, arn::WATCH_SENTINEL_BYTE)
+                .map_err(to_py)?;
+        }
         let (bases, mapped) = crate::comm::peer::open_all(rank, own, &handles).map_err(to_py)?;
         self.bases = bases;
         self.mapped = mapped;

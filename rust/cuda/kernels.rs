@@ -461,6 +461,15 @@ pub fn allreduce_rmsnorm_ce_chunks_spec(dtype: Dtype, config: NormConfig) -> Ker
     }
 }
 
+/// One-shot on the copy engines, watching the landed values
+/// (fo_arn_ce_watch: one copy, no flag per range), from the same module.
+pub fn allreduce_rmsnorm_ce_watch_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
+    KernelSpec {
+        entry: "fo_arn_ce_watch",
+        ..allreduce_rmsnorm_spec(dtype, config)
+    }
+}
+
 /// Every variant the library can launch on `arch`, for the compile check CI
 /// runs (the peer reduction for 2, 4 and 8 ranks, the un-reorder copy
 /// for each GEMM tile, the fused add + RMSNorm).

@@ -45,6 +45,21 @@ impl DeviceBuffer {
     }
 }
 
+/// Sets every byte of `buf` from `offset` on to `value`, synchronously.
+pub fn fill_from(buf: &DeviceBuffer, offset: u64, value: u8) -> Result<()> {
+    let Some(len) = (buf.bytes as u64).checked_sub(offset) else {
+        return Ok(());
+    };
+    // SAFETY: [offset, bytes) lies within the allocation; the caller bound its context.
+    unsafe {
+        check(
+            sys::cuMemsetD8_v2(buf.ptr + offset, value, len as usize),
+            "cuMemsetD8",
+        )?;
+        check(sys::cuCtxSynchronize(), "cuCtxSynchronize")
+    }
+}
+
 /// Reads one 32-bit word of device memory, synchronously (the bound
 /// context's device, or one mapped into it).
 pub fn read_u32(ptr: sys::CUdeviceptr) -> Result<u32> {

@@ -54,6 +54,8 @@ pub struct Layout {
     pub res_offset: u64,
     /// Pull mode: where each rank's partial lies; 0 in push mode.
     pub x_offset: u64,
+    /// Push mode on 2 ranks: the watch area ([`watch_offset`]); else 0.
+    pub watch_offset: u64,
     /// Bytes a buffer needs for this call.
     pub bytes: u64,
 }
@@ -82,13 +84,15 @@ impl Layout {
         let slots = if oneshot { world - 1 } else { world } as u64;
         // Each area holds the largest of the three (whole 16-byte vectors).
         let need = (slots * slot_bytes).max(tokens * row);
-        let area = (capacity.saturating_sub(HEADER_BYTES) / 3 / 16 * 16).max(need);
+        let area = (capacity.saturating_sub(HEADER_BYTES) / areas(world) / 16 * 16).max(need);
+        let watch = world == 2;
         Ok(Self {
             slot_bytes,
             out_offset: HEADER_BYTES + area,
             res_offset: HEADER_BYTES + 2 * area,
             x_offset: 0,
-            bytes: HEADER_BYTES + 2 * area + need,
+            watch_offset: if watch { HEADER_BYTES + 3 * area } else { 0 },
+            bytes: HEADER_BYTES + if watch { 3 * area + tokens * row } else { 2 * area + need },
         })
     }
 
@@ -103,7 +107,8 @@ impl Layout {
         };
         let oneshot = runs_oneshot(config, world, true, false);
         let one = Self::new(world, tokens, hidden, dtype, 0, oneshot)?;
-        Ok(HEADER_BYTES + 3 * (two.out_offset - HEADER_BYTES).max(one.out_offset - HEADER_BYTES))
+        Ok(HEADER_BYTES
+            + areas(world) * (two.out_offset - HEADER_BYTES).max(one.out_offset - HEADER_BYTES))
     }
 
     /// Pull mode: calls over row ranges of an output of `rows` rows.
@@ -115,10 +120,33 @@ impl Layout {
             out_offset: HEADER_BYTES,
             res_offset: HEADER_BYTES + area,
             x_offset: HEADER_BYTES + 2 * area,
+            watch_offset: 0,
             bytes: HEADER_BYTES + 3 * area,
         })
     }
 }
+
+/// Areas of a push-mode buffer: slots, out, residual, and on 2 ranks the
+/// watch area, which only the copy engines' watched one-shot calls write
+/// (its rows hold the sentinel between calls: a row of another mode's
+/// there would pass for landed).
+fn areas(world: usize) -> u64 {
+    if world == 2 {
+        4
+    } else {
+        3
+    }
+}
+
+/// Where the watch area of a push-mode buffer of `capacity` bytes on
+/// `world` ranks starts (it runs to the end), or None (not 2 ranks): the
+/// bytes to fill with the sentinel before the buffer is shared.
+pub fn watch_offset(world: usize, capacity: u64) -> Option<u64> {
+    (world == 2).then(|| HEADER_BYTES + 3 * (capacity.saturating_sub(HEADER_BYTES) / 4 / 16 * 16))
+}
+/// The byte every watch-area byte holds between calls (the kernel's
+/// WATCH_SENTINEL: 0xffff, a NaN in bf16 and fp16, in each 16-bit value).
+pub const WATCH_SENTINEL_BYTE: u8 = 0xff;
 
 fn check_world(world: usize) -> Result<()> {
     if (1..=MAX_WORLD).contains(&world) {
@@ -298,6 +326,7 @@ struct Params {
     res_offset: u64,
     timeout_ns: u64,
     x_offset: u64,
+    watch_offset: u64,
     rank: i32,
     world: i32,
     tokens: i32,
@@ -407,7 +436,7 @@ impl Checked {
             return Ok(());
         }
         let mut params = Params {
-            copy_engines: 1,
+            copy_engines: CE_FLAGS,
             ..params
         };
         let (mut first, mut last, mut kind) = (first as i32, last as i32, kind);
@@ -435,7 +464,7 @@ impl Checked {
             )));
         }
         let mut params = Params {
-            copy_engines: 1,
+            copy_engines: CE_FLAGS,
             ..params
         };
         let mut chunks = Chunks {
@@ -453,6 +482,33 @@ impl Checked {
         kernel.launch(grid, self.threads, stream, &mut args)
     }
 }
+
+impl Checked {
+    /// One-shot's watching copy-engine kernel (`fo_arn_ce_watch`) over every
+    /// row, landed in one copy into the watch area, on at most `ctas` CTAs.
+    pub fn launch_watch(&self, kernel: &Kernel, stream: RawStream) -> Result<()> {
+        let Some(params) = self.params else {
+            return Ok(());
+        };
+        if params.watch_offset == 0 {
+            return Err(Error::Invalid(
+                "internal: a watched call needs the watch area of a 2-rank push buffer".into(),
+            ));
+        }
+        let mut params = Params {
+            copy_engines: CE_WATCH,
+            ..params
+        };
+        let grid = self.ctas.min(params.tokens as u32);
+        let mut args: [*mut c_void; 1] = [(&mut params as *mut Params).cast()];
+        kernel.launch(grid, self.threads, stream, &mut args)
+    }
+}
+
+/// Params::copy_engines of the copy-engine kernels (the kernel's CE_FLAGS,
+/// CE_WATCH): a flag per landed range, or one copy into the watch area.
+pub const CE_FLAGS: i32 = 1;
+pub const CE_WATCH: i32 = 2;
 
 /// Ranges one `fo_arn_ce_chunks` launch waits for at most (the kernel's
 /// CE_LAUNCH_CHUNKS), and their bounds as it takes them.
@@ -523,6 +579,7 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         res_offset: layout.res_offset,
         timeout_ns: call.timeout_ns,
         x_offset: layout.x_offset,
+        watch_offset: layout.watch_offset,
         rank: call.rank as i32,
         world: world as i32,
         tokens: call.tokens as i32,
@@ -800,6 +857,7 @@ mod tests {
                 "res_offset",
                 "timeout_ns",
                 "x_offset",
+                "watch_offset",
                 "rank",
                 "world",
                 "tokens",
@@ -854,8 +912,8 @@ mod tests {
         assert!(one.slot_bytes <= one.out_offset - HEADER_BYTES && one.bytes <= needed2);
         assert!(Layout::new(0, 1, 8, Dtype::Bf16, 0, false).is_err());
         assert!(Layout::new(9, 1, 8, Dtype::Bf16, 0, false).is_err());
-        // The CUDA struct: 5 pointers, 8 bases, 5 u64, 4 ints, a float, 6 ints.
-        assert_eq!(std::mem::size_of::<Params>(), 192);
+        // The CUDA struct: 5 pointers, 8 bases, 6 u64, 4 ints, a float, 6 ints.
+        assert_eq!(std::mem::size_of::<Params>(), 200);
         let l = Layout::new(2, 8, 8, Dtype::Bf16, 0, false).unwrap();
         let p = Layout::pull(2, 100, 8192, Dtype::Bf16).unwrap();
         let area = 100 * 16384;

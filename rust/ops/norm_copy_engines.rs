@@ -169,7 +169,9 @@ fn r_arrived(base: u64, c: u32) -> u64 {
 /// The kernel a call runs, from the build of its config: one-shot's single
 /// launch (fo_arn_ce_chunks), else the per-chunk kernel (fo_arn_ce).
 pub fn kernel_spec(dtype: Dtype, call: &Call) -> KernelSpec {
-    if call.oneshot() {
+    if call.oneshot() && watching() {
+        kernels::allreduce_rmsnorm_ce_watch_spec(dtype, call.config)
+    } else if call.oneshot() {
         kernels::allreduce_rmsnorm_ce_chunks_spec(dtype, call.config)
     } else {
         kernels::allreduce_rmsnorm_ce_spec(dtype, call.config)
@@ -206,6 +208,9 @@ pub fn enqueue(
         0 => auto_chunks(call.tokens, call.oneshot()),
         n => n,
     };
+    if call.oneshot() && watching() {
+        return enqueue_watch(kernel, call, &checked, caller, lanes);
+    }
     if call.oneshot() {
         return enqueue_oneshot(kernel, call, &checked, chunks, caller, lanes);
     }
@@ -358,6 +363,40 @@ fn enqueue_oneshot(
         stream::write(copy, x_arrived(other, c as u32), 1)?;
     }
     checked.launch_chunks(chunked, &bounds, caller)?;
+    lanes.joins[0].order(copy, caller)
+}
+
+/// Whether one-shot calls watch (EXPERIMENT: FLASHOVERLAP_NORM_CE_WATCH=1).
+pub fn watching() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FLASHOVERLAP_NORM_CE_WATCH").is_ok_and(|v| v == "1"))
+}
+
+/// One-shot, watching: the copy engine moves all of this rank's x into
+/// the peer's watch area in one copy, then raises x arrived 0 there; one
+/// launch of fo_arn_ce_watch sums and normalizes every row as its values
+/// land (no flag, stream wait or gap between ranges), puts the sentinel
+/// back, and closes as [`enqueue_oneshot`]'s does.
+fn enqueue_watch(
+    watch: &Kernel,
+    call: &Call,
+    checked: &arn::Checked,
+    caller: RawStream,
+    lanes: &Lanes,
+) -> Result<()> {
+    let layout = call.layout()?;
+    let row = u64::from(call.hidden) * u64::from(call.dtype.bytes());
+    let other = call.bases[1 - call.rank];
+    let copy = lanes.copy.0;
+    lanes.fork.order(caller, copy)?;
+    stream::copy(
+        copy,
+        other + layout.watch_offset,
+        call.x,
+        (call.tokens * row) as usize,
+    )?;
+    stream::write(copy, x_arrived(other, 0), 1)?;
+    checked.launch_watch(watch, caller)?;
     lanes.joins[0].order(copy, caller)
 }
 
