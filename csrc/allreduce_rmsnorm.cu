@@ -332,15 +332,15 @@ __device__ __forceinline__ bool unlanded(uint4 v) {
   return zero != 0;
 }
 // The vector at `at` once landed (or the call abandoned: garbage, never used).
-__device__ __noinline__ uint4 await_landed(const Params& p, const uint4* at) {
+__device__ __forceinline__ uint4 await_landed(const Params& p, const uint4* at) {
   const unsigned* arrived = header(p, p.rank) + CE_ARRIVED;
   const unsigned long long start = p.timeout_ns ? now_ns() : 0;
   for (;;) {
+    const uint4 v = load_volatile(at);
+    if (!unlanded(v) || *static_cast<volatile int*>(&abandoned)) return v;
     // The acquire orders the load after it behind every byte of the copy.
     if (load_acquire_sys(arrived) != 0) return load_volatile(at);
     __nanosleep(256);
-    const uint4 v = load_volatile(at);
-    if (!unlanded(v) || *static_cast<volatile int*>(&abandoned)) return v;
     if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
       atomicExch(header(p, p.rank) + ERROR, 1u + CE_ARRIVED);
       abandoned = 1;
@@ -694,6 +694,7 @@ __device__ __forceinline__ bool computed(const Params& p, const Job& j) {
 // part's bounds take 64-bit divisions, far too slow to redo for every row.
 struct Run {
   int kind, first, count, owner, origin;
+  int stride = 1;  // rows from one job to the next
 };
 constexpr int MAX_RUNS = 2 * FO_MAX_WORLD - 1;
 __device__ __forceinline__ int step_runs(const Params& p, int t, bool pull, Run (&runs)[MAX_RUNS]) {
@@ -728,7 +729,8 @@ __device__ __forceinline__ bool job_at(const Run (&runs)[MAX_RUNS], int n, Curso
     c.offset = 0;
   }
   if (c.run >= n) return false;
-  j = {runs[c.run].kind, runs[c.run].first + c.offset, runs[c.run].owner, runs[c.run].origin};
+  const Run& r = runs[c.run];
+  j = {r.kind, r.first + c.offset * r.stride, r.owner, r.origin};
   return true;
 }
 __device__ __forceinline__ void advance(Cursor& c, unsigned slots) {
@@ -832,7 +834,15 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
       // rounded again.
       uint4 s = slot_ptr[v];
       if (p.world == 2) {
-        s = added(s, slot_ptr[vecs + v]);
+        uint4 o = slot_ptr[vecs + v];
+        if (p.copy_engines == CE_WATCH) {
+          // The peer's vector as the bulk copy found it; the sentinel back once it is here.
+          uint4* seen = const_cast<uint4*>(landed(p)) + static_cast<long long>(j.row - j.origin) * vecs + v;
+          uint4& w = p.rank == 0 ? o : s;
+          if (unlanded(w)) w = await_landed(p, seen);
+          store_sentinel(seen);
+        }
+        s = added(s, o);
       } else {
         float acc[8];
 #pragma unroll
@@ -1097,8 +1107,10 @@ __device__ __forceinline__ void watch_rows(const Params& p) {
   int size = 1;
   while (size * 32 * REG_VECS < vecs) size *= 2;
   const int rows = max(WARPS / size, 1);
-  if (threadIdx.x >= THREADS) return;  // the ring build's producer warp
   for (int f = blockIdx.x * rows; f < p.tokens; f += gridDim.x * rows) {
+    // A short last block regroups the warps: none may reach a named barrier
+    // of its new group while another is still in one of its old.
+    if (f + rows > p.tokens) __syncthreads();
     reduce_range(p, f, min(f + rows, p.tokens), vecs, false);
   }
 }
@@ -1110,17 +1122,23 @@ __device__ __forceinline__ void watch_rows(const Params& p) {
 // as they land, puts the sentinel back, and the last CTA closes the call as
 // fo_arn_ce_chunks' does. Plain loads in both builds.
 #if FO_RING
+// The ring: CTA b's jobs are rows b, b + CTAs, ... (the bulk copies may find
+// a row partly landed: the compute threads check every vector).
 extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_arn_ce_watch(Params p) {
-#else
-extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_ce_watch(Params p) {
-#endif
-  if (threadIdx.x == 0) abandoned = 0;
-  __syncthreads();
-  watch_rows(p);
+  extern __shared__ __align__(128) char ring[];
+  const int vecs = p.hidden / VEC;
+  unsigned slot_bytes;
+  uint4 weight[ROW_VECS];
+  const unsigned slots = ring_setup(p, vecs, slot_bytes, weight);
+  Cursor at = {0, 0, 0, 0};
+  int parity = 0;
+  const int b = blockIdx.x, ctas = gridDim.x;
+  const int count = b < p.tokens ? (p.tokens - b + ctas - 1) / ctas : 0;
+  Run runs[MAX_RUNS];
+  runs[0] = {REDUCE, b, count, p.rank, slice_first(p, p.rank), ctas};
+  ring_run(p, runs, count > 0 ? 1 : 0, 0, false, false, vecs, slots, slot_bytes, ring, at, weight, parity, 0);
   ce_close(p, 1);
 }
-
-#if FO_RING
 extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_arn_ce(Params p, int first, int last, int kind) {
   extern __shared__ __align__(128) char ring[];
   const int vecs = p.hidden / VEC;
@@ -1162,6 +1180,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_ce(Params p, int fi
   } else {
     gather_range(p, f, l, p.hidden / VEC);
   }
+}
+extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_ce_watch(Params p) {
+  if (threadIdx.x == 0) abandoned = 0;
+  __syncthreads();
+  watch_rows(p);
+  ce_close(p, 1);
 }
 extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_ce_chunks(Params p, Chunks ch) {
   if (threadIdx.x == 0) abandoned = 0;
