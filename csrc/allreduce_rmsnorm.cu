@@ -838,8 +838,14 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
         if (p.copy_engines == CE_WATCH) {
           // The peer's vector as the bulk copy found it; the sentinel back once it is here.
           uint4* seen = const_cast<uint4*>(landed(p)) + static_cast<long long>(j.row - j.origin) * vecs + v;
-          uint4& w = p.rank == 0 ? o : s;
-          if (unlanded(w)) w = await_landed(p, seen);
+          if (unlanded(p.rank == 0 ? o : s)) {
+            const uint4 w = await_landed(p, seen);
+            if (p.rank == 0) {
+              o = w;
+            } else {
+              s = w;
+            }
+          }
           store_sentinel(seen);
         }
         s = added(s, o);
