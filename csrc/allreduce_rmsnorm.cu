@@ -103,10 +103,10 @@ constexpr int DONE = READY + FLAG_SLOTS * FO_MAX_WORLD;
 constexpr int CE_ARRIVED = DONE + FLAG_SLOTS * FO_MAX_WORLD;
 constexpr int CE_CONSUMED = CE_ARRIVED + 64;
 constexpr int CE_FINISHED = 3;
-// Params::copy_engines: the rows moved by copy engines with a flag per
-// landed range (CE_FLAGS), or in one copy into a watch area whose every
-// 16-bit value not yet landed holds the sentinel (CE_WATCH).
-constexpr int CE_FLAGS = 1, CE_WATCH = 2;
+// Params::copy_engines: 0, or the rows moved by copy engines with a flag
+// per landed range (1), or in one copy into a watch area whose every 16-bit
+// value not yet landed holds the sentinel (CE_WATCH).
+constexpr int CE_WATCH = 2;
 
 using fo::add2;
 using fo::high;
@@ -784,6 +784,9 @@ __device__ __forceinline__ void ring_store(const Params& p, const Job& j, unsign
     const long long local = j.row - j.origin;
     fo::bulk_store(row_at(p.residual_out, p.residual_full ? j.row : local, row_bytes), at, row_bytes);
     fo::bulk_store(row_at(p.out, j.row, row_bytes), out, row_bytes);
+    if (p.copy_engines == CE_WATCH) {
+      fo::bulk_store(row_at(const_cast<uint4*>(landed(p)), local, row_bytes), at + p.world * row_bytes, row_bytes);
+    }
     for (int i = 1; !p.copy_engines && i < p.world; ++i) {
       const int peer = (p.rank + i) % p.world;
       if (p.residual_full) {
@@ -846,7 +849,6 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
               s = w;
             }
           }
-          store_sentinel(seen);
         }
         s = added(s, o);
       } else {
@@ -858,6 +860,11 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
       }
       r[k] = added(s, slot_ptr[p.world * vecs + v]);
       slot_ptr[v] = r[k];
+      // Watching: the residual's part of the slot, read, takes the sentinel, which the producer
+      // stores over the landed row (one bulk store, no store per vector here).
+      if (p.copy_engines == CE_WATCH) {
+        slot_ptr[p.world * vecs + v] = make_uint4(WATCH_SENTINEL, WATCH_SENTINEL, WATCH_SENTINEL, WATCH_SENTINEL);
+      }
     } else {
       r[k] = slot_ptr[v];
     }
@@ -1106,6 +1113,7 @@ __device__ __forceinline__ void ce_close(const Params& p, int count) {
   if (await_word(p, own + CE_CONSUMED, 1u, 1u + CE_CONSUMED)) own[CE_CONSUMED] = 0;
 }
 
+#if !FO_RING
 // Watch mode's rows: blocks of a row per row group, dealt to the CTAs in
 // turn, so that every CTA works just behind the copy's front.
 __device__ __forceinline__ void watch_rows(const Params& p) {
@@ -1120,6 +1128,7 @@ __device__ __forceinline__ void watch_rows(const Params& p) {
     reduce_range(p, f, min(f + rows, p.tokens), vecs, false);
   }
 }
+#endif
 }  // namespace
 
 // One-shot on the copy engines, watching (2 ranks, full residual): the
