@@ -1173,7 +1173,7 @@ fn allreduce_rmsnorm_launch(
             // one-shot where the config asks for it, or the default's rule, and the call allows it.
             let ce = arn::resolved_copy_engines(config, tokens, world, residual_full);
             call.config = arn::effective(ce, world, hidden, dtype, dev.major, true);
-            let ce = &crate::ops::norm_copy_engines::kernel_spec(dtype, &call);
+            let ce = &crate::ops::norm_copy_engines::kernel_spec(dtype, &call, chunks);
             let kernel = kernels::load(&dev, ce)?;
             let stream = stream::from_handle(stream);
             return crate::ops::norm_copy_engines::enqueue(

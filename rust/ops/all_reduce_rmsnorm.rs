@@ -303,7 +303,7 @@ pub fn resolved_copy_engines(
         ..config
     }
 }
-pub const ONESHOT_CE_MIN_TOKENS: u64 = 2048;
+pub const ONESHOT_CE_MIN_TOKENS: u64 = 1;
 
 /// Rows [start, end) of `tokens` that `rank` owns (the kernel's split).
 pub fn slice(tokens: u64, world: usize, rank: usize) -> (u64, u64) {

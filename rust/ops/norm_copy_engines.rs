@@ -166,10 +166,11 @@ fn r_arrived(base: u64, c: u32) -> u64 {
     word(base, CE_ARRIVED_WORD + u64::from(MAX_CHUNKS + c))
 }
 
-/// The kernel a call runs, from the build of its config: one-shot's single
-/// launch (fo_arn_ce_chunks), else the per-chunk kernel (fo_arn_ce).
-pub fn kernel_spec(dtype: Dtype, call: &Call) -> KernelSpec {
-    if call.oneshot() && watching() {
+/// The kernel a call with `chunks` ranges asked for runs, from the build of
+/// its config: one-shot's single launch (fo_arn_ce_watch with the library's
+/// count, else fo_arn_ce_chunks), else the per-chunk kernel (fo_arn_ce).
+pub fn kernel_spec(dtype: Dtype, call: &Call, chunks: u32) -> KernelSpec {
+    if call.oneshot() && chunks == 0 {
         kernels::allreduce_rmsnorm_ce_watch_spec(dtype, call.config)
     } else if call.oneshot() {
         kernels::allreduce_rmsnorm_ce_chunks_spec(dtype, call.config)
@@ -204,13 +205,13 @@ pub fn enqueue(
     if call.tokens == 0 {
         return Ok(());
     }
+    if call.oneshot() && chunks == 0 {
+        return enqueue_watch(kernel, call, &checked, caller, lanes);
+    }
     let chunks = match chunks {
         0 => auto_chunks(call.tokens, call.oneshot()),
         n => n,
     };
-    if call.oneshot() && watching() {
-        return enqueue_watch(kernel, call, &checked, caller, lanes);
-    }
     if call.oneshot() {
         return enqueue_oneshot(kernel, call, &checked, chunks, caller, lanes);
     }
@@ -364,12 +365,6 @@ fn enqueue_oneshot(
     }
     checked.launch_chunks(chunked, &bounds, caller)?;
     lanes.joins[0].order(copy, caller)
-}
-
-/// Whether one-shot calls watch (EXPERIMENT: FLASHOVERLAP_NORM_CE_WATCH=1).
-pub fn watching() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FLASHOVERLAP_NORM_CE_WATCH").is_ok_and(|v| v == "1"))
 }
 
 /// One-shot, watching: the copy engine moves all of this rank's x into
