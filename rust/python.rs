@@ -1171,7 +1171,7 @@ fn allreduce_rmsnorm_launch(
         if let Some(lanes) = lanes {
             // The ring's build where it runs (each CTA's rows through it in bulk copies);
             // one-shot where the config asks for it, or the default's rule, and the call allows it.
-            let ce = arn::resolved_copy_engines(config, tokens, world, residual_full);
+            let ce = arn::resolved_copy_engines(config, world, residual_full);
             call.config = arn::effective(ce, world, hidden, dtype, dev.major, true);
             let ce = &crate::ops::norm_copy_engines::kernel_spec(dtype, &call, chunks);
             let kernel = kernels::load(&dev, ce)?;

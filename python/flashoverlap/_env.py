@@ -140,9 +140,10 @@ def norm_config() -> tuple:
         raise ValueError(f"FLASHOVERLAP_NORM_CONFIG: {e}") from None
 
 
-# Where the copy engines take over by default: one-shot calls (the full residual) from 2K tokens,
-# two-shot ones (sharded) from 4K (at 2K they took 1.24x the kernel's time, 2x H200).
-NORM_CE_MIN_TOKENS_FULL = 2048
+# Where the copy engines take over by default: one-shot calls (the full residual) from 512 tokens
+# (watched: 0.82x the kernel's time at 512 tokens, 0.76x at 1K, 1.26x at 128; 2x H200), two-shot
+# ones (sharded) from 4K (at 2K they took 1.24x the kernel's time).
+NORM_CE_MIN_TOKENS_FULL = 512
 NORM_CE_MIN_TOKENS_SHARDED = 4096
 
 
@@ -151,11 +152,13 @@ def norm_copy_engines() -> tuple[int | None, int]:
     lets the copy engines move the rows (its CTAs only sum and normalize) from this many tokens on
     (unset: None, the library's NORM_CE_MIN_TOKENS_FULL for the full residual and
     NORM_CE_MIN_TOKENS_SHARDED for the sharded one; 0: never) on up to 32 CTAs, in this many row
-    ranges (1-64; default 0: the library's count). Two-shot calls (the sharded residual) cut
-    each slice, one range per 1024 rows, at most 6, the first and last half-size from 5 on;
-    one-shot calls (the full residual) cut all the rows, into 4 ranges up to 2048 tokens, 6 up
-    to 4096, else 8 (at most 16), each 0.8 the size of the one before. Read when a peer group is
-    made; every rank of a group must set them alike."""
+    ranges (1-64; default 0: the library's way). Two-shot calls (the sharded residual) cut
+    each slice, by default one range per 1024 rows, at most 6, the first and last half-size from
+    5 on. One-shot calls (the full residual) by default send all the rows in one copy into a
+    watch area whose values not yet landed hold a sentinel, which the kernel watches; a count
+    (at most 16 used) cuts the rows into that many ranges instead, each 0.8 the size of the one
+    before and followed by a flag the kernel waits for. Read when a peer group is made; every
+    rank of a group must set them alike."""
     tokens = _int("FLASHOVERLAP_NORM_CE_MIN_TOKENS", None)
     chunks = _int("FLASHOVERLAP_NORM_CE_CHUNKS", 0)
     assert chunks is not None

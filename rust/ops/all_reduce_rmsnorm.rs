@@ -12,7 +12,11 @@
 //!                            each source pushed of R's slice
 //!   out area                 [tokens, hidden]: rows other owners normalized
 //!   residual area            [tokens, hidden]: their residual rows (full mode)
-//! The three areas are each a third of the buffer whatever the call's size:
+//!   watch area (2 ranks)     [tokens, hidden]: the peer's x, landed by its
+//!                            copy engine, the sentinel elsewhere and between
+//!                            calls (ops::norm_copy_engines::enqueue_watch)
+//! The areas are each a third (2 ranks: a quarter) of the buffer whatever
+//! the call's size:
 //! a push writes into the peers' slot areas before it waits for anything,
 //! and must not land on rows a peer still gathers from its out or residual
 //! area for the previous call (of another size). One-shot calls copy R's
@@ -92,7 +96,12 @@ impl Layout {
             res_offset: HEADER_BYTES + 2 * area,
             x_offset: 0,
             watch_offset: if watch { HEADER_BYTES + 3 * area } else { 0 },
-            bytes: HEADER_BYTES + if watch { 3 * area + tokens * row } else { 2 * area + need },
+            bytes: HEADER_BYTES
+                + if watch {
+                    3 * area + tokens * row
+                } else {
+                    2 * area + need
+                },
         })
     }
 
@@ -277,33 +286,26 @@ pub const ONESHOT_MAX_TOKENS: u64 = 512;
 pub const ONESHOT_MAX_ROWS_PER_CTA: u64 = 16;
 
 /// The config a call that the copy engines serve (ops::norm_copy_engines)
-/// runs with when asked for `config`: one-shot where `config` asks for it,
-/// and for the default from [`ONESHOT_CE_MIN_TOKENS`] on, where the call
-/// allows it ([`runs_oneshot`]); else two-shot. One-shot sends all of x
-/// to the peer and each rank sums and normalizes every row: the same bytes
-/// cross NVLink, but one copy-engine latency is in the chain instead of two
-/// and nothing comes back. On 2x H200 (hidden 8192, 32 CTAs,
-/// evaluation/results/norm_ce_one_launch_h200x2.txt), in one launch that
-/// waits for the landed ranges itself, it took 0.87x the two-shot time at
-/// 4K tokens, 0.93x at 8K and 16K, and 0.96x the time of the kernel alone
-/// (no copy engines) at 2K.
-pub fn resolved_copy_engines(
-    config: NormConfig,
-    tokens: u64,
-    world: usize,
-    residual_full: bool,
-) -> NormConfig {
+/// runs with when asked for `config`: one-shot where `config` (or the
+/// default) asks for it and the call allows it ([`runs_oneshot`]); else
+/// two-shot. One-shot sends all of x to the peer and each rank sums and
+/// normalizes every row: the same bytes cross NVLink, but one copy-engine
+/// latency is in the chain instead of two and nothing comes back. On 2x
+/// H200 (hidden 8192, 32 CTAs, evaluation/results/norm_ce_one_launch_h200x2.txt),
+/// in one launch that waits for flagged ranges itself, it took 0.87x the
+/// two-shot time at 4K tokens and 0.93x at 8K and 16K; watching one copy
+/// (norm_ce_watch_h200x2.txt) 0.74-0.87x that at 2K-16K.
+pub fn resolved_copy_engines(config: NormConfig, world: usize, residual_full: bool) -> NormConfig {
     let oneshot = NormConfig {
         oneshot: true,
         ..config
     };
-    let asked = config.oneshot || (config.is_default() && tokens >= ONESHOT_CE_MIN_TOKENS);
+    let asked = config.oneshot || config.is_default();
     NormConfig {
         oneshot: asked && runs_oneshot(oneshot, world, residual_full, false),
         ..config
     }
 }
-pub const ONESHOT_CE_MIN_TOKENS: u64 = 1;
 
 /// Rows [start, end) of `tokens` that `rank` owns (the kernel's split).
 pub fn slice(tokens: u64, world: usize, rank: usize) -> (u64, u64) {
@@ -733,26 +735,19 @@ mod tests {
     }
 
     #[test]
-    fn the_copy_engines_run_the_default_one_shot_from_its_threshold() {
+    fn the_copy_engines_run_the_default_one_shot() {
         let default = NormConfig::DEFAULT;
         let resolved = resolved_copy_engines;
-        let one = resolved(default, ONESHOT_CE_MIN_TOKENS, 2, true);
+        let one = resolved(default, 2, true);
         // The default's shape otherwise, ring included (the copy-engine kernel's build).
         assert!(one.oneshot && one.ring && one.threads == default.threads);
-        assert!(!resolved(default, ONESHOT_CE_MIN_TOKENS - 1, 2, true).oneshot);
-        assert!(
-            !resolved(default, 16384, 2, false).oneshot,
-            "sharded: two-shot"
-        );
-        assert!(
-            !resolved(default, 16384, 3, true).oneshot,
-            "3 ranks: two-shot"
-        );
-        // A one-shot config asks for it at any size; another shape never gets it unasked.
+        assert!(!resolved(default, 2, false).oneshot, "sharded: two-shot");
+        assert!(!resolved(default, 3, true).oneshot, "3 ranks: two-shot");
+        // A one-shot config asks for it; another shape never gets it unasked.
         let asked = NormConfig::with(512, 4, 1, true).unwrap();
-        assert!(resolved(asked, 4096, 2, true).oneshot);
+        assert!(resolved(asked, 2, true).oneshot);
         let other = NormConfig::new(512, 2, 4).unwrap();
-        assert!(!resolved(other, 16384, 2, true).oneshot);
+        assert!(!resolved(other, 2, true).oneshot);
     }
 
     #[test]
@@ -874,6 +869,21 @@ mod tests {
     }
 
     #[test]
+    fn the_watch_mode_matches_the_kernel() {
+        let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
+        assert!(source.contains(&format!("constexpr int CE_WATCH = {CE_WATCH};")));
+        let word = u32::from_ne_bytes([WATCH_SENTINEL_BYTE; 4]);
+        assert!(source.contains(&format!(
+            "constexpr unsigned WATCH_SENTINEL = {word:#010x}u;"
+        )));
+        assert_eq!(
+            source.matches("fo_arn_ce_watch(Params p)").count(),
+            2,
+            "the ring's and the plain build's"
+        );
+    }
+
+    #[test]
     fn flags_fill_the_header_as_the_kernel_lays_them_out() {
         let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
         assert!(source.contains(&format!("constexpr int FLAG_SLOTS = {FLAG_SLOTS};")));
@@ -884,7 +894,7 @@ mod tests {
     }
 
     #[test]
-    fn areas_are_thirds_of_the_buffer_and_fit_the_params_struct() {
+    fn areas_split_the_buffer_and_fit_the_params_struct() {
         let row = 16384;
         let needed = Layout::needed(4, 1001, 8192, Dtype::Bf16).unwrap();
         assert_eq!(needed, HEADER_BYTES + 3 * 4 * 251 * row);
@@ -905,11 +915,30 @@ mod tests {
         // Too small a buffer: the call needs more than it has.
         let short = Layout::new(4, 1001, 8192, Dtype::Bf16, needed - 16, false).unwrap();
         assert!(short.bytes > needed - 16);
-        // One-shot on 2 ranks: one slot of every row, within the same thirds.
+        // One-shot on 2 ranks: one slot of every row, within the same areas, which are
+        // quarters there: the watch area after the residual area, to the buffer's end.
         let needed2 = Layout::needed(2, 1001, 8192, Dtype::Bf16).unwrap();
+        assert_eq!(needed2, HEADER_BYTES + 4 * 2 * 501 * row);
         let one = Layout::new(2, 1001, 8192, Dtype::Bf16, needed2, true).unwrap();
         assert_eq!(one.slot_bytes, 1001 * row);
         assert!(one.slot_bytes <= one.out_offset - HEADER_BYTES && one.bytes <= needed2);
+        for capacity in [needed2, 1 << 30] {
+            let area = (capacity - HEADER_BYTES) / 4 / 16 * 16;
+            for (tokens, oneshot) in [(1001, true), (1001, false), (5, true)] {
+                let l = Layout::new(2, tokens, 8192, Dtype::Bf16, capacity, oneshot).unwrap();
+                assert_eq!(l.res_offset, HEADER_BYTES + 2 * area);
+                assert_eq!(Some(l.watch_offset), watch_offset(2, capacity));
+                assert_eq!(l.watch_offset, HEADER_BYTES + 3 * area);
+                assert!(l.watch_offset + tokens * row <= capacity && l.bytes <= capacity);
+            }
+        }
+        assert_eq!(watch_offset(4, 1 << 30), None);
+        assert_eq!(
+            Layout::new(4, 7, 8192, Dtype::Bf16, 1 << 30, false)
+                .unwrap()
+                .watch_offset,
+            0
+        );
         assert!(Layout::new(0, 1, 8, Dtype::Bf16, 0, false).is_err());
         assert!(Layout::new(9, 1, 8, Dtype::Bf16, 0, false).is_err());
         // The CUDA struct: 5 pointers, 8 bases, 6 u64, 4 ints, a float, 6 ints.

@@ -14,10 +14,11 @@
 //! Land L:  (sharded) wait(r arrived c) copy(the peer's normalized rows of chunk c -> out) ... zero every r arrived
 //!          [C done] [G done]; S waits for L's end
 //!
-//! One-shot (full residual; the default from 2K tokens on:
-//! all_reduce_rmsnorm::resolved_copy_engines) sends all of x instead and
-//! has each rank normalize every row, with no r coming back
-//! ([`enqueue_oneshot`]).
+//! One-shot (full residual; every default-config call of the full
+//! residual here: all_reduce_rmsnorm::resolved_copy_engines) sends all of x
+//! instead and has each rank normalize every row, with no r coming back:
+//! by default in one copy whose landed values the kernel watches
+//! ([`enqueue_watch`]), or in flagged ranges ([`enqueue_oneshot`]).
 //!
 //! With the full residual, gather(c) normalizes the peer's r of its chunk c
 //! (bit for bit as the peer did) on the caller's stream, one chunk behind
@@ -98,23 +99,15 @@ pub fn chunk(slice: (u64, u64), chunks: u32, c: u32) -> (u64, u64) {
     (at(u64::from(c)), at(u64::from(c) + 1))
 }
 
-/// Row ranges of a call left to the library (`chunks` 0): two-shot, one
-/// per [`CHUNK_ROWS`] rows of a slice, at most [`MAX_AUTO_CHUNKS`]; one-shot
-/// 4 up to 2K tokens, 6 up to 4K, else 8 (2x H200, hidden 8192, 32 CTAs,
-/// evaluation/results/norm_ce_one_launch_h200x2.txt: 4, 6 and 8 ranges
-/// took 154 / 155 / 162 us at 2K, 271 / 262 / 266 at 4K, 458 / 443 / 445 at
-/// 8K, 907 / 859 / 817 at 16K).
-pub fn auto_chunks(tokens: u64, oneshot: bool) -> u32 {
-    if oneshot {
-        match tokens {
-            ..=2048 => 4,
-            2049..=4096 => 6,
-            _ => 8,
-        }
-    } else {
-        let slice = tokens.div_ceil(2);
-        (slice / CHUNK_ROWS).clamp(1, u64::from(MAX_AUTO_CHUNKS)) as u32
-    }
+/// Row ranges of a two-shot call left to the library (`chunks` 0): one
+/// per [`CHUNK_ROWS`] rows of a slice, at most [`MAX_AUTO_CHUNKS`]. (A
+/// one-shot call left to it watches one copy: [`enqueue_watch`]; asked for
+/// ranges, 4, 6 and 8 took 154 / 155 / 162 us at 2K tokens, 271 / 262 / 266
+/// at 4K, 458 / 443 / 445 at 8K, 907 / 859 / 817 at 16K on 2x H200, hidden
+/// 8192, 32 CTAs: evaluation/results/norm_ce_one_launch_h200x2.txt.)
+pub fn auto_chunks(tokens: u64) -> u32 {
+    let slice = tokens.div_ceil(2);
+    (slice / CHUNK_ROWS).clamp(1, u64::from(MAX_AUTO_CHUNKS)) as u32
 }
 pub const CHUNK_ROWS: u64 = 1024;
 pub const MAX_AUTO_CHUNKS: u32 = 6;
@@ -209,7 +202,7 @@ pub fn enqueue(
         return enqueue_watch(kernel, call, &checked, caller, lanes);
     }
     let chunks = match chunks {
-        0 => auto_chunks(call.tokens, call.oneshot()),
+        0 => auto_chunks(call.tokens),
         n => n,
     };
     if call.oneshot() {
@@ -367,11 +360,22 @@ fn enqueue_oneshot(
     lanes.joins[0].order(copy, caller)
 }
 
-/// One-shot, watching: the copy engine moves all of this rank's x into
-/// the peer's watch area in one copy, then raises x arrived 0 there; one
-/// launch of fo_arn_ce_watch sums and normalizes every row as its values
-/// land (no flag, stream wait or gap between ranges), puts the sentinel
-/// back, and closes as [`enqueue_oneshot`]'s does.
+/// One-shot, watching (the default: `chunks` 0): the copy engine moves all
+/// of this rank's x into the peer's watch area in one copy, then raises x
+/// arrived 0 there. One launch of fo_arn_ce_watch (CTA b: rows b, b + ctas,
+/// ...) sums and normalizes every row as its values land, known by their
+/// value: the watch area holds the sentinel (0xffff in every 16-bit value,
+/// filled when the buffer is attached) wherever nothing landed yet, and
+/// the kernel puts it back over each row it has read (one bulk store from
+/// shared memory in the ring build). A value that is the sentinel itself is
+/// taken once the flag is up. No stream wait, flag or ~4-5 us gap between
+/// copies stands between ranges: on 2x H200 (hidden 8192, 32 CTAs) it took
+/// 0.74-0.87x the time of the flagged ranges at 2K-16K tokens (2K: 118.9
+/// against 158.8 us, 8K: 365.5 against 444.5), 0.76x the kernel's own
+/// stores at 1K and 0.82x at 512 (evaluation/results/norm_ce_watch_h200x2.txt).
+/// The last CTA waits for the flag, zeroes it and exchanges consumed with
+/// the peer as [`enqueue_oneshot`]'s does, so the watch area is the
+/// sentinel again, and no copy lands in it, before either rank's next call.
 fn enqueue_watch(
     watch: &Kernel,
     call: &Call,
@@ -467,18 +471,12 @@ mod tests {
     }
 
     #[test]
-    fn automatic_ranges_follow_the_rows_and_the_mode() {
+    fn automatic_ranges_follow_the_rows() {
         let two_shot: Vec<u32> = [1u64, 2047, 4096, 8192, 12288, 16384, 65536]
             .iter()
-            .map(|&t| auto_chunks(t, false))
+            .map(|&t| auto_chunks(t))
             .collect();
         assert_eq!(two_shot, [1, 1, 2, 4, 6, 6, 6]);
-        let one_shot: Vec<u32> = [2048u64, 4096, 8192, 16384]
-            .iter()
-            .map(|&t| auto_chunks(t, true))
-            .collect();
-        assert_eq!(one_shot, [4, 6, 8, 8]);
-        assert!(u64::from(auto_chunks(1 << 20, true)) <= arn::CE_LAUNCH_CHUNKS as u64);
     }
 
     #[test]

@@ -25,8 +25,8 @@ CASES = [
     (7, 4096, "float16", "full", 32),
     (1, 1024, "bfloat16", "sharded", 2),
     (2051, 16384, "float16", "sharded", 4),
-    (4096, 2048, "bfloat16", "full", 3),  # 2 ranks: the copy engines, one-shot by default (6 ranges)
-    (8192, 2048, "bfloat16", "full", 16),  # the same, 8 ranges
+    (4096, 2048, "bfloat16", "full", 3),  # 2 ranks: the copy engines, one-shot watched by default
+    (8192, 2048, "bfloat16", "full", 16),  # the same
 ]
 
 
@@ -73,6 +73,19 @@ def _worker(rank, world, init_method, out_dir):
             errors = (_rel(out, out_ref), _rel(r, r_ref) if r.numel() else 0.0)
             if max(errors) > 1e-2 or tuple(r.shape) != tuple(r_ref.shape):
                 failures.append(f"rank {rank} case {i}: errors {errors}, residual shape {tuple(r.shape)}")
+        # x holding the watch area's sentinel (0xffff, a NaN) in every value of a row: on the copy
+        # engines (2 ranks, from 512 tokens by default) the watching kernel takes those values once
+        # the copy's flag is up; every other row is exact, that row NaN, and nothing hangs.
+        tokens, hidden, dtype = 1024, 2048, torch.bfloat16
+        x, residual, weight = _inputs(33, rank, tokens, hidden, dtype, device)
+        x[7].view(torch.int16).fill_(-1)
+        out, r = flashoverlap.all_reduce_rmsnorm(x, residual, weight, EPS, ctas=8)
+        torch.cuda.synchronize()
+        out_ref, r_ref = _reference(33, world, tokens, hidden, dtype, device)
+        keep = torch.arange(tokens, device=device) != 7
+        errors = (_rel(out[keep], out_ref[keep]), _rel(r[keep], r_ref[keep]))
+        if max(errors) > 1e-2 or not (out[7].isnan().all() and r[7].isnan().all()):
+            failures.append(f"rank {rank} sentinel row: errors {errors}, row NaN {out[7].isnan().all().item()}")
         # Two layers keeping the residual sharded: the second call takes the first's slice.
         tokens, hidden, dtype = 1001, 2048, torch.bfloat16
         x1, residual, weight = _inputs(900, rank, tokens, hidden, dtype, device)
@@ -161,22 +174,26 @@ def _run_ranks(world: int, out_dir: Path, timeout_s: float = 240.0) -> None:
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
-@pytest.mark.parametrize("world,ce_min_tokens,config",
-                         [(2, None, None), (2, "1", None), (2, "1", "512x4o"), (2, "0", None), (3, None, None)])
-def test_matches_fp32_composition(tmp_path: Path, monkeypatch, world: int, ce_min_tokens, config) -> None:
+@pytest.mark.parametrize("world,ce_min_tokens,config,ce_chunks",
+                         [(2, None, None, None), (2, "1", None, None), (2, "1", "512x4o", None), (2, "1", None, "6"),
+                          (2, "0", None, None), (3, None, None, None)])
+def test_matches_fp32_composition(tmp_path: Path, monkeypatch, world: int, ce_min_tokens, config, ce_chunks) -> None:
     """ce_min_tokens (FLASHOVERLAP_NORM_CE_MIN_TOKENS): None, the default (2 ranks: the copy
-    engines move the rows of the 4096- and 8192-token cases, one-shot, the kernel's stores the
-    others', so calls of both kinds follow each other on one group's buffers); "1": every call of 2 ranks on the copy
+    engines move the rows of the full-residual cases from 512 tokens, one-shot, the kernel's
+    stores the others', so calls of both kinds follow each other on one group's buffers); "1": every call of 2 ranks on the copy
     engines, the graph replays and the sharded chain included; "0": none. config
     (FLASHOVERLAP_NORM_CONFIG) "512x4o" with "1": the full-residual calls one-shot on the copy
     engines (all of x to the peer, each rank normalizing every row), the sharded ones two-shot,
-    on the same buffers."""
+    on the same buffers. ce_chunks (FLASHOVERLAP_NORM_CE_CHUNKS) "6": one-shot in 6 flagged row
+    ranges instead of one watched copy, two-shot in 6 chunks a slice."""
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                        "NVSHMEM_DISABLE_NVLS": "1", "FLASHOVERLAP_PEER_TIMEOUT_S": "30"})
     if ce_min_tokens is not None:
         monkeypatch.setenv("FLASHOVERLAP_NORM_CE_MIN_TOKENS", ce_min_tokens)
     if config is not None:
         monkeypatch.setenv("FLASHOVERLAP_NORM_CONFIG", config)
+    if ce_chunks is not None:
+        monkeypatch.setenv("FLASHOVERLAP_NORM_CE_CHUNKS", ce_chunks)
     _run_ranks(world, tmp_path)
     failures = [f for r in range(world) for f in json.loads(Path(tmp_path, f"rank{r}.json").read_text())]
     assert not failures, "\n".join(failures[:10])
