@@ -1135,7 +1135,7 @@ __device__ __forceinline__ void watch_rows(const Params& p) {
 // peer's x lands in one copy into the watch area, each vector known landed
 // by its value; every CTA sums, adds the residual and normalizes its rows
 // as they land, puts the sentinel back, and the last CTA closes the call as
-// fo_arn_ce_chunks' does. Plain loads in both builds.
+// fo_arn_ce_chunks' does. Through the ring in its build, else plain loads.
 #if FO_RING
 // The ring: CTA b's jobs are rows b, b + CTAs, ... (the bulk copies may find
 // a row partly landed: the compute threads check every vector).
