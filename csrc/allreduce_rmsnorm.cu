@@ -173,7 +173,7 @@ struct Params {
   int stages;                              // parts per chunk, CTAs x stages <= FLAG_SLOTS
   int oneshot;                             // every rank reduces every row (2 ranks, full, push)
   int residual_sliced;                     // sharded: residual holds this rank's slice rows only
-  int copy_engines;                        // the copy engines move the rows (CE_FLAGS, CE_WATCH): no peer store here
+  int copy_engines;                        // the copy engines move the rows (1: flagged, CE_WATCH): no peer store here
 };
 
 namespace {
