@@ -351,8 +351,8 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     what the previous sharded call returned: the rows this rank reduces are all it reads), so
     that a model's layers can keep the residual sharded from one fused call to the next
     (TokenWeave's layout); `out` is every token's row either way. ctas: CTAs of the kernel (default 16), the SMs it
-    takes from concurrent work. On 2 ranks from 4096 tokens on (FLASHOVERLAP_NORM_CE_MIN_TOKENS) and up to 32 CTAs
-    the copy engines move the rows and the kernel only sums and normalizes.
+    takes from concurrent work. On 2 ranks and up to 32 CTAs, from 512 tokens keeping the full residual and 4096
+    sharded (FLASHOVERLAP_NORM_CE_MIN_TOKENS), the copy engines move the rows and the kernel only sums and normalizes.
 
     Every rank of the group calls it with the same shapes. The first call for a group, and the
     first with more tokens than before, are collective host calls (the peer buffers are made or
