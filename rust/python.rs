@@ -1259,7 +1259,8 @@ impl PyPeerMemory {
     /// Maps the other ranks' buffers from every rank's handle (rank order).
     fn attach(&mut self, rank: usize, handles: Vec<Vec<u8>>) -> PyResult<()> {
         let _keep = driver::KeepCurrent::new();
-        let own = self.live()?.ptr;
+        let local = self.live()?;
+        let own = local.ptr;
         if rank >= handles.len() || !self.mapped.is_empty() {
             return Err(PyValueError::new_err(format!(
                 "attach: rank {rank} of {} handles, or attached already",
@@ -1269,8 +1270,8 @@ impl PyPeerMemory {
         driver::bind(self.device).map_err(to_py)?;
         // 2 ranks: the watch area holds the sentinel before any peer can copy into it (every
         // rank attaches before any calls).
-        if let Some(offset) = arn::watch_offset(handles.len(), self.live()?.bytes as u64) {
-            crate::cuda::memory::fill_from(self.live()?, offset, arn::WATCH_SENTINEL_BYTE)
+        if let Some(offset) = arn::watch_offset(handles.len(), local.bytes as u64) {
+            crate::cuda::memory::fill_from(local, offset, arn::WATCH_SENTINEL_BYTE)
                 .map_err(to_py)?;
         }
         let (bases, mapped) = crate::comm::peer::open_all(rank, own, &handles).map_err(to_py)?;

@@ -88,8 +88,8 @@ impl Layout {
         let slots = if oneshot { world - 1 } else { world } as u64;
         // Each area holds the largest of the three (whole 16-byte vectors).
         let need = (slots * slot_bytes).max(tokens * row);
-        let area = (capacity.saturating_sub(HEADER_BYTES) / areas(world) / 16 * 16).max(need);
-        let watch = world == 2;
+        let area = area_bytes(world, capacity).max(need);
+        let watch = watched(world);
         Ok(Self {
             slot_bytes,
             out_offset: HEADER_BYTES + area,
@@ -135,23 +135,31 @@ impl Layout {
     }
 }
 
-/// Areas of a push-mode buffer: slots, out, residual, and on 2 ranks the
-/// watch area, which only the copy engines' watched one-shot calls write
-/// (its rows hold the sentinel between calls: a row of another mode's
-/// there would pass for landed).
+/// Whether push-mode buffers of `world` ranks have a watch area (2 ranks),
+/// which only the copy engines' watched one-shot calls write (its rows hold
+/// the sentinel between calls: a row of another mode's there would pass
+/// for landed).
+fn watched(world: usize) -> bool {
+    world == 2
+}
+
+/// Areas of a push-mode buffer: slots, out, residual, and the watch area
+/// where [`watched`].
 fn areas(world: usize) -> u64 {
-    if world == 2 {
-        4
-    } else {
-        3
-    }
+    3 + u64::from(watched(world))
+}
+
+/// Bytes of each area of a push-mode buffer of `capacity` bytes (whole
+/// 16-byte vectors), whatever the call's size.
+fn area_bytes(world: usize, capacity: u64) -> u64 {
+    capacity.saturating_sub(HEADER_BYTES) / areas(world) / 16 * 16
 }
 
 /// Where the watch area of a push-mode buffer of `capacity` bytes on
-/// `world` ranks starts (it runs to the end), or None (not 2 ranks): the
-/// bytes to fill with the sentinel before the buffer is shared.
+/// `world` ranks starts (it runs to the end), or None (not [`watched`]):
+/// the bytes to fill with the sentinel before the buffer is shared.
 pub fn watch_offset(world: usize, capacity: u64) -> Option<u64> {
-    (world == 2).then(|| HEADER_BYTES + 3 * (capacity.saturating_sub(HEADER_BYTES) / 4 / 16 * 16))
+    watched(world).then(|| HEADER_BYTES + 3 * area_bytes(world, capacity))
 }
 /// The byte every watch-area byte holds between calls (the kernel's
 /// WATCH_SENTINEL: 0xffff, a NaN in bf16 and fp16, in each 16-bit value).
@@ -431,16 +439,12 @@ impl Checked {
         kind: i32,
         stream: RawStream,
     ) -> Result<()> {
-        let Some(params) = self.params else {
+        let Some(mut params) = self.copy_engines(CE_FLAGS) else {
             return Ok(());
         };
         if last <= first {
             return Ok(());
         }
-        let mut params = Params {
-            copy_engines: CE_FLAGS,
-            ..params
-        };
         let (mut first, mut last, mut kind) = (first as i32, last as i32, kind);
         let grid = self.ctas.min((last - first) as u32);
         let mut args: [*mut c_void; 4] = [
@@ -456,7 +460,7 @@ impl Checked {
     /// landed in the ranges [bounds[c], bounds[c + 1]) whose flags it waits
     /// for, on at most `ctas` CTAs (one per row at least).
     pub fn launch_chunks(&self, kernel: &Kernel, bounds: &[u64], stream: RawStream) -> Result<()> {
-        let Some(params) = self.params else {
+        let Some(mut params) = self.copy_engines(CE_FLAGS) else {
             return Ok(());
         };
         let count = bounds.len().saturating_sub(1);
@@ -465,10 +469,6 @@ impl Checked {
                 "internal: one launch waits for 1 to {CE_LAUNCH_CHUNKS} ranges, got {count}"
             )));
         }
-        let mut params = Params {
-            copy_engines: CE_FLAGS,
-            ..params
-        };
         let mut chunks = Chunks {
             count: count as i32,
             bounds: [0; CE_LAUNCH_CHUNKS + 1],
@@ -483,13 +483,11 @@ impl Checked {
         ];
         kernel.launch(grid, self.threads, stream, &mut args)
     }
-}
 
-impl Checked {
     /// One-shot's watching copy-engine kernel (`fo_arn_ce_watch`) over every
     /// row, landed in one copy into the watch area, on at most `ctas` CTAs.
     pub fn launch_watch(&self, kernel: &Kernel, stream: RawStream) -> Result<()> {
-        let Some(params) = self.params else {
+        let Some(mut params) = self.copy_engines(CE_WATCH) else {
             return Ok(());
         };
         if params.watch_offset == 0 {
@@ -497,13 +495,18 @@ impl Checked {
                 "internal: a watched call needs the watch area of a 2-rank push buffer".into(),
             ));
         }
-        let mut params = Params {
-            copy_engines: CE_WATCH,
-            ..params
-        };
         let grid = self.ctas.min(params.tokens as u32);
         let mut args: [*mut c_void; 1] = [(&mut params as *mut Params).cast()];
         kernel.launch(grid, self.threads, stream, &mut args)
+    }
+
+    /// The call's parameters for a copy-engine kernel of mode `mode`
+    /// ([`CE_FLAGS`], [`CE_WATCH`]); None when it has no rows.
+    fn copy_engines(&self, mode: i32) -> Option<Params> {
+        self.params.map(|params| Params {
+            copy_engines: mode,
+            ..params
+        })
     }
 }
 
