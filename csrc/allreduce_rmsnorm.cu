@@ -449,13 +449,16 @@ namespace {
 // Step 1 for part `stage`: copies it of every other owner's slice of x into
 // that owner's slot for this rank.
 // One-shot: its part of every row into this rank's half of the call.
+__device__ __forceinline__ void push_oneshot(const Params& p, int stage, int vecs, unsigned epoch) {
+  int first, last;
+  part(p, p.rank, stage, first, last);
+  const long long at = static_cast<long long>(first - p.row0) * vecs;
+  copy(half(p, p.rank, epoch) + at, p.x + static_cast<long long>(first) * vecs,
+       static_cast<long long>(last - first) * vecs);
+}
 __device__ __forceinline__ void push(const Params& p, int stage, int vecs, unsigned epoch) {
   if (p.oneshot) {
-    int first, last;
-    part(p, p.rank, stage, first, last);
-    const long long at = static_cast<long long>(first - p.row0) * vecs;
-    copy(half(p, p.rank, epoch) + at, p.x + static_cast<long long>(first) * vecs,
-         static_cast<long long>(last - first) * vecs);
+    push_oneshot(p, stage, vecs, epoch);
     return;
   }
   for (int i = 1; i < p.world; ++i) {
@@ -470,19 +473,22 @@ __device__ __forceinline__ void push(const Params& p, int stage, int vecs, unsig
 
 // Step 2 over rows [first, last) of this rank's slice: a row group per row.
 // TWO: p.world == 2 (the sources' sum one packed add; else an fp32 sum).
-template <int FIXED, bool TWO>
+// ONESHOT: one-shot by peer loads alone (fo_arn_oneshot: 2 ranks, full
+// residual, push), every other mode's code left out.
+template <int FIXED, bool TWO, bool ONESHOT = false>
 __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last, int vecs, bool pull,
                                             const RowGroup& grp, unsigned epoch) {
   const int s0 = slice_first(p, p.rank);
   const int threads = row_threads<FIXED>(grp);
   // Two-shot with the full residual: r goes to every peer (one-shot: each computes its own;
   // with the copy engines they copy it).
-  const bool share_r = p.residual_full && !p.oneshot && !p.copy_engines;
-  const bool share_out = !p.residual_full && !p.copy_engines;
-  const bool watch = p.copy_engines == CE_WATCH;
+  const bool share_r = !ONESHOT && p.residual_full && !p.oneshot && !p.copy_engines;
+  const bool share_out = !ONESHOT && !p.residual_full && !p.copy_engines;
+  const bool watch = !ONESHOT && p.copy_engines == CE_WATCH;
   // Where source src's rows of this rank's slice lie (`base`: the row's offset in whole-output
   // arrays; `local`: in the slice's).
   auto source = [&](int src, long long base, long long local) -> const uint4* {
+    if (ONESHOT) return src == p.rank ? p.x + base : half(p, src, epoch) + local;
     return pull            ? reinterpret_cast<const uint4*>(area(p, src, p.x_offset)) + base
            : src == p.rank ? p.x + base
            : p.oneshot     ? peer_x(p, src, epoch) + local
@@ -511,7 +517,7 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
       for (int u = 0; u < UNROLL; ++u) res[u] = res_row[at[u]];
       if constexpr (TWO) {
         uint4 w[UNROLL];
-        if (watch) {
+        if (!ONESHOT && watch) {
           // This rank's x and the peer's from the watch area (a + b == b + a, bit for bit).
           uint4* seen = const_cast<uint4*>(landed(p)) + local;
 #pragma unroll
@@ -1046,6 +1052,37 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
     const bool dones = reduces && !p.oneshot;
     const bool readies = pushes && !p.oneshot;
     if (ok && (readies || dones)) raise(p, readies ? flag_slot(t + 1) : -1, dones ? flag_slot(t) : -1, epoch);
+  }
+  finish(own);
+}
+
+// One-shot by peer loads alone (2 ranks, full residual, push; the host
+// launches it for no other call): fo_allreduce_rmsnorm's one-shot steps with
+// every other mode's code left out, so that a short call, whose every
+// instruction runs about once, fetches far less code.
+extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_oneshot(Params p) {
+  const int vecs = p.hidden / VEC;
+  unsigned* own = header(p, p.rank);
+  const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own + EPOCH) + 1;
+  if (threadIdx.x == 0) abandoned = 0;  // read only after the first step's barriers
+  bool ok = true;
+  for (int t = -1; ok && t < p.stages; ++t) {
+    if (t + 1 < p.stages) {
+      push_oneshot(p, t + 1, vecs, epoch);
+      raise(p, flag_slot(t + 1), -1, epoch);
+    }
+    if (t >= 0) {
+      ok = wait_all(p, READY, flag_slot(t), epoch);
+      if (!ok) break;
+      int first, last;
+      part(p, p.rank, t, first, last);
+      const RowGroup grp = row_group(last - first, vecs);
+      if (grp.size == 1) {
+        reduce_rows<WARP_ROWS, true, true>(p, first, last, vecs, false, grp, epoch);
+      } else {
+        reduce_rows<ANY_ROWS, true, true>(p, first, last, vecs, false, grp, epoch);
+      }
+    }
   }
   finish(own);
 }

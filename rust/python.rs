@@ -1183,7 +1183,12 @@ fn allreduce_rmsnorm_launch(
         let config = arn::resolved(config, tokens, world, ctas, residual_full, pull);
         let ring = arn::default_takes_ring(tokens, world, ctas, pull);
         call.config = arn::effective(config, world, hidden, dtype, dev.major, ring);
-        let kernel = kernels::load(&dev, &kernels::allreduce_rmsnorm_spec(dtype, call.config))?;
+        let spec = if arn::runs_oneshot_entry(&call) {
+            kernels::allreduce_rmsnorm_oneshot_spec(dtype, call.config)
+        } else {
+            kernels::allreduce_rmsnorm_spec(dtype, call.config)
+        };
+        let kernel = kernels::load(&dev, &spec)?;
         let stream = stream::from_handle(stream);
         let checked = arn::checked(&call, ctas)?;
         if pull && tokens > 0 {

@@ -461,6 +461,15 @@ pub fn allreduce_rmsnorm_ce_chunks_spec(dtype: Dtype, config: NormConfig) -> Ker
     }
 }
 
+/// One-shot by peer loads alone in the plain build (fo_arn_oneshot: every
+/// other mode's code left out), from the same module.
+pub fn allreduce_rmsnorm_oneshot_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
+    KernelSpec {
+        entry: "fo_arn_oneshot",
+        ..allreduce_rmsnorm_spec(dtype, config)
+    }
+}
+
 /// One-shot on the copy engines, watching the landed values
 /// (fo_arn_ce_watch: one copy, no flag per range), from the same module.
 pub fn allreduce_rmsnorm_ce_watch_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {

@@ -293,6 +293,15 @@ pub fn resolved(
 pub const ONESHOT_MAX_TOKENS: u64 = 512;
 pub const ONESHOT_MAX_ROWS_PER_CTA: u64 = 16;
 
+/// Whether a call launches fo_arn_oneshot, the plain build's one-shot by
+/// peer loads with every other mode's code left out (47 KB of machine code
+/// against fo_allreduce_rmsnorm's 194 KB, hidden 8192 bf16): every one-shot
+/// call of that build. A short call runs each instruction about once, so
+/// fetching the code is part of its latency.
+pub fn runs_oneshot_entry(call: &Call) -> bool {
+    !call.config.ring && call.oneshot()
+}
+
 /// The config a call that the copy engines serve (ops::norm_copy_engines)
 /// runs with when asked for `config`: one-shot where `config` (or the
 /// default) asks for it and the call allows it ([`runs_oneshot`]); else
@@ -783,6 +792,14 @@ mod tests {
             rows: 1000,
         });
         assert!(!call(2, true, pull).oneshot());
+        // fo_arn_oneshot: the plain build's one-shot calls only.
+        assert!(runs_oneshot_entry(&call(2, true, None)));
+        assert!(!runs_oneshot_entry(&call(3, true, None)));
+        assert!(!runs_oneshot_entry(&call(2, false, None)));
+        assert!(!runs_oneshot_entry(&call(2, true, pull)));
+        let mut ring = call(2, true, None);
+        ring.config.ring = true;
+        assert!(!runs_oneshot_entry(&ring));
         // One-shot parts cut every row: 1000 rows on 8 CTAs of 16 warps allow 4 parts (2 ranks' slices: 3).
         let oneshot = checked(&call(2, true, None), 8).unwrap().params.unwrap();
         assert_eq!((oneshot.oneshot, oneshot.stages), (1, 4));
@@ -884,6 +901,18 @@ mod tests {
             2,
             "the ring's and the plain build's"
         );
+    }
+
+    #[test]
+    fn the_one_shot_entry_is_the_plain_builds() {
+        let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
+        let entry = source
+            .find("fo_arn_oneshot(Params p)")
+            .expect("fo_arn_oneshot");
+        assert_eq!(source.matches("fo_arn_oneshot(Params p)").count(), 1);
+        // After the ring build's #else: runs_oneshot_entry never asks the ring's module for it.
+        let before = &source[..entry];
+        assert!(before.rfind("#if FO_RING") < before.rfind("#else"));
     }
 
     #[test]
