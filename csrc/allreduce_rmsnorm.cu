@@ -44,6 +44,9 @@
 // calls later, after seeing the peer's flags of the call in between, which
 // the peer raises only once its kernel of the call before (the last to
 // read that half) has ended.
+// In the plain build the host launches every one-shot call's steps as
+// fo_arn_oneshot, which holds no other mode's code (a short call runs each
+// instruction about once, so fetching the code is part of its latency).
 // With the copy engines (copy_engines, fo_arn_ce below) one-shot's rows of
 // the peer are not loaded over NVLink: its copy engines landed all of its x
 // in this rank's slot area first (`landed`).
