@@ -449,9 +449,8 @@ __device__ __forceinline__ void normalize_regs(const uint4 (&r)[REG_VECS], const
 }  // namespace
 
 namespace {
-// Step 1 for part `stage`: copies it of every other owner's slice of x into
-// that owner's slot for this rank.
-// One-shot: its part of every row into this rank's half of the call.
+// One-shot's step 1 for part `stage`: its part of every row into this
+// rank's half of the call.
 __device__ __forceinline__ void push_oneshot(const Params& p, int stage, int vecs, unsigned epoch) {
   int first, last;
   part(p, p.rank, stage, first, last);
@@ -459,6 +458,8 @@ __device__ __forceinline__ void push_oneshot(const Params& p, int stage, int vec
   copy(half(p, p.rank, epoch) + at, p.x + static_cast<long long>(first) * vecs,
        static_cast<long long>(last - first) * vecs);
 }
+// Step 1 for part `stage`: copies it of every other owner's slice of x into
+// that owner's slot for this rank (one-shot: push_oneshot).
 __device__ __forceinline__ void push(const Params& p, int stage, int vecs, unsigned epoch) {
   if (p.oneshot) {
     push_oneshot(p, stage, vecs, epoch);
@@ -520,7 +521,7 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
       for (int u = 0; u < UNROLL; ++u) res[u] = res_row[at[u]];
       if constexpr (TWO) {
         uint4 w[UNROLL];
-        if (!ONESHOT && watch) {
+        if (watch) {
           // This rank's x and the peer's from the watch area (a + b == b + a, bit for bit).
           uint4* seen = const_cast<uint4*>(landed(p)) + local;
 #pragma unroll
@@ -586,11 +587,19 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
   }
 }
 
-// Step 2 over rows [first, last) of this rank's slice, with their row groups.
+// Step 2 over rows [first, last) of this rank's slice, with their row groups
+// (ONESHOT: fo_arn_oneshot's, reduce_rows).
+template <bool ONESHOT = false>
 __device__ __forceinline__ void reduce_range(const Params& p, int first, int last, int vecs, bool pull,
                                              unsigned epoch = 0) {
   const RowGroup grp = row_group(last - first, vecs);
-  if (grp.size == 1) {
+  if constexpr (ONESHOT) {
+    if (grp.size == 1) {
+      reduce_rows<WARP_ROWS, true, true>(p, first, last, vecs, false, grp, epoch);
+    } else {
+      reduce_rows<ANY_ROWS, true, true>(p, first, last, vecs, false, grp, epoch);
+    }
+  } else if (grp.size == 1) {
     if (p.world == 2) {
       reduce_rows<WARP_ROWS, true>(p, first, last, vecs, pull, grp, epoch);
     } else {
@@ -1079,12 +1088,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_oneshot(Params p) {
       if (!ok) break;
       int first, last;
       part(p, p.rank, t, first, last);
-      const RowGroup grp = row_group(last - first, vecs);
-      if (grp.size == 1) {
-        reduce_rows<WARP_ROWS, true, true>(p, first, last, vecs, false, grp, epoch);
-      } else {
-        reduce_rows<ANY_ROWS, true, true>(p, first, last, vecs, false, grp, epoch);
-      }
+      reduce_range<true>(p, first, last, vecs, false, epoch);
     }
   }
   finish(own);
