@@ -1184,7 +1184,7 @@ fn allreduce_rmsnorm_launch(
         let ring = arn::default_takes_ring(tokens, world, ctas, pull);
         call.config = arn::effective(config, world, hidden, dtype, dev.major, ring);
         let spec = if arn::runs_oneshot_entry(&call) {
-            kernels::allreduce_rmsnorm_oneshot_spec(dtype, call.config)
+            kernels::allreduce_rmsnorm_entry_spec(dtype, call.config, kernels::NormEntry::Oneshot)
         } else {
             kernels::allreduce_rmsnorm_spec(dtype, call.config)
         };

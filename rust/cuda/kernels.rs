@@ -440,41 +440,43 @@ pub fn allreduce_rmsnorm_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
     }
 }
 
-/// The copy-engine mode's kernel (csrc/allreduce_rmsnorm.cu's fo_arn_ce:
-/// the sums and norms of rows the copy engines moved), from the build of
-/// `config` (the ring's on Hopper): the same module as that build's
-/// fo_allreduce_rmsnorm (one cubin, which `all_for` compiles under that entry).
-pub fn allreduce_rmsnorm_ce_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
-    KernelSpec {
-        entry: "fo_arn_ce",
-        ..allreduce_rmsnorm_spec(dtype, config)
+/// The other entries of the AllReduce + RMSNorm module (csrc/allreduce_rmsnorm.cu),
+/// each compiled in the same cubin as that build's fo_allreduce_rmsnorm
+/// (which `all_for` compiles under that entry).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormEntry {
+    /// fo_arn_oneshot: the plain build's one-shot by peer loads alone.
+    Oneshot,
+    /// fo_arn_ce: sums and norms of rows the copy engines moved (two-shot).
+    CopyEngines,
+    /// fo_arn_ce_chunks: one-shot on the copy engines in one launch that
+    /// waits for each landed range's flag itself.
+    CopyEngineChunks,
+    /// fo_arn_ce_watch: one-shot on the copy engines, one copy whose landed
+    /// values the kernel watches.
+    CopyEngineWatch,
+}
+
+impl NormEntry {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Oneshot => "fo_arn_oneshot",
+            Self::CopyEngines => "fo_arn_ce",
+            Self::CopyEngineChunks => "fo_arn_ce_chunks",
+            Self::CopyEngineWatch => "fo_arn_ce_watch",
+        }
     }
 }
 
-/// One-shot on the copy engines in one launch (fo_arn_ce_chunks: waits for
-/// each landed range's flag itself), from the same module as
-/// [`allreduce_rmsnorm_ce_spec`].
-pub fn allreduce_rmsnorm_ce_chunks_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
+/// `entry` from the build of `config` (the ring's on Hopper where `config`
+/// takes it): [`allreduce_rmsnorm_spec`]'s module.
+pub fn allreduce_rmsnorm_entry_spec(
+    dtype: Dtype,
+    config: NormConfig,
+    entry: NormEntry,
+) -> KernelSpec {
     KernelSpec {
-        entry: "fo_arn_ce_chunks",
-        ..allreduce_rmsnorm_spec(dtype, config)
-    }
-}
-
-/// One-shot by peer loads alone in the plain build (fo_arn_oneshot: every
-/// other mode's code left out), from the same module.
-pub fn allreduce_rmsnorm_oneshot_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
-    KernelSpec {
-        entry: "fo_arn_oneshot",
-        ..allreduce_rmsnorm_spec(dtype, config)
-    }
-}
-
-/// One-shot on the copy engines, watching the landed values
-/// (fo_arn_ce_watch: one copy, no flag per range), from the same module.
-pub fn allreduce_rmsnorm_ce_watch_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
-    KernelSpec {
-        entry: "fo_arn_ce_watch",
+        entry: entry.name(),
         ..allreduce_rmsnorm_spec(dtype, config)
     }
 }

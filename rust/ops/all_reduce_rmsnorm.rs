@@ -623,6 +623,7 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::kernels::NormEntry;
 
     #[test]
     fn slices_cover_the_tokens_once() {
@@ -896,8 +897,9 @@ mod tests {
         assert!(source.contains(&format!(
             "constexpr unsigned WATCH_SENTINEL = {word:#010x}u;"
         )));
+        let watch = format!("{}(Params p)", NormEntry::CopyEngineWatch.name());
         assert_eq!(
-            source.matches("fo_arn_ce_watch(Params p)").count(),
+            source.matches(&watch).count(),
             2,
             "the ring's and the plain build's"
         );
@@ -906,10 +908,9 @@ mod tests {
     #[test]
     fn the_one_shot_entry_is_the_plain_builds() {
         let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
-        let entry = source
-            .find("fo_arn_oneshot(Params p)")
-            .expect("fo_arn_oneshot");
-        assert_eq!(source.matches("fo_arn_oneshot(Params p)").count(), 1);
+        let oneshot = format!("{}(Params p)", NormEntry::Oneshot.name());
+        let entry = source.find(&oneshot).expect("fo_arn_oneshot");
+        assert_eq!(source.matches(&oneshot).count(), 1);
         // After the ring build's #else: runs_oneshot_entry never asks the ring's module for it.
         let before = &source[..entry];
         assert!(before.rfind("#if FO_RING") < before.rfind("#else"));

@@ -37,7 +37,7 @@
 //! The same holds against the peer-store kernel's calls before and after.
 
 use super::all_reduce_rmsnorm::{self as arn, Call, HEADER_BYTES};
-use crate::cuda::kernels::{self, Kernel, KernelSpec};
+use crate::cuda::kernels::{self, Kernel, KernelSpec, NormEntry};
 use crate::cuda::stream::{self, Event, OwnedStream, RawStream};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
@@ -163,13 +163,20 @@ fn r_arrived(base: u64, c: u32) -> u64 {
 /// its config: one-shot's single launch (fo_arn_ce_watch with the library's
 /// count, else fo_arn_ce_chunks), else the per-chunk kernel (fo_arn_ce).
 pub fn kernel_spec(dtype: Dtype, call: &Call, chunks: u32) -> KernelSpec {
-    if call.oneshot() && chunks == 0 {
-        kernels::allreduce_rmsnorm_ce_watch_spec(dtype, call.config)
+    let entry = if watches(call, chunks) {
+        NormEntry::CopyEngineWatch
     } else if call.oneshot() {
-        kernels::allreduce_rmsnorm_ce_chunks_spec(dtype, call.config)
+        NormEntry::CopyEngineChunks
     } else {
-        kernels::allreduce_rmsnorm_ce_spec(dtype, call.config)
-    }
+        NormEntry::CopyEngines
+    };
+    kernels::allreduce_rmsnorm_entry_spec(dtype, call.config, entry)
+}
+
+/// Whether a call with `chunks` ranges asked for watches one copy
+/// ([`enqueue_watch`]): one-shot with the library's count.
+fn watches(call: &Call, chunks: u32) -> bool {
+    call.oneshot() && chunks == 0
 }
 
 /// Enqueues a call (push layout, 2 ranks) on the caller's stream and
@@ -198,7 +205,7 @@ pub fn enqueue(
     if call.tokens == 0 {
         return Ok(());
     }
-    if call.oneshot() && chunks == 0 {
+    if watches(call, chunks) {
         return enqueue_watch(kernel, call, &checked, caller, lanes);
     }
     let chunks = match chunks {
@@ -482,9 +489,10 @@ mod tests {
     #[test]
     fn the_kernel_has_both_builds_and_kinds() {
         let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
-        let spec = crate::cuda::kernels::allreduce_rmsnorm_ce_spec(
+        let spec = crate::cuda::kernels::allreduce_rmsnorm_entry_spec(
             crate::dtype::Dtype::Bf16,
             crate::cuda::kernels::NormConfig::DEFAULT,
+            NormEntry::CopyEngines,
         );
         let entry = format!("{}(Params p, int first, int last, int kind)", spec.entry);
         assert_eq!(
@@ -497,9 +505,10 @@ mod tests {
             arn::CE_REDUCE,
             arn::CE_GATHER
         )));
-        let chunked = crate::cuda::kernels::allreduce_rmsnorm_ce_chunks_spec(
+        let chunked = crate::cuda::kernels::allreduce_rmsnorm_entry_spec(
             crate::dtype::Dtype::Bf16,
             crate::cuda::kernels::NormConfig::DEFAULT,
+            NormEntry::CopyEngineChunks,
         );
         let entry = format!("{}(Params p, Chunks ch)", chunked.entry);
         assert_eq!(source.matches(&entry).count(), 2);
