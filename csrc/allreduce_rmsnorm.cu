@@ -60,9 +60,10 @@
 // rows [row0, row0 + tokens) of arrays of the whole output's rows, split
 // among the owners like the tokens of a plain call.
 // The flags hold the call's epoch (a counter in each rank's buffer, moved
-// on once every CTA of the launch has read it: begin_call), so they never
-// need resetting and CUDA-graph replays work. A wait that lasts longer than `timeout_ns` (0: forever)
-// records an error in the buffer's header and abandons the call.
+// on once every CTA of the launch is done with it: finish, begin_call), so
+// they never need resetting and CUDA-graph replays work. A wait that lasts
+// longer than `timeout_ns` (0: forever) records an error in the buffer's
+// header and abandons the call.
 // FO_RING (Hopper, two-shot): the same steps, flags and buffers, with the
 // rows moved by bulk copies through a shared-memory ring (see "Ring" below).
 #include "ptx.cuh"
@@ -92,6 +93,7 @@ constexpr int VEC = 8;
 constexpr int UNROLL = FO_UNROLL;
 
 // Header words of a rank's buffer (u32 indices); keep in step with rust/ops/all_reduce_rmsnorm.rs.
+// COUNTED: the CTAs of a launch counted (finish, begin_call).
 constexpr int EPOCH = 0, COUNTED = 1, ERROR = 2;
 // Flags of one kind: a word per (part, source); ready and done fill the
 // 64 KiB header after its first 16 words but the last 128 (the copy-engine
@@ -303,18 +305,28 @@ __device__ __forceinline__ bool last_cta(unsigned* counter) {
   return true;
 }
 
+// fo_allreduce_rmsnorm: the last CTA of the call to finish moves this rank
+// to the next epoch.
+__device__ __forceinline__ void finish(unsigned* own) {
+  __syncthreads();
+  if (threadIdx.x == 0 && last_cta(own + COUNTED)) atomicAdd(own + EPOCH, 1u);
+}
+
 __device__ __forceinline__ unsigned load_acquire_gpu(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
-// The call's epoch (this rank's counter + 1), which thread 0 of each CTA
-// reads and hands the others in shared memory. The launch's CTAs are counted
-// as they read it (the acquire keeps the count behind the read), and the
-// last to read it moves the counter on at its end (end_call): no CTA's tail
-// waits for a fence and an atomic, 0.5-1.7 us of a 128-256-token call on
-// 2x H200. `counted`: thread 0's place in that count.
+// fo_arn_oneshot's epoch (this rank's counter + 1), which thread 0 of each
+// CTA reads and hands the others in shared memory. The launch's CTAs are
+// counted as they read it (the acquire keeps the count behind the read), and
+// the last to read it moves the counter on at its end (end_call): no CTA's
+// tail waits for a fence and an atomic. On 2x H200 that took 0.95x the time
+// of a 128- or 256-token call on 32 CTAs; fo_allreduce_rmsnorm counted so
+// took 1.02-1.03x at 256 tokens on 8 and 16 CTAs and keeps finish. Both
+// count in the same word, which the last CTA zeroes, so launches of either
+// follow each other. `counted`: thread 0's place in the count.
 struct CallEpoch {
   unsigned value, counted;
 };
@@ -1046,8 +1058,7 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
   extern __shared__ __align__(128) char ring[];
   const int vecs = p.hidden / VEC;
   unsigned* own = header(p, p.rank);
-  const CallEpoch call = begin_call(own);
-  const unsigned epoch = call.value;
+  const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own + EPOCH) + 1;
   const bool pull = p.x_offset != 0;
   unsigned slot_bytes;
   uint4 weight[ROW_VECS];
@@ -1060,18 +1071,18 @@ extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_allreduce_rm
     ok = ring_step(p, t, pull, vecs, slots, slot_bytes, ring, at, weight, parity, epoch);
     if (ok && (pushes || reduces)) raise(p, pushes ? flag_slot(t + 1) : -1, reduces ? flag_slot(t) : -1, epoch);
   }
-  end_call(own, call);
+  finish(own);
 }
 #else
 extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Params p) {
   const int vecs = p.hidden / VEC;
   unsigned* own = header(p, p.rank);
-  if (threadIdx.x == 0) abandoned = 0;  // read only after begin_call's barrier
-  const CallEpoch call = begin_call(own);
-  const unsigned epoch = call.value;
+  // Every CTA reads the epoch before the last one to finish bumps it.
+  const unsigned epoch = *reinterpret_cast<volatile unsigned*>(own + EPOCH) + 1;
   // Pull mode: the partial already lies in this rank's buffer; ready only says so.
   const bool pull = p.x_offset != 0;
   const int stages = p.stages;
+  if (threadIdx.x == 0) abandoned = 0;  // read only after the first step's barriers
 
   // Step t pushes part t + 1, reduces part t, gathers part t - 1.
   bool ok = true;
@@ -1094,7 +1105,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
     const bool readies = pushes && !p.oneshot;
     if (ok && (readies || dones)) raise(p, readies ? flag_slot(t + 1) : -1, dones ? flag_slot(t) : -1, epoch);
   }
-  end_call(own, call);
+  finish(own);
 }
 
 // One-shot by peer loads alone (2 ranks, full residual, push; the host

@@ -4,8 +4,8 @@
 //! rows back, on a few CTAs, with no NCCL and no multicast.
 //!
 //! Rank R's buffer (mapped into every rank of the node), push mode:
-//!   [0, 64 KiB)              header: epoch, count of the CTAs that read
-//!                            it, error, ready[part][source], done[part][source] (u32;
+//!   [0, 64 KiB)              header: epoch, count of a launch's CTAs,
+//!                            error, ready[part][source], done[part][source] (u32;
 //!                            FLAG_SLOTS parts: CTAs x stages), then the
 //!                            copy-engine mode's flags (ops::norm_copy_engines)
 //!   slot area                world slots of ceil(tokens / world) rows: what
