@@ -265,6 +265,15 @@ __device__ __forceinline__ void raise(const Params& p, int ready_slot, int done_
   }
 }
 
+// Whether a wait that began at `start` has lasted past `timeout_ns`: then
+// records `error` in this rank's header and abandons the call.
+__device__ __forceinline__ bool timed_out(const Params& p, unsigned long long start, unsigned error) {
+  if (!p.timeout_ns || now_ns() - start <= p.timeout_ns) return false;
+  atomicExch(header(p, p.rank) + ERROR, error);
+  abandoned = 1;
+  return true;
+}
+
 // Spins until the word at `flag` reaches `value` (an acquire), or the call
 // was abandoned; after `timeout_ns` records `error` in this rank's header
 // and abandons the call. True if the value came.
@@ -274,10 +283,7 @@ __device__ __forceinline__ bool await_word(const Params& p, const unsigned* flag
   const unsigned long long start = p.timeout_ns ? now_ns() : 0;
   // Signed distance: epochs wrap around without harm.
   while (static_cast<int>(load_acquire_sys(flag) - value) < 0 && !*static_cast<volatile int*>(&abandoned)) {
-    if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
-      atomicExch(header(p, p.rank) + ERROR, error);
-      abandoned = 1;
-    }
+    timed_out(p, start, error);
   }
   return !*static_cast<volatile int*>(&abandoned);
 }
@@ -384,11 +390,7 @@ __device__ __forceinline__ uint4 await_landed(const Params& p, const uint4* at) 
     // The acquire orders the load after it behind every byte of the copy.
     if (load_acquire_sys(arrived) != 0) return load_volatile(at);
     __nanosleep(256);
-    if (p.timeout_ns && now_ns() - start > p.timeout_ns) {
-      atomicExch(header(p, p.rank) + ERROR, 1u + CE_ARRIVED);
-      abandoned = 1;
-      return v;
-    }
+    if (timed_out(p, start, 1u + CE_ARRIVED)) return v;
   }
 }
 
