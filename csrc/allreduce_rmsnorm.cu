@@ -154,6 +154,7 @@ __device__ __forceinline__ uint4 packed(const float (&acc)[8]) {
 __device__ __forceinline__ void store_release_sys(unsigned* p, unsigned v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+using fo::load_acquire_gpu;
 using fo::load_acquire_sys;
 using fo::now_ns;
 }  // namespace
@@ -316,12 +317,6 @@ __device__ __forceinline__ bool last_cta(unsigned* counter) {
 __device__ __forceinline__ void finish(unsigned* own) {
   __syncthreads();
   if (threadIdx.x == 0 && last_cta(own + COUNTED)) atomicAdd(own + EPOCH, 1u);
-}
-
-__device__ __forceinline__ unsigned load_acquire_gpu(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
 }
 
 // fo_arn_oneshot's epoch (this rank's counter + 1), which thread 0 of each
