@@ -1183,12 +1183,7 @@ fn allreduce_rmsnorm_launch(
         let config = arn::resolved(config, tokens, world, ctas, residual_full, pull);
         let ring = arn::default_takes_ring(tokens, world, ctas, pull);
         call.config = arn::effective(config, world, hidden, dtype, dev.major, ring);
-        let spec = if arn::runs_oneshot_entry(&call) {
-            kernels::allreduce_rmsnorm_entry_spec(dtype, call.config, kernels::NormEntry::Oneshot)
-        } else {
-            kernels::allreduce_rmsnorm_spec(dtype, call.config)
-        };
-        let kernel = kernels::load(&dev, &spec)?;
+        let kernel = kernels::load(&dev, &arn::kernel_spec(dtype, &call))?;
         let stream = stream::from_handle(stream);
         let checked = arn::checked(&call, ctas)?;
         if pull && tokens > 0 {

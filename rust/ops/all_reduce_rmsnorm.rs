@@ -34,7 +34,7 @@
 
 use std::ffi::c_void;
 
-use crate::cuda::kernels::{Kernel, NormConfig, NORM_RING_BYTES};
+use crate::cuda::kernels::{self, Kernel, KernelSpec, NormConfig, NormEntry, NORM_RING_BYTES};
 use crate::cuda::stream::RawStream;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
@@ -300,6 +300,16 @@ pub const ONESHOT_MAX_ROWS_PER_CTA: u64 = 16;
 /// fetching the code is part of its latency.
 pub fn runs_oneshot_entry(call: &Call) -> bool {
     !call.config.ring && call.oneshot()
+}
+
+/// The kernel a flag-mode call (not the copy engines': their
+/// ops::norm_copy_engines::kernel_spec) launches, built for its config.
+pub fn kernel_spec(dtype: Dtype, call: &Call) -> KernelSpec {
+    if runs_oneshot_entry(call) {
+        kernels::allreduce_rmsnorm_entry_spec(dtype, call.config, NormEntry::Oneshot)
+    } else {
+        kernels::allreduce_rmsnorm_spec(dtype, call.config)
+    }
 }
 
 /// The config a call that the copy engines serve (ops::norm_copy_engines)
@@ -623,7 +633,6 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::kernels::NormEntry;
 
     #[test]
     fn slices_cover_the_tokens_once() {
@@ -801,6 +810,14 @@ mod tests {
         let mut ring = call(2, true, None);
         ring.config.ring = true;
         assert!(!runs_oneshot_entry(&ring));
+        assert_eq!(
+            kernel_spec(Dtype::Bf16, &call(2, true, None)).entry,
+            NormEntry::Oneshot.name()
+        );
+        assert_eq!(
+            kernel_spec(Dtype::Bf16, &ring).entry,
+            "fo_allreduce_rmsnorm"
+        );
         // One-shot parts cut every row: 1000 rows on 8 CTAs of 16 warps allow 4 parts (2 ranks' slices: 3).
         let oneshot = checked(&call(2, true, None), 8).unwrap().params.unwrap();
         assert_eq!((oneshot.oneshot, oneshot.stages), (1, 4));
