@@ -1183,7 +1183,13 @@ fn allreduce_rmsnorm_launch(
         let config = arn::resolved(config, tokens, world, ctas, residual_full, pull);
         let ring = arn::default_takes_ring(tokens, world, ctas, pull);
         call.config = arn::effective(config, world, hidden, dtype, dev.major, ring);
-        let spec = if arn::runs_oneshot_entry(&call) {
+        let spec = if arn::runs_store_entry(&call) {
+            kernels::allreduce_rmsnorm_entry_spec(
+                dtype,
+                call.config,
+                kernels::NormEntry::OneshotStore,
+            )
+        } else if arn::runs_oneshot_entry(&call) {
             kernels::allreduce_rmsnorm_entry_spec(dtype, call.config, kernels::NormEntry::Oneshot)
         } else {
             kernels::allreduce_rmsnorm_spec(dtype, call.config)
