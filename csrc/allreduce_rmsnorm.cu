@@ -48,7 +48,7 @@
 // fo_arn_oneshot, which holds no other mode's code (a short call runs each
 // instruction about once, so fetching the code is part of its latency), or,
 // up to 256 tokens, as fo_arn_oneshot_st: by peer stores, each rank storing
-// its x into the peer's store half (store_half) and loading only local rows.
+// its x into the peer's store half (stored_x) and loading only local rows.
 // With the copy engines (copy_engines, fo_arn_ce below) one-shot's rows of
 // the peer are not loaded over NVLink: its copy engines landed all of its x
 // in this rank's slot area first (`landed`).
@@ -207,7 +207,7 @@ __device__ __forceinline__ uint4* half(const Params& p, int rank, unsigned epoch
 // mode writes them, so a rank may store into the peer's before it has waited
 // for anything: the peer read that half last two calls before, and its
 // kernel of the call in between has started (this rank saw its flags).
-__device__ __forceinline__ uint4* store_half(const Params& p, int rank, unsigned epoch) {
+__device__ __forceinline__ uint4* stored_x(const Params& p, int rank, unsigned epoch) {
   return reinterpret_cast<uint4*>(area(p, rank, p.store_offset + (epoch & 1u) * p.store_half));
 }
 // One-shot with the copy engines: where they landed the peer's x (every row)
@@ -508,7 +508,7 @@ __device__ __forceinline__ void push_oneshot(const Params& p, int stage, int vec
   int first, last;
   part(p, p.rank, stage, first, last);
   const long long at = static_cast<long long>(first - p.row0) * vecs;
-  copy((STORE ? store_half(p, 1 - p.rank, epoch) : half(p, p.rank, epoch)) + at, p.x + static_cast<long long>(first) * vecs,
+  copy((STORE ? stored_x(p, 1 - p.rank, epoch) : half(p, p.rank, epoch)) + at, p.x + static_cast<long long>(first) * vecs,
        static_cast<long long>(last - first) * vecs);
 }
 // Step 1 for part `stage`: copies it of every other owner's slice of x into
@@ -549,7 +549,7 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
   // arrays; `local`: in the slice's).
   auto source = [&](int src, long long base, long long local) -> const uint4* {
     if (ONESHOT) {
-      return src == p.rank ? p.x + base : (ONESHOT == STORES ? store_half(p, p.rank, epoch) : half(p, src, epoch)) + local;
+      return src == p.rank ? p.x + base : (ONESHOT == STORES ? stored_x(p, p.rank, epoch) : half(p, src, epoch)) + local;
     }
     return pull            ? reinterpret_cast<const uint4*>(area(p, src, p.x_offset)) + base
            : src == p.rank ? p.x + base
