@@ -46,7 +46,9 @@
 // read that half) has ended.
 // In the plain build the host launches every one-shot call's steps as
 // fo_arn_oneshot, which holds no other mode's code (a short call runs each
-// instruction about once, so fetching the code is part of its latency).
+// instruction about once, so fetching the code is part of its latency), or,
+// up to 256 tokens, as fo_arn_oneshot_st: by peer stores, each rank storing
+// its x into the peer's store half (stored_x) and loading only local rows.
 // With the copy engines (copy_engines, fo_arn_ce below) one-shot's rows of
 // the peer are not loaded over NVLink: its copy engines landed all of its x
 // in this rank's slot area first (`landed`).
@@ -172,6 +174,8 @@ struct Params {
   unsigned long long timeout_ns;
   unsigned long long x_offset;             // pull mode: every rank's partial, [row0 + tokens, hidden]; 0: push
   unsigned long long watch_offset;         // the watch area (2 ranks, push mode): [tokens, hidden]
+  unsigned long long store_offset;         // the store halves (2 ranks, push mode), store_half bytes each
+  unsigned long long store_half;
   int rank, world, tokens, hidden;
   float eps;
   int residual_full;
@@ -198,6 +202,14 @@ __device__ __forceinline__ uint4* slot(const Params& p, int owner, int source) {
 // life), so calls of different sizes alternate on the same two halves.
 __device__ __forceinline__ uint4* half(const Params& p, int rank, unsigned epoch) {
   return reinterpret_cast<uint4*>(area(p, rank, 65536ull + (epoch & 1u) * (p.out_offset - 65536ull)));
+}
+// One-shot by peer stores (fo_arn_oneshot_st): the half of `rank`'s store
+// halves that the peer stores its x into in the call of `epoch`. No other
+// mode writes them, so a rank may store into the peer's before it has waited
+// for anything: the peer read that half last two calls before, and its
+// kernel of the call in between has started (this rank saw its flags).
+__device__ __forceinline__ uint4* stored_x(const Params& p, int rank, unsigned epoch) {
+  return reinterpret_cast<uint4*>(area(p, rank, p.store_offset + (epoch & 1u) * p.store_half));
 }
 // One-shot with the copy engines: where they landed the peer's x (every row)
 // in this rank's own buffer, the slot area's start (2 ranks).
@@ -487,12 +499,13 @@ __device__ __forceinline__ void normalize_regs(const uint4 (&r)[REG_VECS], const
 
 namespace {
 // One-shot's step 1 for part `stage`: its part of every row into this
-// rank's half of the call.
+// rank's half of the call (STORE: into the peer's store half).
+template <bool STORE = false>
 __device__ __forceinline__ void push_oneshot(const Params& p, int stage, int vecs, unsigned epoch) {
   int first, last;
   part(p, p.rank, stage, first, last);
   const long long at = static_cast<long long>(first - p.row0) * vecs;
-  copy(half(p, p.rank, epoch) + at, p.x + static_cast<long long>(first) * vecs,
+  copy((STORE ? stored_x(p, 1 - p.rank, epoch) : half(p, p.rank, epoch)) + at, p.x + static_cast<long long>(first) * vecs,
        static_cast<long long>(last - first) * vecs);
 }
 // Step 1 for part `stage`: copies it of every other owner's slice of x into
@@ -514,9 +527,12 @@ __device__ __forceinline__ void push(const Params& p, int stage, int vecs, unsig
 
 // Step 2 over rows [first, last) of this rank's slice: a row group per row.
 // TWO: p.world == 2 (the sources' sum one packed add; else an fp32 sum).
-// ONESHOT: one-shot by peer loads alone (fo_arn_oneshot: 2 ranks, full
-// residual, push), every other mode's code left out.
-template <int FIXED, bool TWO, bool ONESHOT = false>
+// ONESHOT: one-shot alone (2 ranks, full residual, push), every other
+// mode's code left out: by peer loads (LOADS, fo_arn_oneshot), or by peer
+// stores (STORES, fo_arn_oneshot_st: the peer's rows lie in this rank's
+// store half).
+constexpr int LOADS = 1, STORES = 2;
+template <int FIXED, bool TWO, int ONESHOT = 0>
 __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last, int vecs, bool pull,
                                             const RowGroup& grp, unsigned epoch) {
   const int s0 = slice_first(p, p.rank);
@@ -529,7 +545,9 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
   // Where source src's rows of this rank's slice lie (`base`: the row's offset in whole-output
   // arrays; `local`: in the slice's).
   auto source = [&](int src, long long base, long long local) -> const uint4* {
-    if (ONESHOT) return src == p.rank ? p.x + base : half(p, src, epoch) + local;
+    if (ONESHOT) {
+      return src == p.rank ? p.x + base : (ONESHOT == STORES ? stored_x(p, p.rank, epoch) : half(p, src, epoch)) + local;
+    }
     return pull            ? reinterpret_cast<const uint4*>(area(p, src, p.x_offset)) + base
            : src == p.rank ? p.x + base
            : p.oneshot     ? peer_x(p, src, epoch) + local
@@ -626,15 +644,15 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
 
 // Step 2 over rows [first, last) of this rank's slice, with their row groups
 // (ONESHOT: fo_arn_oneshot's, reduce_rows).
-template <bool ONESHOT = false>
+template <int ONESHOT = 0>
 __device__ __forceinline__ void reduce_range(const Params& p, int first, int last, int vecs, bool pull,
                                              unsigned epoch = 0) {
   const RowGroup grp = row_group(last - first, vecs);
-  if constexpr (ONESHOT) {
+  if constexpr (ONESHOT != 0) {
     if (grp.size == 1) {
-      reduce_rows<WARP_ROWS, true, true>(p, first, last, vecs, false, grp, epoch);
+      reduce_rows<WARP_ROWS, true, ONESHOT>(p, first, last, vecs, false, grp, epoch);
     } else {
-      reduce_rows<ANY_ROWS, true, true>(p, first, last, vecs, false, grp, epoch);
+      reduce_rows<ANY_ROWS, true, ONESHOT>(p, first, last, vecs, false, grp, epoch);
     }
   } else if (grp.size == 1) {
     if (p.world == 2) {
@@ -1105,11 +1123,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
   finish(own);
 }
 
-// One-shot by peer loads alone (2 ranks, full residual, push; the host
-// launches it for no other call): fo_allreduce_rmsnorm's one-shot steps with
-// every other mode's code left out, so that a short call, whose every
-// instruction runs about once, fetches far less code.
-extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_oneshot(Params p) {
+// One-shot alone (2 ranks, full residual, push; the host launches it for no
+// other call): fo_allreduce_rmsnorm's one-shot steps with every other mode's
+// code left out, so that a short call, whose every instruction runs about
+// once, fetches far less code. STORE (fo_arn_oneshot_st): x goes into the
+// peer's store half and its flag follows the part's reduce here (with one
+// part: right after the push), so that the stores drain meanwhile.
+template <bool STORE>
+__device__ __forceinline__ void oneshot_steps(const Params& p) {
   const int vecs = p.hidden / VEC;
   unsigned* own = header(p, p.rank);
   if (threadIdx.x == 0) abandoned = 0;  // read only after begin_call's barrier
@@ -1117,20 +1138,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_oneshot(Params p) {
   const unsigned epoch = call.value;
   bool ok = true;
   for (int t = -1; ok && t < p.stages; ++t) {
-    if (t + 1 < p.stages) {
-      push_oneshot(p, t + 1, vecs, epoch);
-      raise(p, flag_slot(t + 1), -1, epoch);
-    }
+    const bool pushes = t + 1 < p.stages;
+    if (pushes) push_oneshot<STORE>(p, t + 1, vecs, epoch);
+    if (pushes && !STORE) raise(p, flag_slot(t + 1), -1, epoch);
     if (t >= 0) {
       ok = wait_all(p, READY, flag_slot(t), epoch);
       if (!ok) break;
       int first, last;
       part(p, p.rank, t, first, last);
-      reduce_range<true>(p, first, last, vecs, false, epoch);
+      reduce_range<STORE ? STORES : LOADS>(p, first, last, vecs, false, epoch);
     }
+    if (pushes && STORE) raise(p, flag_slot(t + 1), -1, epoch);
   }
   end_call(own, call);
 }
+extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_oneshot(Params p) { oneshot_steps<false>(p); }
+extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_oneshot_st(Params p) { oneshot_steps<true>(p); }
 #endif  // FO_RING
 
 // Copy-engine mode (2 ranks, csrc's part of rust/ops/norm_copy_engines.rs):

@@ -447,6 +447,8 @@ pub fn allreduce_rmsnorm_spec(dtype: Dtype, config: NormConfig) -> KernelSpec {
 pub enum NormEntry {
     /// fo_arn_oneshot: the plain build's one-shot by peer loads alone.
     Oneshot,
+    /// fo_arn_oneshot_st: the same by peer stores into the store halves.
+    OneshotStore,
     /// fo_arn_ce: sums and norms of rows the copy engines moved (two-shot).
     CopyEngines,
     /// fo_arn_ce_chunks: one-shot on the copy engines in one launch that
@@ -461,6 +463,7 @@ impl NormEntry {
     pub fn name(self) -> &'static str {
         match self {
             Self::Oneshot => "fo_arn_oneshot",
+            Self::OneshotStore => "fo_arn_oneshot_st",
             Self::CopyEngines => "fo_arn_ce",
             Self::CopyEngineChunks => "fo_arn_ce_chunks",
             Self::CopyEngineWatch => "fo_arn_ce_watch",

@@ -15,14 +15,21 @@
 //!   watch area (2 ranks)     [tokens, hidden]: the peer's x, landed by its
 //!                            copy engine, the sentinel elsewhere and between
 //!                            calls (ops::norm_copy_engines::enqueue_watch)
-//! The areas are each a third (2 ranks: a quarter) of the buffer whatever
-//! the call's size:
+//!   store halves (2 ranks)   two of up to STORE_HALF_MAX bytes: the peer's x
+//!                            of a one-shot call by peer stores, alternating
+//!                            by the call's epoch ([`runs_store_entry`])
+//! The areas are each a third of the buffer (2 ranks: a quarter of what the
+//! store halves leave) whatever the call's size:
 //! a push writes into the peers' slot areas before it waits for anything,
 //! and must not land on rows a peer still gathers from its out or residual
 //! area for the previous call (of another size). One-shot calls copy R's
 //! own x into the slot area or the out area, alternating by the call's
 //! epoch, for the peers to load: a half is written again two calls later,
-//! once the peers' kernels that read it have ended.
+//! once the peers' kernels that read it have ended. One-shot calls by peer
+//! stores write into the peer's store half before they wait for anything:
+//! no other mode writes the halves, and the peer read that half last two
+//! calls before (every call waits for some word of the peer's of that
+//! call, so the peer's kernel of the call in between had begun).
 //! The header starts zeroed and is never reset: flags carry epochs.
 //!
 //! Pull mode (gemm_all_reduce_rmsnorm with `backend="peer"`): the GEMM stores
@@ -60,6 +67,10 @@ pub struct Layout {
     pub x_offset: u64,
     /// Push mode on 2 ranks: the watch area ([`watch_offset`]); else 0.
     pub watch_offset: u64,
+    /// Push mode on 2 ranks: the store halves of one-shot by peer stores
+    /// ([`runs_store_entry`]), two of `store_half` bytes from here; else 0.
+    pub store_offset: u64,
+    pub store_half: u64,
     /// Bytes a buffer needs for this call.
     pub bytes: u64,
 }
@@ -90,15 +101,18 @@ impl Layout {
         let need = (slots * slot_bytes).max(tokens * row);
         let area = area_bytes(world, capacity).max(need);
         let watch = watched(world);
+        let store_half = store_half(world, area);
         Ok(Self {
             slot_bytes,
             out_offset: HEADER_BYTES + area,
             res_offset: HEADER_BYTES + 2 * area,
             x_offset: 0,
             watch_offset: if watch { HEADER_BYTES + 3 * area } else { 0 },
+            store_offset: if watch { HEADER_BYTES + 4 * area } else { 0 },
+            store_half,
             bytes: HEADER_BYTES
                 + if watch {
-                    3 * area + tokens * row
+                    4 * area + 2 * store_half
                 } else {
                     2 * area + need
                 },
@@ -116,8 +130,8 @@ impl Layout {
         };
         let oneshot = runs_oneshot(config, world, true, false);
         let one = Self::new(world, tokens, hidden, dtype, 0, oneshot)?;
-        Ok(HEADER_BYTES
-            + areas(world) * (two.out_offset - HEADER_BYTES).max(one.out_offset - HEADER_BYTES))
+        let area = (two.out_offset - HEADER_BYTES).max(one.out_offset - HEADER_BYTES);
+        Ok(HEADER_BYTES + areas(world) * area + 2 * store_half(world, area))
     }
 
     /// Pull mode: calls over row ranges of an output of `rows` rows.
@@ -130,6 +144,8 @@ impl Layout {
             res_offset: HEADER_BYTES + area,
             x_offset: HEADER_BYTES + 2 * area,
             watch_offset: 0,
+            store_offset: 0,
+            store_half: 0,
             bytes: HEADER_BYTES + 3 * area,
         })
     }
@@ -150,10 +166,31 @@ fn areas(world: usize) -> u64 {
 }
 
 /// Bytes of each area of a push-mode buffer of `capacity` bytes (whole
-/// 16-byte vectors), whatever the call's size.
+/// 16-byte vectors), whatever the call's size: on 2 ranks the four areas
+/// and two store halves of [`store_half`] bytes each fill it.
 fn area_bytes(world: usize, capacity: u64) -> u64 {
-    capacity.saturating_sub(HEADER_BYTES) / areas(world) / 16 * 16
+    let avail = capacity.saturating_sub(HEADER_BYTES);
+    let area = if !watched(world) {
+        avail / areas(world)
+    } else if avail <= (areas(world) + 2) * STORE_HALF_MAX {
+        avail / (areas(world) + 2)
+    } else {
+        (avail - 2 * STORE_HALF_MAX) / areas(world)
+    };
+    area / 16 * 16
 }
+
+/// Each store half of a push-mode buffer whose areas are `area` bytes (2
+/// ranks; else none): as large as an area up to [`STORE_HALF_MAX`], which
+/// holds the most rows a one-shot call has at the widest rows.
+fn store_half(world: usize, area: u64) -> u64 {
+    if watched(world) {
+        area.min(STORE_HALF_MAX)
+    } else {
+        0
+    }
+}
+pub const STORE_HALF_MAX: u64 = ONESHOT_MAX_TOKENS * MAX_HIDDEN as u64 * 2;
 
 /// Where the watch area of a push-mode buffer of `capacity` bytes on
 /// `world` ranks starts (it runs to the end), or None (not [`watched`]):
@@ -302,10 +339,26 @@ pub fn runs_oneshot_entry(call: &Call) -> bool {
     !call.config.ring && call.oneshot()
 }
 
+/// Whether a one-shot call of fo_arn_oneshot's ([`runs_oneshot_entry`])
+/// moves x by peer stores (fo_arn_oneshot_st): each rank stores its rows
+/// into the peer's store half (a pair of halves that no other mode writes,
+/// [`Layout::store_offset`]) and every load of the reduce is local, instead
+/// of copying x into its own buffer for the peer to load. On 2x H200
+/// (hidden 8192, 32 CTAs, evaluation/results/norm_oneshot_stores_h200x2.txt)
+/// stores took 0.96x the time at 128 tokens (21.2-21.4 us against
+/// 22.1-22.3), tied at 256 and were slower at 384 (1.05x) and 512 (1.08x):
+/// the pushes cross NVLink before the reduce starts, with nothing beside them.
+pub fn runs_store_entry(call: &Call) -> bool {
+    runs_oneshot_entry(call) && call.tokens <= STORE_MAX_TOKENS
+}
+pub const STORE_MAX_TOKENS: u64 = 256;
+
 /// The kernel a flag-mode call (not the copy engines': their
 /// ops::norm_copy_engines::kernel_spec) launches, built for its config.
 pub fn kernel_spec(dtype: Dtype, call: &Call) -> KernelSpec {
-    if runs_oneshot_entry(call) {
+    if runs_store_entry(call) {
+        kernels::allreduce_rmsnorm_entry_spec(dtype, call.config, NormEntry::OneshotStore)
+    } else if runs_oneshot_entry(call) {
         kernels::allreduce_rmsnorm_entry_spec(dtype, call.config, NormEntry::Oneshot)
     } else {
         kernels::allreduce_rmsnorm_spec(dtype, call.config)
@@ -356,6 +409,8 @@ struct Params {
     timeout_ns: u64,
     x_offset: u64,
     watch_offset: u64,
+    store_offset: u64,
+    store_half: u64,
     rank: i32,
     world: i32,
     tokens: i32,
@@ -576,10 +631,12 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
             call.tokens, call.rank, call.pull
         )));
     }
-    if layout.bytes > call.buffer_bytes || call.bases.contains(&0) {
+    let stored = call.tokens * u64::from(call.hidden) * u64::from(call.dtype.bytes());
+    let store_short = runs_store_entry(call) && stored > layout.store_half;
+    if layout.bytes > call.buffer_bytes || call.bases.contains(&0) || store_short {
         return Err(Error::Invalid(format!(
-            "internal: peer buffers of {} bytes, the call needs {}",
-            call.buffer_bytes, layout.bytes
+            "internal: peer buffers of {} bytes (store halves of {}), the call needs {} ({stored} stored)",
+            call.buffer_bytes, layout.store_half, layout.bytes
         )));
     }
     if call.tokens == 0 {
@@ -604,6 +661,8 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         timeout_ns: call.timeout_ns,
         x_offset: layout.x_offset,
         watch_offset: layout.watch_offset,
+        store_offset: layout.store_offset,
+        store_half: layout.store_half,
         rank: call.rank as i32,
         world: world as i32,
         tokens: call.tokens as i32,
@@ -818,6 +877,20 @@ mod tests {
             kernel_spec(Dtype::Bf16, &ring).entry,
             "fo_allreduce_rmsnorm"
         );
+        // fo_arn_oneshot_st: those of them with at most STORE_MAX_TOKENS rows.
+        assert!(!runs_store_entry(&call(2, true, None)));
+        let mut short = call(2, true, None);
+        short.tokens = STORE_MAX_TOKENS;
+        assert!(runs_store_entry(&short));
+        assert_eq!(
+            kernel_spec(Dtype::Bf16, &short).entry,
+            NormEntry::OneshotStore.name()
+        );
+        short.tokens += 1;
+        assert!(!runs_store_entry(&short));
+        short.tokens = 1;
+        short.config.ring = true;
+        assert!(!runs_store_entry(&short));
         // One-shot parts cut every row: 1000 rows on 8 CTAs of 16 warps allow 4 parts (2 ranks' slices: 3).
         let oneshot = checked(&call(2, true, None), 8).unwrap().params.unwrap();
         assert_eq!((oneshot.oneshot, oneshot.stages), (1, 4));
@@ -891,6 +964,8 @@ mod tests {
                 "timeout_ns",
                 "x_offset",
                 "watch_offset",
+                "store_offset",
+                "store_half",
                 "rank",
                 "world",
                 "tokens",
@@ -923,14 +998,18 @@ mod tests {
     }
 
     #[test]
-    fn the_one_shot_entry_is_the_plain_builds() {
+    fn the_one_shot_entries_are_the_plain_builds() {
         let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
-        let oneshot = format!("{}(Params p)", NormEntry::Oneshot.name());
-        let entry = source.find(&oneshot).expect("fo_arn_oneshot");
-        assert_eq!(source.matches(&oneshot).count(), 1);
-        // After the ring build's #else: runs_oneshot_entry never asks the ring's module for it.
-        let before = &source[..entry];
-        assert!(before.rfind("#if FO_RING") < before.rfind("#else"));
+        for entry in [NormEntry::Oneshot, NormEntry::OneshotStore] {
+            let signature = format!("{}(Params p)", entry.name());
+            let at = source
+                .find(&signature)
+                .unwrap_or_else(|| panic!("{}", entry.name()));
+            assert_eq!(source.matches(&signature).count(), 1);
+            // After the ring build's #else: runs_oneshot_entry never asks the ring's module for it.
+            let before = &source[..at];
+            assert!(before.rfind("#if FO_RING") < before.rfind("#else"));
+        }
     }
 
     #[test]
@@ -965,22 +1044,46 @@ mod tests {
         // Too small a buffer: the call needs more than it has.
         let short = Layout::new(4, 1001, 8192, Dtype::Bf16, needed - 16, false).unwrap();
         assert!(short.bytes > needed - 16);
-        // One-shot on 2 ranks: one slot of every row, within the same areas, which are
-        // quarters there: the watch area after the residual area, to the buffer's end.
+        // One-shot on 2 ranks: one slot of every row, within the same areas: the watch
+        // area after the residual area, then two store halves as large as an area (up to
+        // STORE_HALF_MAX), to the buffer's end.
         let needed2 = Layout::needed(2, 1001, 8192, Dtype::Bf16).unwrap();
-        assert_eq!(needed2, HEADER_BYTES + 4 * 2 * 501 * row);
+        assert_eq!(needed2, HEADER_BYTES + 6 * 2 * 501 * row);
         let one = Layout::new(2, 1001, 8192, Dtype::Bf16, needed2, true).unwrap();
         assert_eq!(one.slot_bytes, 1001 * row);
         assert!(one.slot_bytes <= one.out_offset - HEADER_BYTES && one.bytes <= needed2);
-        for capacity in [needed2, 1 << 30] {
-            let area = (capacity - HEADER_BYTES) / 4 / 16 * 16;
-            for (tokens, oneshot) in [(1001, true), (1001, false), (5, true)] {
+        for capacity in [needed2, 96 << 20, (96 << 20) + (1 << 20), 1 << 30] {
+            let area = area_bytes(2, capacity);
+            let half = area.min(STORE_HALF_MAX);
+            assert!(HEADER_BYTES + 4 * area + 2 * half <= capacity);
+            assert!(capacity - (HEADER_BYTES + 4 * area + 2 * half) < 6 * 16);
+            for (tokens, oneshot) in [(1001, true), (1001, false), (5, true), (512, true)] {
                 let l = Layout::new(2, tokens, 8192, Dtype::Bf16, capacity, oneshot).unwrap();
                 assert_eq!(l.res_offset, HEADER_BYTES + 2 * area);
                 assert_eq!(Some(l.watch_offset), watch_offset(2, capacity));
                 assert_eq!(l.watch_offset, HEADER_BYTES + 3 * area);
-                assert!(l.watch_offset + tokens * row <= capacity && l.bytes <= capacity);
+                assert_eq!(
+                    (l.store_offset, l.store_half),
+                    (HEADER_BYTES + 4 * area, half)
+                );
+                assert!(l.watch_offset + tokens * row <= l.store_offset && l.bytes <= capacity);
+                // A one-shot call's rows fit a store half.
+                assert!(!oneshot || tokens * row <= l.store_half);
             }
+        }
+        // Every one-shot call (at most ONESHOT_MAX_TOKENS rows of at most MAX_HIDDEN
+        // 16-bit values) fits a store half of the buffer sized for it.
+        for (tokens, hidden) in [(1, 8), (ONESHOT_MAX_TOKENS, MAX_HIDDEN), (300, 4104)] {
+            let capacity = Layout::needed(2, tokens, hidden, Dtype::F16).unwrap();
+            let l = Layout::new(2, tokens, hidden, Dtype::F16, capacity, true).unwrap();
+            assert!(tokens * u64::from(hidden) * 2 <= l.store_half && l.bytes <= capacity);
+        }
+        // Areas grow with the buffer: none shrinks past the store halves' cap.
+        let mut last = 0;
+        for mib in [1u64, 16, 95, 96, 97, 128, 1024] {
+            let area = area_bytes(2, mib << 20);
+            assert!(area >= last);
+            last = area;
         }
         assert_eq!(watch_offset(4, 1 << 30), None);
         assert_eq!(
@@ -991,9 +1094,14 @@ mod tests {
         );
         assert!(Layout::new(0, 1, 8, Dtype::Bf16, 0, false).is_err());
         assert!(Layout::new(9, 1, 8, Dtype::Bf16, 0, false).is_err());
-        // The CUDA struct: 5 pointers, 8 bases, 6 u64, 4 ints, a float, 6 ints.
-        assert_eq!(std::mem::size_of::<Params>(), 200);
+        // The CUDA struct: 5 pointers, 8 bases, 8 u64, 4 ints, a float, 6 ints.
+        assert_eq!(std::mem::size_of::<Params>(), 216);
         let l = Layout::new(2, 8, 8, Dtype::Bf16, 0, false).unwrap();
+        // 8 rows of 16 bytes: areas of 128 bytes, store halves of as many.
+        assert_eq!(
+            (l.store_offset, l.store_half),
+            (HEADER_BYTES + 4 * 128, 128)
+        );
         let p = Layout::pull(2, 100, 8192, Dtype::Bf16).unwrap();
         let area = 100 * 16384;
         assert_eq!(
