@@ -1244,50 +1244,52 @@ __device__ __forceinline__ void watch_rows(const Params& p) {
 #if FO_RING
 // The ring: CTA b's jobs are rows b, b + CTAs, ... (the bulk copies may find
 // a row partly landed: the compute threads check every vector).
+namespace {
+// A copy-engine kernel's ring: set up once, then one run of rows at a time
+// (jobs of one kind, no flags: the rows were landed by the copy engines).
+struct CeRing {
+  char* smem;
+  int vecs;
+  unsigned slot_bytes, slots;
+  uint4 weight[ROW_VECS];
+  Cursor at;
+  int parity;
+  __device__ __forceinline__ explicit CeRing(const Params& p, char* ring)
+      : smem(ring), vecs(p.hidden / VEC), at{0, 0, 0, 0}, parity(0) {
+    slots = ring_setup(p, vecs, slot_bytes, weight);
+  }
+  // The ring over `run`'s rows (none where its count is 0).
+  __device__ __forceinline__ void rows(const Params& p, const Run& run) {
+    Run runs[MAX_RUNS];
+    runs[0] = run;
+    ring_run(p, runs, run.count > 0 ? 1 : 0, 0, false, false, vecs, slots, slot_bytes, smem, at, weight, parity, 0);
+  }
+};
+}  // namespace
+
 extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_arn_ce_watch(Params p) {
   extern __shared__ __align__(128) char ring[];
-  const int vecs = p.hidden / VEC;
-  unsigned slot_bytes;
-  uint4 weight[ROW_VECS];
-  const unsigned slots = ring_setup(p, vecs, slot_bytes, weight);
-  Cursor at = {0, 0, 0, 0};
-  int parity = 0;
+  CeRing r(p, ring);
   const int b = blockIdx.x, ctas = gridDim.x;
   const int count = b < p.tokens ? (p.tokens - b + ctas - 1) / ctas : 0;
-  Run runs[MAX_RUNS];
-  runs[0] = {REDUCE, b, count, p.rank, slice_first(p, p.rank), ctas};
-  ring_run(p, runs, count > 0 ? 1 : 0, 0, false, false, vecs, slots, slot_bytes, ring, at, weight, parity, 0);
+  r.rows(p, {REDUCE, b, count, p.rank, slice_first(p, p.rank), ctas});
   ce_close(p, 1);
 }
 extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_arn_ce(Params p, int first, int last, int kind) {
   extern __shared__ __align__(128) char ring[];
-  const int vecs = p.hidden / VEC;
-  unsigned slot_bytes;
-  uint4 weight[ROW_VECS];
-  const unsigned slots = ring_setup(p, vecs, slot_bytes, weight);
+  CeRing r(p, ring);
   int f, l;
   cta_rows(first, last, f, l);
   const int owner = kind == CE_REDUCE ? p.rank : (p.rank + 1) % p.world;
-  Run runs[MAX_RUNS];
-  runs[0] = {kind == CE_REDUCE ? REDUCE : GATHER, f, l - f, owner, slice_first(p, owner)};
-  Cursor at = {0, 0, 0, 0};
-  int parity = 0;
-  ring_run(p, runs, l > f ? 1 : 0, 0, false, false, vecs, slots, slot_bytes, ring, at, weight, parity, 0);
+  r.rows(p, {kind == CE_REDUCE ? REDUCE : GATHER, f, l - f, owner, slice_first(p, owner)});
 }
 extern "C" __global__ void __launch_bounds__(THREADS + PRODUCER) fo_arn_ce_chunks(Params p, Chunks ch) {
   extern __shared__ __align__(128) char ring[];
-  const int vecs = p.hidden / VEC;
-  unsigned slot_bytes;
-  uint4 weight[ROW_VECS];
-  const unsigned slots = ring_setup(p, vecs, slot_bytes, weight);
-  Cursor at = {0, 0, 0, 0};
-  int parity = 0;
+  CeRing r(p, ring);
   for (int c = 0; c < ch.count && ce_arrived(p, c); ++c) {
     int f, l;
     cta_rows(ch.bounds[c], ch.bounds[c + 1], f, l);
-    Run runs[MAX_RUNS];
-    runs[0] = {REDUCE, f, l - f, p.rank, slice_first(p, p.rank)};
-    ring_run(p, runs, l > f ? 1 : 0, 0, false, false, vecs, slots, slot_bytes, ring, at, weight, parity, 0);
+    r.rows(p, {REDUCE, f, l - f, p.rank, slice_first(p, p.rank)});
   }
   ce_close(p, ch.count);
 }
