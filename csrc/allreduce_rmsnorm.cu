@@ -505,8 +505,8 @@ __device__ __forceinline__ void push_oneshot(const Params& p, int stage, int vec
   int first, last;
   part(p, p.rank, stage, first, last);
   const long long at = static_cast<long long>(first - p.row0) * vecs;
-  copy((STORE ? stored_x(p, 1 - p.rank, epoch) : half(p, p.rank, epoch)) + at, p.x + static_cast<long long>(first) * vecs,
-       static_cast<long long>(last - first) * vecs);
+  uint4* const to = STORE ? stored_x(p, 1 - p.rank, epoch) : half(p, p.rank, epoch);
+  copy(to + at, p.x + static_cast<long long>(first) * vecs, static_cast<long long>(last - first) * vecs);
 }
 // Step 1 for part `stage`: copies it of every other owner's slice of x into
 // that owner's slot for this rank (one-shot: push_oneshot).
@@ -546,7 +546,8 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
   // arrays; `local`: in the slice's).
   auto source = [&](int src, long long base, long long local) -> const uint4* {
     if (ONESHOT) {
-      return src == p.rank ? p.x + base : (ONESHOT == STORES ? stored_x(p, p.rank, epoch) : half(p, src, epoch)) + local;
+      if (src == p.rank) return p.x + base;
+      return (ONESHOT == STORES ? stored_x(p, p.rank, epoch) : half(p, src, epoch)) + local;
     }
     return pull            ? reinterpret_cast<const uint4*>(area(p, src, p.x_offset)) + base
            : src == p.rank ? p.x + base
