@@ -113,10 +113,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"{arch} {name} {md5} {size}")
             continue
         old = module_fingerprints(args.against, arch, args.defines, lib)
-        for name in differing(old, new):
-            changed = True
+        diff = differing(old, new)
+        changed = changed or bool(diff)
+        for name in diff:
             print(f"{arch} {name}: {old.get(name, ('absent', 0))} -> {new.get(name, ('absent', 0))}")
-        print(f"{arch}: {len(new)} sections, {len(differing(old, new))} differ")
+        print(f"{arch}: {len(new)} sections, {len(diff)} differ")
     return 1 if changed else 0
 
 
