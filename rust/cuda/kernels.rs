@@ -484,6 +484,18 @@ pub fn allreduce_rmsnorm_entry_spec(
     }
 }
 
+/// `spec` compiled for rows of `hidden` values (FO_HIDDEN: the ring's
+/// fo_arn_ce_watch reduces such rows on a path of its own, every offset a
+/// constant; rows of another size still take the general path).
+pub fn for_hidden(mut spec: KernelSpec, hidden: u32) -> KernelSpec {
+    spec.defines.push(("FO_HIDDEN", hidden.to_string()));
+    spec
+}
+
+/// Hidden sizes the compile check builds the watched kernel's own path for:
+/// a row of whole vectors per compute thread, and one with a short last pass.
+pub const CHECKED_HIDDEN: [u32; 2] = [8192, 8200];
+
 /// Every variant the library can launch on `arch`, for the compile check CI
 /// runs (the peer reduction for 2, 4 and 8 ranks, the un-reorder copy
 /// for each GEMM tile, the fused add + RMSNorm).
@@ -526,11 +538,30 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
         .collect();
     shapes.sort_by_key(|c| (c.threads, c.unroll, c.ring));
     shapes.dedup_by_key(|c| (c.threads, c.unroll, c.ring));
+    let watched = shapes
+        .iter()
+        .filter(|c| c.ring)
+        .copied()
+        .collect::<Vec<_>>();
     let norms = [Dtype::Bf16, Dtype::F16]
         .into_iter()
-        .flat_map(|d| {
+        .flat_map(move |d| {
+            let watched = watched.clone();
             std::iter::once(add_rmsnorm_spec(d))
-                .chain(shapes.iter().map(move |&c| allreduce_rmsnorm_spec(d, c)))
+                .chain(
+                    shapes
+                        .clone()
+                        .into_iter()
+                        .map(move |c| allreduce_rmsnorm_spec(d, c)),
+                )
+                .chain(watched.into_iter().flat_map(move |c| {
+                    CHECKED_HIDDEN.into_iter().map(move |h| {
+                        for_hidden(
+                            allreduce_rmsnorm_entry_spec(d, c, NormEntry::CopyEngineWatch),
+                            h,
+                        )
+                    })
+                }))
         })
         .filter(move |_| runs);
     gemms

@@ -162,6 +162,12 @@ fn r_arrived(base: u64, c: u32) -> u64 {
 /// The kernel a call with `chunks` ranges asked for runs, from the build of
 /// its config: one-shot's single launch (fo_arn_ce_watch with the library's
 /// count, else fo_arn_ce_chunks), else the per-chunk kernel (fo_arn_ce).
+/// The ring's fo_arn_ce_watch is compiled for the call's hidden size
+/// (FO_HIDDEN: a reduce with constant offsets and no per-vector tests of the
+/// mode; one compile per hidden size, kept in the kernel cache): its compute
+/// threads' issue rate bounds a row, and on 2x H200 (hidden 8192, 32 CTAs)
+/// the call took 0.95x the time at 1K tokens, 0.92x at 2K and on 8 CTAs, a
+/// tie at 512 (evaluation/results/norm_row_cost_h200x2.txt, session 22).
 pub fn kernel_spec(dtype: Dtype, call: &Call, chunks: u32) -> KernelSpec {
     let entry = if watches(call, chunks) {
         NormEntry::CopyEngineWatch
@@ -170,7 +176,12 @@ pub fn kernel_spec(dtype: Dtype, call: &Call, chunks: u32) -> KernelSpec {
     } else {
         NormEntry::CopyEngines
     };
-    kernels::allreduce_rmsnorm_entry_spec(dtype, call.config, entry)
+    let spec = kernels::allreduce_rmsnorm_entry_spec(dtype, call.config, entry);
+    if entry == NormEntry::CopyEngineWatch && call.config.ring {
+        kernels::for_hidden(spec, call.hidden)
+    } else {
+        spec
+    }
 }
 
 /// Whether a call with `chunks` ranges asked for watches one copy
@@ -525,6 +536,54 @@ mod tests {
             "constexpr int CE_LAUNCH_CHUNKS = {};",
             arn::CE_LAUNCH_CHUNKS
         )));
+    }
+
+    #[test]
+    fn the_watched_ring_kernel_is_compiled_for_the_hidden_size() {
+        let call = |hidden: u32, ring: bool| Call {
+            x: 16,
+            residual: 16,
+            weight: 16,
+            out: 16,
+            residual_out: 16,
+            bases: vec![1 << 20; 2],
+            rank: 0,
+            tokens: 1000,
+            hidden,
+            eps: 1e-6,
+            residual_full: true,
+            residual_sliced: false,
+            timeout_ns: 0,
+            dtype: Dtype::Bf16,
+            buffer_bytes: 1 << 30,
+            pull: None,
+            config: crate::cuda::kernels::NormConfig {
+                oneshot: true,
+                ring,
+                ..crate::cuda::kernels::NormConfig::DEFAULT
+            },
+        };
+        let hidden_of = |spec: &KernelSpec| {
+            spec.defines
+                .iter()
+                .find(|(k, _)| *k == "FO_HIDDEN")
+                .map(|(_, v)| v.clone())
+        };
+        let watched = kernel_spec(Dtype::Bf16, &call(4096, true), 0);
+        assert_eq!(watched.entry, "fo_arn_ce_watch");
+        assert_eq!(hidden_of(&watched).as_deref(), Some("4096"));
+        // Another size is another kernel; the chunked launch and the plain build stay general.
+        assert_ne!(watched, kernel_spec(Dtype::Bf16, &call(8192, true), 0));
+        assert_eq!(
+            hidden_of(&kernel_spec(Dtype::Bf16, &call(4096, true), 4)),
+            None
+        );
+        assert_eq!(
+            hidden_of(&kernel_spec(Dtype::Bf16, &call(4096, false), 0)),
+            None
+        );
+        let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
+        assert!(source.contains("if (p.hidden == FO_HIDDEN) {"));
     }
 
     #[test]
