@@ -938,7 +938,7 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
 #pragma unroll
       for (int i = 0; i < 4; ++i) squares = add_squares(squares, word(r[k], i));
     }
-    const float scale = rsqrtf(cta_sum(squares, parity) * (1.f / (V * VEC)) + p.eps);
+    const float scale = rsqrtf(cta_sum(squares, parity) / (V * VEC) + p.eps);  // the general path's arithmetic
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int v = c + k * THREADS;
