@@ -906,60 +906,28 @@ __device__ __forceinline__ float cta_sum(float v, int parity) {
 template <int FAST = 0>
 __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint4* slot_ptr, int vecs,
                                              const uint4 (&weight)[ROW_VECS], int parity) {
-#if FO_HIDDEN
-  if constexpr (FAST > 0) {
-    // FAST (the row's vectors, FO_HIDDEN / VEC): the watched one-shot reduce of 2 ranks alone, every
-    // offset a constant and no per-vector test of the world, kind, mode or row length. The compute
-    // threads' issue rate bounds a row (ncu on one H200: 2.06 instructions a cycle an SM, 4713 warp
-    // instructions a row of 8192), and this path issues ~30% fewer; on 2x H200 the call took 0.95x
-    // the time at 1K tokens on 32 CTAs, 0.92x at 2K and on 8 CTAs, a tie at 512 (copy-bound).
-    constexpr int V = FAST, K = (V + THREADS - 1) / THREADS;
-    const int c = compute_thread();
-    uint4* seen = const_cast<uint4*>(landed(p)) + static_cast<long long>(j.row - j.origin) * V;
-    uint4 r[K];
-    float squares = 0.f;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int v = c + k * THREADS;
-      if (V % THREADS != 0 && v >= V) continue;
-      uint4 s = slot_ptr[v], o = slot_ptr[V + v];
-      const uint4 res = slot_ptr[2 * V + v];
-      if (unlanded(p.rank == 0 ? o : s)) {
-        const uint4 w = await_landed(p, seen + v);
-        if (p.rank == 0) {
-          o = w;
-        } else {
-          s = w;
-        }
-      }
-      r[k] = added(added(s, o), res);
-      slot_ptr[v] = r[k];
-      slot_ptr[2 * V + v] = make_uint4(WATCH_SENTINEL, WATCH_SENTINEL, WATCH_SENTINEL, WATCH_SENTINEL);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) squares = add_squares(squares, word(r[k], i));
-    }
-    const float scale = rsqrtf(cta_sum(squares, parity) / (V * VEC) + p.eps);  // the general path's arithmetic
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int v = c + k * THREADS;
-      if (V % THREADS == 0 || v < V) slot_ptr[V + v] = normalized(r[k], weight[k], scale);
-    }
-    return;
-  }
-#endif
-  uint4 r[ROW_VECS];
+  // FAST (FO_HIDDEN / VEC; fo_arn_ce_watch's rows of that size: a watched one-shot reduce of 2 ranks):
+  // the row's vectors a constant, so every offset is one and the tests of the world, kind, mode and
+  // row length fold away. The compute threads' issue rate bounds a row (ncu on one H200: 2.06
+  // instructions a cycle an SM, 4713 warp instructions a row of 8192), and this issues ~30% fewer;
+  // on 2x H200 the call took 0.95x the time at 1K tokens on 32 CTAs, 0.92x at 2K and on 8 CTAs, a
+  // tie at 512 (copy-bound).
+  constexpr int KS = FAST ? (FAST + THREADS - 1) / THREADS : ROW_VECS;
+  constexpr bool RAGGED = !FAST || FAST % THREADS != 0;  // some threads without a vector of the row
+  if constexpr (FAST > 0) vecs = FAST;
+  uint4 r[KS];
   float squares = 0.f;
 #pragma unroll
-  for (int k = 0; k < ROW_VECS; ++k) {
+  for (int k = 0; k < KS; ++k) {
     const int v = compute_thread() + k * THREADS;
-    if (v >= vecs) continue;
-    if (j.kind == REDUCE) {
+    if (RAGGED && v >= vecs) continue;
+    if (FAST || j.kind == REDUCE) {
       // The AllReduce's result is 16-bit (reduce_rows' arithmetic); the sum with the residual is
       // rounded again.
       uint4 s = slot_ptr[v];
-      if (p.world == 2) {
+      if (FAST || p.world == 2) {
         uint4 o = slot_ptr[vecs + v];
-        if (p.copy_engines == CE_WATCH) {
+        if (FAST || p.copy_engines == CE_WATCH) {
           // The peer's vector as the bulk copy found it; the sentinel back once it is here.
           uint4* seen = const_cast<uint4*>(landed(p)) + static_cast<long long>(j.row - j.origin) * vecs + v;
           if (unlanded(p.rank == 0 ? o : s)) {
@@ -979,12 +947,13 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
         for (int src = 0; src < p.world; ++src) accumulate(acc, slot_ptr[src * vecs + v]);
         s = packed(acc);
       }
-      r[k] = added(s, slot_ptr[p.world * vecs + v]);
+      r[k] = added(s, slot_ptr[(FAST ? 2 : p.world) * vecs + v]);
       slot_ptr[v] = r[k];
       // Watching: the residual's part of the slot, read, takes the sentinel, which the producer
       // stores over the landed row (one bulk store, no store per vector here).
-      if (p.copy_engines == CE_WATCH) {
-        slot_ptr[p.world * vecs + v] = make_uint4(WATCH_SENTINEL, WATCH_SENTINEL, WATCH_SENTINEL, WATCH_SENTINEL);
+      if (FAST || p.copy_engines == CE_WATCH) {
+        slot_ptr[(FAST ? 2 : p.world) * vecs + v] =
+            make_uint4(WATCH_SENTINEL, WATCH_SENTINEL, WATCH_SENTINEL, WATCH_SENTINEL);
       }
     } else {
       r[k] = slot_ptr[v];
@@ -992,11 +961,11 @@ __device__ __forceinline__ void ring_compute(const Params& p, const Job& j, uint
 #pragma unroll
     for (int i = 0; i < 4; ++i) squares = add_squares(squares, word(r[k], i));
   }
-  const float scale = rsqrtf(cta_sum(squares, parity) / p.hidden + p.eps);
+  const float scale = rsqrtf(cta_sum(squares, parity) / (FAST ? FAST * VEC : p.hidden) + p.eps);
 #pragma unroll
-  for (int k = 0; k < ROW_VECS; ++k) {
+  for (int k = 0; k < KS; ++k) {
     const int v = compute_thread() + k * THREADS;
-    if (v < vecs) slot_ptr[vecs + v] = normalized(r[k], weight[k], scale);
+    if (!RAGGED || v < vecs) slot_ptr[vecs + v] = normalized(r[k], weight[k], scale);
   }
 }
 

@@ -538,31 +538,27 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
         .collect();
     shapes.sort_by_key(|c| (c.threads, c.unroll, c.ring));
     shapes.dedup_by_key(|c| (c.threads, c.unroll, c.ring));
-    let watched = shapes
-        .iter()
-        .filter(|c| c.ring)
-        .copied()
-        .collect::<Vec<_>>();
+    // The watched kernel's own path for a hidden size, in each ring shape.
+    let watched: Vec<KernelSpec> = [Dtype::Bf16, Dtype::F16]
+        .into_iter()
+        .flat_map(|d| {
+            shapes.iter().filter(|c| c.ring).flat_map(move |&c| {
+                CHECKED_HIDDEN.into_iter().map(move |h| {
+                    for_hidden(
+                        allreduce_rmsnorm_entry_spec(d, c, NormEntry::CopyEngineWatch),
+                        h,
+                    )
+                })
+            })
+        })
+        .collect();
     let norms = [Dtype::Bf16, Dtype::F16]
         .into_iter()
-        .flat_map(move |d| {
-            let watched = watched.clone();
+        .flat_map(|d| {
             std::iter::once(add_rmsnorm_spec(d))
-                .chain(
-                    shapes
-                        .clone()
-                        .into_iter()
-                        .map(move |c| allreduce_rmsnorm_spec(d, c)),
-                )
-                .chain(watched.into_iter().flat_map(move |c| {
-                    CHECKED_HIDDEN.into_iter().map(move |h| {
-                        for_hidden(
-                            allreduce_rmsnorm_entry_spec(d, c, NormEntry::CopyEngineWatch),
-                            h,
-                        )
-                    })
-                }))
+                .chain(shapes.iter().map(move |&c| allreduce_rmsnorm_spec(d, c)))
         })
+        .chain(watched)
         .filter(move |_| runs);
     gemms
         .chain(reduces.filter(|_| runs))
