@@ -418,7 +418,15 @@ struct RowGroup {
   int size, index, count, t, threads;
 };
 
+// The fewest warps (a power of two) that hold a row of `vecs` vectors.
+__host__ __device__ constexpr int fewest_warps(int vecs) {
+  int size = 1;
+  while (size * 32 * REG_VECS < vecs) size *= 2;
+  return size;
+}
+
 __device__ __forceinline__ RowGroup row_group(int rows, int vecs) {
+  // fewest_warps' loop written out: the loop below compiles to fewer instructions so.
   int size = 1;
   while (size * 32 * REG_VECS < vecs) size *= 2;
   for (int c = 2 * size; c <= WARPS && rows * c <= WARPS; c *= 2) {
@@ -444,12 +452,14 @@ __device__ __forceinline__ float group_sum(float v, const RowGroup& g, int parit
   __shared__ float slots[2][WARPS];
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (FIXED || g.size == 1) return v;
-  const int first = g.index * g.size;
+  if (FIXED == WARP_ROWS || (!FIXED && g.size == 1)) return v;
+  constexpr int SIZE = FIXED / 32;  // the group's warps where FIXED says (0: g.size)
+  const int size = SIZE ? SIZE : g.size;
+  const int first = g.index * size;
   if (threadIdx.x % 32 == 0) slots[parity][first + g.t / 32] = v;
-  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + g.index), "r"(g.threads) : "memory");
+  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + g.index), "r"(SIZE ? FIXED : g.threads) : "memory");
   float total = 0.f;
-  for (int w = 0; w < g.size; ++w) total += slots[parity][first + w];
+  for (int w = 0; w < (SIZE ? SIZE : g.size); ++w) total += slots[parity][first + w];
   return total;
 }
 
@@ -469,19 +479,30 @@ __device__ __forceinline__ uint4 normalized(uint4 r, uint4 g, float scale) {
 // (the same answer in all of them: the loops below stop there together).
 __device__ __forceinline__ bool block_live(int k0, int threads, int vecs) { return k0 * threads < vecs; }
 
+// Whether rows of HV vectors (a compile-time hidden size; 0: read at run
+// time) fill a group of FIXED threads exactly: every thread then holds a
+// vector of every k, so no index needs clamping or testing.
+template <int FIXED, int HV>
+__host__ __device__ constexpr bool exact_rows() {
+  return HV > 0 && FIXED > 0 && HV % FIXED == 0 && HV / FIXED <= REG_VECS;
+}
+
 // The row's scale from r in registers (a thread's vectors k = 0, 1, ..., in
 // this order on every rank, so the owner and a gatherer get the same bits),
-// then its normalized vectors handed to store(v, r, y).
-template <int FIXED, typename Store>
+// then its normalized vectors handed to store(v, r, y). HV: the row's
+// vectors as a constant (reduce_rows' hidden-size path), else 0.
+template <int FIXED, typename Store, int HV = 0>
 __device__ __forceinline__ void normalize_regs(const uint4 (&r)[REG_VECS], const uint4* weight, int vecs,
                                                const RowGroup& grp, int parity, float hidden, float eps,
                                                Store store) {
+  constexpr bool EXACT = exact_rows<FIXED, HV>();
+  if constexpr (HV > 0) vecs = HV;
   const int threads = row_threads<FIXED>(grp);
   float squares = 0.f;
 #pragma unroll
   for (int k = 0; k < REG_VECS; ++k) {
     if (!block_live(k, threads, vecs)) break;
-    if (grp.t + k * threads < vecs) {
+    if (EXACT || grp.t + k * threads < vecs) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) squares = add_squares(squares, word(r[k], i));
     }
@@ -492,11 +513,14 @@ __device__ __forceinline__ void normalize_regs(const uint4 (&r)[REG_VECS], const
     if (!block_live(k0, threads, vecs)) break;
     uint4 g[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) g[u] = weight[min(grp.t + (k0 + u) * threads, vecs - 1)];
+    for (int u = 0; u < UNROLL; ++u) {
+      const int v = grp.t + (k0 + u) * threads;
+      g[u] = weight[EXACT ? v : min(v, vecs - 1)];
+    }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int v = grp.t + (k0 + u) * threads;
-      if (v < vecs) store(v, r[k0 + u], normalized(r[k0 + u], g[u], scale));
+      if (EXACT || v < vecs) store(v, r[k0 + u], normalized(r[k0 + u], g[u], scale));
     }
   }
 }
@@ -537,9 +561,13 @@ __device__ __forceinline__ void push(const Params& p, int stage, int vecs, unsig
 // stores (STORES, fo_arn_oneshot_st: the peer's rows lie in this rank's
 // store half).
 constexpr int LOADS = 1, STORES = 2;
-template <int FIXED, bool TWO, int ONESHOT = 0>
+// HV (the one-shot entries' hidden-size path): rows of HV vectors, a
+// constant, on groups of FIXED threads.
+template <int FIXED, bool TWO, int ONESHOT = 0, int HV = 0>
 __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last, int vecs, bool pull,
                                             const RowGroup& grp, unsigned epoch) {
+  constexpr bool EXACT = exact_rows<FIXED, HV>();
+  if constexpr (HV > 0) vecs = HV;
   const int s0 = slice_first(p, p.rank);
   const int threads = row_threads<FIXED>(grp);
   // Two-shot with the full residual: r goes to every peer (one-shot: each computes its own;
@@ -574,7 +602,10 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
       if (!block_live(k0, threads, vecs)) break;
       int at[UNROLL];
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) at[u] = min(grp.t + (k0 + u) * threads, vecs - 1);
+      for (int u = 0; u < UNROLL; ++u) {
+        const int v = grp.t + (k0 + u) * threads;
+        at[u] = EXACT ? v : min(v, vecs - 1);
+      }
       // s: the AllReduce's result, 16-bit (two ranks: one packed add, both sources' loads in flight
       // at once; more: an fp32 sum in rank order, so every rank would get bit-identical sums).
       uint4 sum[UNROLL], res[UNROLL];
@@ -629,7 +660,7 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
         uint4& t = r[k0 + u];
         t = added(sum[u], res[u]);  // the sum with the residual is rounded again
         const int v = grp.t + (k0 + u) * threads;
-        if (v >= vecs) continue;
+        if (!EXACT && v >= vecs) continue;
         r_row[v] = t;
         for (int i = 1; share_r && i < p.world; ++i) {
           const int peer = (p.rank + i) % p.world;
@@ -637,22 +668,35 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
         }
       }
     }
-    normalize_regs<FIXED>(r, p.weight, vecs, grp, parity, static_cast<float>(p.hidden), p.eps,
-                          [&](int v, uint4, uint4 y) {
-                            p.out[base + v] = y;
-                            for (int i = 1; share_out && i < p.world; ++i) {
-                              const int peer = (p.rank + i) % p.world;
-                              reinterpret_cast<uint4*>(area(p, peer, p.out_offset))[base + v] = y;
-                            }
-                          });
+    auto store = [&](int v, uint4, uint4 y) {
+      p.out[base + v] = y;
+      for (int i = 1; share_out && i < p.world; ++i) {
+        const int peer = (p.rank + i) % p.world;
+        reinterpret_cast<uint4*>(area(p, peer, p.out_offset))[base + v] = y;
+      }
+    };
+    normalize_regs<FIXED, decltype(store), HV>(r, p.weight, vecs, grp, parity, static_cast<float>(p.hidden), p.eps,
+                                                store);
   }
 }
 
 // Step 2 over rows [first, last) of this rank's slice, with their row groups
-// (ONESHOT: fo_arn_oneshot's, reduce_rows).
-template <int ONESHOT = 0>
+// (ONESHOT: fo_arn_oneshot's, reduce_rows). HIDDEN (the one-shot entries
+// compiled for the call's hidden size, fo_arn_oneshot[_st]_h): rows of
+// FO_HIDDEN values on groups of the fewest warps that hold one, both
+// constants, so that no offset or bound is computed at run time. Fewer
+// rows than groups leave groups idle, so the host takes these entries only
+// where row_group would pick that size anyway (Rust's hidden_entry_fits).
+template <int ONESHOT = 0, bool HIDDEN = false>
 __device__ __forceinline__ void reduce_range(const Params& p, int first, int last, int vecs, bool pull,
                                              unsigned epoch = 0) {
+  if constexpr (HIDDEN) {
+    constexpr int HV = FO_HIDDEN / VEC, SIZE = fewest_warps(HV);
+    const int warp = threadIdx.x / 32;
+    const RowGroup grp{SIZE, warp / SIZE, WARPS / SIZE, (warp % SIZE) * 32 + threadIdx.x % 32, SIZE * 32};
+    reduce_rows<SIZE * 32, true, ONESHOT, HV>(p, first, last, HV, false, grp, epoch);
+    return;
+  }
   const RowGroup grp = row_group(last - first, vecs);
   if constexpr (ONESHOT != 0) {
     if (grp.size == 1) {
@@ -1147,7 +1191,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) fo_allreduce_rmsnorm(Param
 // once, fetches far less code. STORE (fo_arn_oneshot_st): x goes into the
 // peer's store half and its flag follows the part's reduce here (with one
 // part: right after the push), so that the stores drain meanwhile.
-template <bool STORE>
+template <bool STORE, bool HIDDEN = false>
 __device__ __forceinline__ void oneshot_steps(const Params& p) {
   const int vecs = p.hidden / VEC;
   unsigned* own = header(p, p.rank);
@@ -1164,7 +1208,7 @@ __device__ __forceinline__ void oneshot_steps(const Params& p) {
       if (!ok) break;
       int first, last;
       part(p, p.rank, t, first, last);
-      reduce_range<STORE ? STORES : LOADS>(p, first, last, vecs, false, epoch);
+      reduce_range<STORE ? STORES : LOADS, HIDDEN>(p, first, last, vecs, false, epoch);
     }
     if (pushes && STORE) raise(p, flag_slot(t + 1), -1, epoch);
   }
@@ -1172,6 +1216,14 @@ __device__ __forceinline__ void oneshot_steps(const Params& p) {
 }
 extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_oneshot(Params p) { oneshot_steps<false>(p); }
 extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_oneshot_st(Params p) { oneshot_steps<true>(p); }
+#if FO_HIDDEN
+// The same steps with the reduce compiled for rows of FO_HIDDEN values
+// (reduce_range's HIDDEN), entries of their own: beside the general path in
+// one kernel the register allocation spilled and the call gained nothing;
+// alone, at 128 tokens on 32 CTAs of 2x H200, 0.95x the time.
+extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_oneshot_h(Params p) { oneshot_steps<false, true>(p); }
+extern "C" __global__ void __launch_bounds__(THREADS) fo_arn_oneshot_st_h(Params p) { oneshot_steps<true, true>(p); }
+#endif
 #endif  // FO_RING
 
 // Copy-engine mode (2 ranks, csrc's part of rust/ops/norm_copy_engines.rs):

@@ -1183,7 +1183,7 @@ fn allreduce_rmsnorm_launch(
         let config = arn::resolved(config, tokens, world, ctas, residual_full, pull);
         let ring = arn::default_takes_ring(tokens, world, ctas, pull);
         call.config = arn::effective(config, world, hidden, dtype, dev.major, ring);
-        let kernel = kernels::load(&dev, &arn::kernel_spec(dtype, &call))?;
+        let kernel = kernels::load(&dev, &arn::kernel_spec(dtype, &call, ctas))?;
         let stream = stream::from_handle(stream);
         let checked = arn::checked(&call, ctas)?;
         if pull && tokens > 0 {

@@ -449,6 +449,10 @@ pub enum NormEntry {
     Oneshot,
     /// fo_arn_oneshot_st: the same by peer stores into the store halves.
     OneshotStore,
+    /// fo_arn_oneshot_h / fo_arn_oneshot_st_h: those two with the reduce
+    /// compiled for the call's hidden size ([`for_hidden`] builds only).
+    OneshotHidden,
+    OneshotStoreHidden,
     /// fo_arn_ce: sums and norms of rows the copy engines moved (two-shot).
     CopyEngines,
     /// fo_arn_ce_chunks: one-shot on the copy engines in one launch that
@@ -464,6 +468,8 @@ impl NormEntry {
         match self {
             Self::Oneshot => "fo_arn_oneshot",
             Self::OneshotStore => "fo_arn_oneshot_st",
+            Self::OneshotHidden => "fo_arn_oneshot_h",
+            Self::OneshotStoreHidden => "fo_arn_oneshot_st_h",
             Self::CopyEngines => "fo_arn_ce",
             Self::CopyEngineChunks => "fo_arn_ce_chunks",
             Self::CopyEngineWatch => "fo_arn_ce_watch",
@@ -486,10 +492,21 @@ pub fn allreduce_rmsnorm_entry_spec(
 
 /// `spec` compiled for rows of `hidden` values (FO_HIDDEN: the ring's
 /// fo_arn_ce_watch reduces such rows on a path of its own, every offset a
-/// constant; rows of another size still take the general path).
+/// constant, rows of another size still taking the general path; the plain
+/// build adds the one-shot entries of that size, NormEntry::OneshotHidden
+/// and OneshotStoreHidden).
 pub fn for_hidden(mut spec: KernelSpec, hidden: u32) -> KernelSpec {
     spec.defines.push(("FO_HIDDEN", hidden.to_string()));
     spec
+}
+
+/// Whether the AllReduce + RMSNorm kernels may be compiled for a call's
+/// hidden size ([`for_hidden`]): yes unless FLASHOVERLAP_NORM_HIDDEN_KERNELS
+/// is "0" (then every call takes the general kernels: one compile fewer per
+/// hidden size, the same results bit for bit, a little slower). Read at each
+/// call; the ranks may differ.
+pub fn hidden_kernels() -> bool {
+    std::env::var("FLASHOVERLAP_NORM_HIDDEN_KERNELS").map_or(true, |v| v.trim() != "0")
 }
 
 /// Hidden sizes the compile check builds the watched kernel's own path for:
@@ -538,16 +555,25 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
         .collect();
     shapes.sort_by_key(|c| (c.threads, c.unroll, c.ring));
     shapes.dedup_by_key(|c| (c.threads, c.unroll, c.ring));
-    // The watched kernel's own path for a hidden size, in each ring shape.
+    // The kernels compiled for a hidden size: the watched kernel's own path in
+    // each ring shape, and the one-shot entries of the default's plain shape
+    // (the one its one-shot calls build; the entries share the module).
+    let default = NormConfig::DEFAULT;
     let watched: Vec<KernelSpec> = [Dtype::Bf16, Dtype::F16]
         .into_iter()
         .flat_map(|d| {
-            shapes.iter().filter(|c| c.ring).flat_map(move |&c| {
-                CHECKED_HIDDEN.into_iter().map(move |h| {
-                    for_hidden(
-                        allreduce_rmsnorm_entry_spec(d, c, NormEntry::CopyEngineWatch),
-                        h,
-                    )
+            shapes.iter().flat_map(move |&c| {
+                let entry = if c.ring {
+                    Some(NormEntry::CopyEngineWatch)
+                } else if (c.threads, c.unroll) == (default.threads, default.unroll) {
+                    Some(NormEntry::OneshotStoreHidden)
+                } else {
+                    None
+                };
+                entry.into_iter().flat_map(move |e| {
+                    CHECKED_HIDDEN
+                        .into_iter()
+                        .map(move |h| for_hidden(allreduce_rmsnorm_entry_spec(d, c, e), h))
                 })
             })
         })
@@ -714,6 +740,20 @@ mod tests {
         assert!(!NormConfig::SWEEP[1].is_default());
         assert!(all_for("sm_90a").contains(&allreduce_rmsnorm_spec(Dtype::Bf16, NormConfig::PLAIN)));
         assert!(all_for("sm_80").contains(&allreduce_rmsnorm_spec(Dtype::Bf16, NormConfig::PLAIN)));
+        // The compile check builds the one-shot entries of a hidden size on every arch.
+        for arch in ["sm_80", "sm_90a"] {
+            for h in CHECKED_HIDDEN {
+                let built = for_hidden(
+                    allreduce_rmsnorm_entry_spec(
+                        Dtype::F16,
+                        NormConfig::PLAIN,
+                        NormEntry::OneshotStoreHidden,
+                    ),
+                    h,
+                );
+                assert!(all_for(arch).contains(&built), "{arch} {h}");
+            }
+        }
         let oneshot = NormConfig::with(512, 4, 4, true).unwrap();
         assert!(oneshot.ringed(true).is_err());
         assert!(oneshot.ringed(false).is_ok());

@@ -177,7 +177,7 @@ pub fn kernel_spec(dtype: Dtype, call: &Call, chunks: u32) -> KernelSpec {
         NormEntry::CopyEngines
     };
     let spec = kernels::allreduce_rmsnorm_entry_spec(dtype, call.config, entry);
-    if entry == NormEntry::CopyEngineWatch && call.config.ring {
+    if entry == NormEntry::CopyEngineWatch && call.config.ring && kernels::hidden_kernels() {
         kernels::for_hidden(spec, call.hidden)
     } else {
         spec
@@ -540,28 +540,13 @@ mod tests {
 
     #[test]
     fn the_watched_ring_kernel_is_compiled_for_the_hidden_size() {
-        let call = |hidden: u32, ring: bool| Call {
-            x: 16,
-            residual: 16,
-            weight: 16,
-            out: 16,
-            residual_out: 16,
-            bases: vec![1 << 20; 2],
-            rank: 0,
-            tokens: 1000,
-            hidden,
-            eps: 1e-6,
-            residual_full: true,
-            residual_sliced: false,
-            timeout_ns: 0,
-            dtype: Dtype::Bf16,
-            buffer_bytes: 1 << 30,
-            pull: None,
-            config: crate::cuda::kernels::NormConfig {
+        let call = |hidden: u32, ring: bool| {
+            let config = crate::cuda::kernels::NormConfig {
                 oneshot: true,
                 ring,
                 ..crate::cuda::kernels::NormConfig::DEFAULT
-            },
+            };
+            arn::sample_call(2, 1000, hidden, config)
         };
         let hidden_of = |spec: &KernelSpec| {
             spec.defines

@@ -224,6 +224,68 @@ def test_oneshot_applies_to_two_ranks_only() -> None:
         run_and_check(ranks, tokens, full, ctas, seed=400 + i)
 
 
+def launch_fresh(ranks, tokens, ctas, seed):
+    """One full-residual call on fresh inputs (outputs poisoned first): (inputs, outs, res_outs)."""
+    world, hidden, dtype = ranks.world, ranks.hidden, ranks.dtype
+    xs, residual, weight = fresh(world, tokens, hidden, dtype, seed)
+    outs = [torch.full((tokens, hidden), float("nan"), device="cuda", dtype=dtype) for _ in range(world)]
+    res_outs = [torch.full((tokens, hidden), float("nan"), device="cuda", dtype=dtype) for _ in range(world)]
+    ranks.launch(xs, residual, weight, outs, res_outs, True, ctas)
+    torch.cuda.synchronize()
+    assert ranks.errors() == [0] * world, "a wait timed out"
+    return (xs, residual, weight), outs, res_outs
+
+
+@pytest.mark.parametrize("hidden,dtype", [(8192, torch.bfloat16), (4096, torch.float16), (8200, torch.bfloat16),
+                                          (2048, torch.bfloat16), (16384, torch.float16)])
+def test_hidden_size_entries_match_the_general_ones(hidden, dtype, monkeypatch) -> None:
+    """One-shot calls with at least 3 rows a CTA (hidden 8192) take the entries compiled for their
+    hidden size (fo_arn_oneshot_st_h up to 256 tokens, fo_arn_oneshot_h beyond): right against the
+    fp32 composition, and bit for bit the rows of the general entries
+    (FLASHOVERLAP_NORM_HIDDEN_KERNELS=0), calls of both kinds alternating on the same buffers."""
+    ranks = Ranks(2, 384, hidden, dtype)
+    for i, (tokens, ctas) in enumerate([(128, 32), (128, 8), (96, 32), (95, 32), (256, 16), (384, 32), (7, 2)]):
+        runs = []
+        for setting in ("1", "0", "1"):
+            monkeypatch.setenv("FLASHOVERLAP_NORM_HIDDEN_KERNELS", setting)
+            runs.append(launch_fresh(ranks, tokens, ctas, seed=500 + i))
+        (xs, residual, weight), outs, res_outs = runs[0]
+        out_ref, r_ref = reference(xs, residual, weight)
+        for r in range(2):
+            where = f"tokens {tokens} ctas {ctas} rank {r}"
+            assert rel(outs[r], out_ref) <= 1e-2 and rel(res_outs[r], r_ref) <= 1e-2, where
+            for other in runs[1:]:
+                assert torch.equal(other[1][r], outs[r]) and torch.equal(other[2][r], res_outs[r]), where
+
+
+def test_hidden_size_entry_in_graph_replays() -> None:
+    """The 128-token call of the hidden-size entry captured once, replayed with fresh inputs."""
+    world, tokens, hidden, dtype = 2, 128, 8192, torch.bfloat16
+    ranks = Ranks(world, tokens, hidden, dtype)
+    xs, residual, weight = fresh(world, tokens, hidden, dtype, 11)
+    outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
+    res_outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
+    ranks.launch(xs, residual, weight, outs, res_outs, True, 32)  # warm: the kernel is loaded
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ranks.launch(xs, residual, weight, outs, res_outs, True, 32)
+    for i in range(100):
+        new_xs, new_res, new_w = fresh(world, tokens, hidden, dtype, 2000 + i)
+        for x, n in zip(xs, new_xs):
+            x.copy_(n)
+        residual.copy_(new_res)
+        weight.copy_(new_w)
+        for o in outs + res_outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        out_ref, r_ref = reference(xs, residual, weight)
+        for r in range(world):
+            assert rel(outs[r], out_ref) <= 1e-2 and rel(res_outs[r], r_ref) <= 1e-2, f"replay {i} rank {r}"
+    assert ranks.errors() == [0] * world
+
+
 @pytest.mark.parametrize("config", [None, RING])
 def test_widest_rows(config) -> None:
     ranks = Ranks(2, 300, 16384, torch.bfloat16, config=config)
