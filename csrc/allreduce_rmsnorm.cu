@@ -418,10 +418,12 @@ struct RowGroup {
   int size, index, count, t, threads;
 };
 
-// The fewest warps (a power of two) that hold a row of `vecs` vectors.
+// The fewest warps (a power of two) that hold a row of `vecs` vectors, in
+// at most 15 groups where a group has more than one warp (row_group's rule).
 __host__ __device__ constexpr int fewest_warps(int vecs) {
   int size = 1;
   while (size * 32 * REG_VECS < vecs) size *= 2;
+  while (size > 1 && WARPS / size > 15) size *= 2;
   return size;
 }
 
@@ -431,6 +433,11 @@ __device__ __forceinline__ RowGroup row_group(int rows, int vecs) {
   while (size * 32 * REG_VECS < vecs) size *= 2;
   for (int c = 2 * size; c <= WARPS && rows * c <= WARPS; c *= 2) {
     if (WARPS / c <= 15) size = c;
+  }
+  // Groups of more than a warp each take a named barrier (1..15): with 32 warps, rows of 2 warps
+  // (1024 threads, hidden 2056-4096) would make 16 groups. (Fewer warps: never more than 15.)
+  if constexpr (WARPS / 2 > 15) {
+    while (size > 1 && WARPS / size > 15) size *= 2;
   }
   const int warp = threadIdx.x / 32;
   return {size, warp / size, WARPS / size, (warp % size) * 32 + threadIdx.x % 32, size * 32};

@@ -405,10 +405,15 @@ fn reg_vecs(threads: u32) -> u64 {
 }
 
 /// The kernel's fewest_warps: the fewest warps (a power of two) that hold a
-/// row of `vecs` vectors on blocks of `threads`.
+/// row of `vecs` vectors on blocks of `threads`, in at most 15 groups where
+/// a group has more than one warp (each takes a named barrier, 1..15).
 fn fewest_warps(vecs: u64, threads: u32) -> u64 {
+    let warps = u64::from(threads / 32);
     let mut size = 1;
     while size * 32 * reg_vecs(threads) < vecs {
+        size *= 2;
+    }
+    while size > 1 && warps / size > 15 {
         size *= 2;
     }
     size
@@ -417,16 +422,23 @@ fn fewest_warps(vecs: u64, threads: u32) -> u64 {
 /// The warps the kernel's row_group gives each row of a part of `rows` rows
 /// of `vecs` vectors on blocks of `threads`: the fewest that hold one, more
 /// (a power of two) while the part has too few rows to occupy every warp,
-/// with at most 15 groups (named barriers 1..15) where it grows.
+/// with at most 15 groups (named barriers 1..15) where a group has more
+/// than one warp.
 fn row_group_warps(rows: u64, vecs: u64, threads: u32) -> u64 {
     let warps = u64::from(threads / 32);
-    let mut size = fewest_warps(vecs, threads);
+    let mut size = 1;
+    while size * 32 * reg_vecs(threads) < vecs {
+        size *= 2;
+    }
     let mut c = 2 * size;
     while c <= warps && rows * c <= warps {
         if warps / c <= 15 {
             size = c;
         }
         c *= 2;
+    }
+    while size > 1 && warps / size > 15 {
+        size *= 2;
     }
     size
 }
@@ -1109,9 +1121,13 @@ mod tests {
             .map(|rows| row_group_warps(rows, 1024, 512))
             .collect();
         assert_eq!(groups, [16, 16, 8, 4, 4, 4]);
-        // 32 warps: at most 15 groups where a row's warps grow (never 32 groups of 1).
+        // 32 warps: at most 15 groups where a row's warps grow (never 32 groups of 1), and
+        // rows of 2 warps (hidden 4096) in 8 groups of 4, not 16 of 2.
         assert_eq!(row_group_warps(1, 128, 1024), 32);
         assert_eq!(row_group_warps(100, 128, 1024), 1);
+        assert_eq!(row_group_warps(100, 512, 1024), 4);
+        assert_eq!(fewest_warps(512, 1024), 4);
+        assert!(source.contains("    while (size > 1 && WARPS / size > 15) size *= 2;"));
 
         let oneshot = NormConfig::DEFAULT.ringed(false).unwrap();
         let oneshot = NormConfig {

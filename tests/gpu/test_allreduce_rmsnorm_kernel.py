@@ -286,6 +286,16 @@ def test_hidden_size_entry_in_graph_replays() -> None:
     assert ranks.errors() == [0] * world
 
 
+@pytest.mark.parametrize("config", [(1024, 2, 1, False), (1024, 2, 1, True)])
+def test_rows_of_two_warps_on_32_warps(config) -> None:
+    """1024 threads with rows of 2 warps' vectors (hidden 4096), two-shot and one-shot: the row
+    groups stop at 15 (a named barrier each; 16 groups of 2 would need barrier 16, which does not
+    exist)."""
+    ranks = Ranks(2, 1000, 4096, torch.bfloat16, config=config)
+    for i, (tokens, ctas) in enumerate([(1000, 4), (200, 8), (7, 2)]):
+        run_and_check(ranks, tokens, True, ctas, seed=600 + i)
+
+
 @pytest.mark.parametrize("config", [None, RING])
 def test_widest_rows(config) -> None:
     ranks = Ranks(2, 300, 16384, torch.bfloat16, config=config)
