@@ -359,10 +359,27 @@ fn cache_dir() -> String {
 
 /// Compiles every csrc kernel variant for `arch` (e.g. "sm_80", "sm_90a")
 /// and returns (kernel, defines, cubin bytes) for each. Needs NVRTC, no GPU.
+/// `hidden`: the hidden sizes to build the AllReduce + RMSNorm kernels
+/// compiled for a hidden size for (default: the compile check's).
 #[pyfunction]
-fn compile_kernels(py: Python<'_>, arch: &str) -> PyResult<Vec<(String, String, usize)>> {
+#[pyo3(signature = (arch, hidden=None))]
+fn compile_kernels(
+    py: Python<'_>,
+    arch: &str,
+    hidden: Option<Vec<u32>>,
+) -> PyResult<Vec<(String, String, usize)>> {
     let _keep = driver::KeepCurrent::new();
-    let specs = kernels::all_for(arch);
+    let hidden = hidden.unwrap_or_else(|| kernels::CHECKED_HIDDEN.to_vec());
+    if let Some(&bad) = hidden
+        .iter()
+        .find(|&&h| h == 0 || h % 8 != 0 || h > arn::MAX_HIDDEN)
+    {
+        return Err(PyValueError::new_err(format!(
+            "hidden: expected multiples of 8 in 8..={}, got {bad}",
+            arn::MAX_HIDDEN
+        )));
+    }
+    let specs = kernels::all_with_hidden(arch, &hidden);
     if specs.is_empty() {
         return Err(PyValueError::new_err(format!(
             "arch: no kernel targets {arch:?}; expected an NVRTC target of sm_80 or newer, e.g. \"sm_80\" or \"sm_90a\""

@@ -168,3 +168,27 @@ def test_extra_nvrtc_options_reach_the_compiler(cache: Path, monkeypatch: pytest
     monkeypatch.setenv("FLASHOVERLAP_NVRTC_OPTIONS", "--no-such-option")
     with pytest.raises(RuntimeError, match="no-such-option"):
         flashoverlap.compile_kernels("sm_80")
+
+
+def test_hidden_size_kernels_are_built_for_the_sizes_asked(cache: Path) -> None:
+    """compile_kernels(hidden=...) builds all_reduce_rmsnorm's hidden-size kernels for those sizes
+    (the one-shot entries' module of the default shape, both dtypes) and refuses sizes the op
+    refuses, before compiling anything."""
+    built = flashoverlap.compile_kernels("sm_80", hidden=[4096])
+    sized = [(k, d) for k, d, _ in built if "FO_HIDDEN=" in d]
+    assert sized and all("FO_HIDDEN=4096" in d for _, d in sized), sized
+    assert {k for k, _ in sized} == {"allreduce_rmsnorm.cu:fo_arn_oneshot_st_h"}
+    assert {("FO_BF16=1" in d) for _, d in sized} == {True, False}
+    assert not [d for _, d, _ in flashoverlap.compile_kernels("sm_80", hidden=[]) if "FO_HIDDEN=" in d]
+    for bad in ([4100], [0], [16392]):
+        with pytest.raises(ValueError, match="hidden"):
+            flashoverlap.compile_kernels("sm_80", hidden=bad)
+
+
+def test_the_compile_command_refuses_bad_hidden_sizes(capsys: pytest.CaptureFixture) -> None:
+    from flashoverlap import cli
+
+    assert cli.main(["compile", "--arch", "sm_80", "--hidden", "4096,4100"]) == 2
+    assert "hidden" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["compile", "--hidden", "4x"])

@@ -146,11 +146,23 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     import flashoverlap
 
     for arch in args.arch.split(","):
-        for kernel, defines, size in flashoverlap.compile_kernels(arch):
+        try:
+            built = flashoverlap.compile_kernels(arch, args.hidden)
+        except ValueError as e:
+            print(f"flashoverlap compile: {e}", file=sys.stderr)
+            return 2
+        for kernel, defines, size in built:
             print(f"{arch:8} {kernel:40} {defines:12} {size:8d} bytes")
     return 0
 
@@ -200,6 +212,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     c = sub.add_parser("compile", help="compile every kernel with NVRTC for the given archs (no GPU needed)")
     c.add_argument("--arch", default="sm_80,sm_90a")
+    c.add_argument("--hidden", default=None, type=_int_list,
+                   help="hidden sizes to build all_reduce_rmsnorm's hidden-size kernels for, e.g. 4096,8192 "
+                        "(default 8192,8200)")
     c.set_defaults(func=cmd_compile)
 
     args = parser.parse_args(argv)

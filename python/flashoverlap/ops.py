@@ -9,7 +9,7 @@ GPU, while a plain dispatcher op costs a few microseconds."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -694,11 +694,22 @@ def backend_of(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *
     return _call_backend(comm, op, m, n, k, dtype_name(x.dtype), backend, options)
 
 
-def compile_kernels(arch: str) -> "list[tuple[str, str, int]]":
+def compile_kernels(arch: str, hidden: Optional[Sequence[int]] = None) -> "list[tuple[str, str, int]]":
     """Compiles every kernel variant for ``arch`` (e.g. "sm_80", "sm_90a") into the cubin cache and
-    returns (kernel, defines, cubin bytes) for each. Needs NVRTC, not a GPU."""
+    returns (kernel, defines, cubin bytes) for each. Needs NVRTC, not a GPU.
+
+    ``all_reduce_rmsnorm``'s fastest kernels are compiled for the call's hidden size (one compile per
+    size, on the first call that needs it): ``hidden`` lists the sizes to build them for here, so
+    that a deployment's first calls find them in the cache (default: 8192 and 8200, the compile
+    check's). Each must be a multiple of 8 up to 16384."""
+    sizes = None
+    if hidden is not None:
+        sizes = [int(h) for h in hidden]
+        bad = [h for h in sizes if h <= 0 or h % 8 or h > 16384]
+        if bad:
+            raise ValueError(f"hidden: expected multiples of 8 in 8..=16384, got {bad}")
     _nvrtc.ensure_loaded()
-    return _core.compile_kernels(arch)
+    return _core.compile_kernels(arch, sizes)
 
 
 def gemm_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,

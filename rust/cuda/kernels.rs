@@ -509,14 +509,22 @@ pub fn hidden_kernels() -> bool {
     std::env::var("FLASHOVERLAP_NORM_HIDDEN_KERNELS").map_or(true, |v| v.trim() != "0")
 }
 
-/// Hidden sizes the compile check builds the watched kernel's own path for:
-/// a row of whole vectors per compute thread, and one with a short last pass.
+/// Hidden sizes the compile check builds the hidden-size kernels for: a row
+/// of whole vectors per compute thread, and one with a short last pass.
 pub const CHECKED_HIDDEN: [u32; 2] = [8192, 8200];
 
 /// Every variant the library can launch on `arch`, for the compile check CI
 /// runs (the peer reduction for 2, 4 and 8 ranks, the un-reorder copy
-/// for each GEMM tile, the fused add + RMSNorm).
+/// for each GEMM tile, the fused add + RMSNorm), with the AllReduce +
+/// RMSNorm kernels of [`CHECKED_HIDDEN`]'s hidden sizes.
 pub fn all_for(arch: &str) -> Vec<KernelSpec> {
+    all_with_hidden(arch, &CHECKED_HIDDEN)
+}
+
+/// [`all_for`] with the AllReduce + RMSNorm kernels compiled for each of
+/// `hidden` ([`for_hidden`]: the sizes a deployment runs, so that its first
+/// calls find them in the cache).
+pub fn all_with_hidden(arch: &str, hidden: &[u32]) -> Vec<KernelSpec> {
     let gemms = GemmKernel::ALL
         .into_iter()
         .filter(|k| k.runs_on(arch))
@@ -559,25 +567,23 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
     // each ring shape, and the one-shot entries of the default's plain shape
     // (the one its one-shot calls build; the entries share the module).
     let default = NormConfig::DEFAULT;
-    let watched: Vec<KernelSpec> = [Dtype::Bf16, Dtype::F16]
-        .into_iter()
-        .flat_map(|d| {
-            shapes.iter().flat_map(move |&c| {
-                let entry = if c.ring {
-                    Some(NormEntry::CopyEngineWatch)
-                } else if (c.threads, c.unroll) == (default.threads, default.unroll) {
-                    Some(NormEntry::OneshotStoreHidden)
-                } else {
-                    None
-                };
-                entry.into_iter().flat_map(move |e| {
-                    CHECKED_HIDDEN
-                        .into_iter()
-                        .map(move |h| for_hidden(allreduce_rmsnorm_entry_spec(d, c, e), h))
-                })
-            })
-        })
-        .collect();
+    let mut watched = Vec::new();
+    for d in [Dtype::Bf16, Dtype::F16] {
+        for &c in &shapes {
+            let entry = if c.ring {
+                NormEntry::CopyEngineWatch
+            } else if (c.threads, c.unroll) == (default.threads, default.unroll) {
+                NormEntry::OneshotStoreHidden
+            } else {
+                continue;
+            };
+            watched.extend(
+                hidden
+                    .iter()
+                    .map(|&h| for_hidden(allreduce_rmsnorm_entry_spec(d, c, entry), h)),
+            );
+        }
+    }
     let norms = [Dtype::Bf16, Dtype::F16]
         .into_iter()
         .flat_map(|d| {
