@@ -224,6 +224,34 @@ def test_oneshot_applies_to_two_ranks_only() -> None:
         run_and_check(ranks, tokens, full, ctas, seed=400 + i)
 
 
+def replay_with_fresh_inputs(ranks, tokens, ctas, replays, seed) -> None:
+    """One full-residual call captured in a CUDA graph (after a warm call that loads the kernel),
+    replayed `replays` times, each with fresh inputs copied in and the outputs poisoned first."""
+    world, hidden, dtype = ranks.world, ranks.hidden, ranks.dtype
+    xs, residual, weight = fresh(world, tokens, hidden, dtype, seed)
+    outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
+    res_outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
+    ranks.launch(xs, residual, weight, outs, res_outs, True, ctas)  # warm: the kernel is loaded
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ranks.launch(xs, residual, weight, outs, res_outs, True, ctas)
+    for i in range(replays):
+        new_xs, new_res, new_w = fresh(world, tokens, hidden, dtype, seed + 1000 + i)
+        for x, n in zip(xs, new_xs):
+            x.copy_(n)
+        residual.copy_(new_res)
+        weight.copy_(new_w)
+        for o in outs + res_outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        out_ref, r_ref = reference(xs, residual, weight)
+        for r in range(world):
+            assert rel(outs[r], out_ref) <= 1e-2 and rel(res_outs[r], r_ref) <= 1e-2, f"replay {i} rank {r}"
+    assert ranks.errors() == [0] * world
+
+
 def launch_fresh(ranks, tokens, ctas, seed):
     """One full-residual call on fresh inputs (outputs poisoned first): (inputs, outs, res_outs)."""
     world, hidden, dtype = ranks.world, ranks.hidden, ranks.dtype
@@ -260,30 +288,7 @@ def test_hidden_size_entries_match_the_general_ones(hidden, dtype, monkeypatch) 
 
 def test_hidden_size_entry_in_graph_replays() -> None:
     """The 128-token call of the hidden-size entry captured once, replayed with fresh inputs."""
-    world, tokens, hidden, dtype = 2, 128, 8192, torch.bfloat16
-    ranks = Ranks(world, tokens, hidden, dtype)
-    xs, residual, weight = fresh(world, tokens, hidden, dtype, 11)
-    outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
-    res_outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
-    ranks.launch(xs, residual, weight, outs, res_outs, True, 32)  # warm: the kernel is loaded
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ranks.launch(xs, residual, weight, outs, res_outs, True, 32)
-    for i in range(100):
-        new_xs, new_res, new_w = fresh(world, tokens, hidden, dtype, 2000 + i)
-        for x, n in zip(xs, new_xs):
-            x.copy_(n)
-        residual.copy_(new_res)
-        weight.copy_(new_w)
-        for o in outs + res_outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        out_ref, r_ref = reference(xs, residual, weight)
-        for r in range(world):
-            assert rel(outs[r], out_ref) <= 1e-2 and rel(res_outs[r], r_ref) <= 1e-2, f"replay {i} rank {r}"
-    assert ranks.errors() == [0] * world
+    replay_with_fresh_inputs(Ranks(2, 128, 8192, torch.bfloat16), 128, 32, 100, seed=11)
 
 
 @pytest.mark.parametrize("config", [(1024, 2, 1, False), (1024, 2, 1, True)])
@@ -310,28 +315,7 @@ def test_graph_replays_with_fresh_inputs(config) -> None:
     # One-shot parts cut every row, not a rank's slice: 97 rows a CTA, 4 parts of 16 warps' rows.
     parts = 1 if config is None else 4 if config[3] else 3
     assert _core.allreduce_rmsnorm_stages(tokens, world, 8, config) == parts
-    xs, residual, weight = fresh(world, tokens, hidden, dtype, 1)
-    outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
-    res_outs = [torch.empty(tokens, hidden, device="cuda", dtype=dtype) for _ in range(world)]
-    ranks.launch(xs, residual, weight, outs, res_outs, True, 8)  # warm: the kernel is loaded
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ranks.launch(xs, residual, weight, outs, res_outs, True, 8)
-    for i in range(1000):  # issue 6 asks for 1000 replays
-        new_xs, new_res, new_w = fresh(world, tokens, hidden, dtype, 1000 + i)
-        for x, n in zip(xs, new_xs):
-            x.copy_(n)
-        residual.copy_(new_res)
-        weight.copy_(new_w)
-        for o in outs + res_outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        out_ref, r_ref = reference(xs, residual, weight)
-        for r in range(world):
-            assert rel(outs[r], out_ref) <= 1e-2 and rel(res_outs[r], r_ref) <= 1e-2, f"replay {i} rank {r}"
-    assert ranks.errors() == [0] * world
+    replay_with_fresh_inputs(ranks, tokens, 8, 1000, seed=1)  # issue 6 asks for 1000 replays
 
 
 @pytest.mark.parametrize("config", [(512, 4, 8, False), RING])
