@@ -428,7 +428,7 @@ __host__ __device__ constexpr int fewest_warps(int vecs) {
 }
 
 __device__ __forceinline__ RowGroup row_group(int rows, int vecs) {
-  // fewest_warps' loop written out: the loop below compiles to fewer instructions so.
+  // fewest_warps' first loop written out (calling it compiled the growth below to more instructions).
   int size = 1;
   while (size * 32 * REG_VECS < vecs) size *= 2;
   for (int c = 2 * size; c <= WARPS && rows * c <= WARPS; c *= 2) {
@@ -693,7 +693,7 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
 // FO_HIDDEN values on groups of the fewest warps that hold one, both
 // constants, so that no offset or bound is computed at run time. Fewer
 // rows than groups leave groups idle, so the host takes these entries only
-// where row_group would pick that size anyway (Rust's hidden_entry_fits).
+// where row_group would pick that size anyway (Rust's runs_hidden_entry).
 template <int ONESHOT = 0, bool HIDDEN = false>
 __device__ __forceinline__ void reduce_range(const Params& p, int first, int last, int vecs, bool pull,
                                              unsigned epoch = 0) {
