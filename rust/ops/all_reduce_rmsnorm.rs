@@ -404,32 +404,38 @@ fn reg_vecs(threads: u32) -> u64 {
     2048 / u64::from(threads.min(256))
 }
 
-/// The kernel's fewest_warps: the fewest warps (a power of two) that hold a
-/// row of `vecs` vectors on blocks of `threads`, in at most 15 groups where
-/// a group has more than one warp (each takes a named barrier, 1..15).
-fn fewest_warps(vecs: u64, threads: u32) -> u64 {
-    let warps = u64::from(threads / 32);
+/// The fewest warps (a power of two) whose threads hold a row of `vecs`
+/// vectors on blocks of `threads`.
+fn warps_holding(vecs: u64, threads: u32) -> u64 {
     let mut size = 1;
     while size * 32 * reg_vecs(threads) < vecs {
         size *= 2;
     }
+    size
+}
+
+/// Row groups of `size` warps grown until there are at most 15 of them where
+/// a group has more than one warp (each takes a named barrier, 1..15).
+fn within_barriers(mut size: u64, threads: u32) -> u64 {
+    let warps = u64::from(threads / 32);
     while size > 1 && warps / size > 15 {
         size *= 2;
     }
     size
 }
 
+/// The kernel's fewest_warps: the warps of the smallest row group that holds
+/// a row of `vecs` vectors on blocks of `threads`.
+fn fewest_warps(vecs: u64, threads: u32) -> u64 {
+    within_barriers(warps_holding(vecs, threads), threads)
+}
+
 /// The warps the kernel's row_group gives each row of a part of `rows` rows
 /// of `vecs` vectors on blocks of `threads`: the fewest that hold one, more
-/// (a power of two) while the part has too few rows to occupy every warp,
-/// with at most 15 groups (named barriers 1..15) where a group has more
-/// than one warp.
+/// (a power of two) while the part has too few rows to occupy every warp.
 fn row_group_warps(rows: u64, vecs: u64, threads: u32) -> u64 {
     let warps = u64::from(threads / 32);
-    let mut size = 1;
-    while size * 32 * reg_vecs(threads) < vecs {
-        size *= 2;
-    }
+    let mut size = warps_holding(vecs, threads);
     let mut c = 2 * size;
     while c <= warps && rows * c <= warps {
         if warps / c <= 15 {
@@ -437,10 +443,7 @@ fn row_group_warps(rows: u64, vecs: u64, threads: u32) -> u64 {
         }
         c *= 2;
     }
-    while size > 1 && warps / size > 15 {
-        size *= 2;
-    }
-    size
+    within_barriers(size, threads)
 }
 
 /// The config a call that the copy engines serve (ops::norm_copy_engines)
