@@ -72,8 +72,9 @@
 #ifndef FO_RING
 #define FO_RING 0
 #endif
-// The hidden size fo_arn_ce_watch's reduce is compiled for (0: read from the
-// call's parameters only; a call of another size takes the general path).
+// The hidden size the build's hidden-size paths are compiled for (0: none):
+// fo_arn_ce_watch's reduce (a call of another size takes its general path)
+// and the plain build's one-shot entries fo_arn_oneshot[_st]_h.
 #ifndef FO_HIDDEN
 #define FO_HIDDEN 0
 #endif
@@ -466,7 +467,7 @@ __device__ __forceinline__ float group_sum(float v, const RowGroup& g, int parit
   if (threadIdx.x % 32 == 0) slots[parity][first + g.t / 32] = v;
   asm volatile("bar.sync %0, %1;\n" ::"r"(1 + g.index), "r"(SIZE ? FIXED : g.threads) : "memory");
   float total = 0.f;
-  for (int w = 0; w < (SIZE ? SIZE : g.size); ++w) total += slots[parity][first + w];
+  for (int w = 0; w < size; ++w) total += slots[parity][first + w];
   return total;
 }
 
@@ -498,7 +499,7 @@ __host__ __device__ constexpr bool exact_rows() {
 // this order on every rank, so the owner and a gatherer get the same bits),
 // then its normalized vectors handed to store(v, r, y). HV: the row's
 // vectors as a constant (reduce_rows' hidden-size path), else 0.
-template <int FIXED, typename Store, int HV = 0>
+template <int FIXED, int HV = 0, typename Store>
 __device__ __forceinline__ void normalize_regs(const uint4 (&r)[REG_VECS], const uint4* weight, int vecs,
                                                const RowGroup& grp, int parity, float hidden, float eps,
                                                Store store) {
@@ -675,15 +676,14 @@ __device__ __forceinline__ void reduce_rows(const Params& p, int first, int last
         }
       }
     }
-    auto store = [&](int v, uint4, uint4 y) {
-      p.out[base + v] = y;
-      for (int i = 1; share_out && i < p.world; ++i) {
-        const int peer = (p.rank + i) % p.world;
-        reinterpret_cast<uint4*>(area(p, peer, p.out_offset))[base + v] = y;
-      }
-    };
-    normalize_regs<FIXED, decltype(store), HV>(r, p.weight, vecs, grp, parity, static_cast<float>(p.hidden), p.eps,
-                                                store);
+    normalize_regs<FIXED, HV>(r, p.weight, vecs, grp, parity, static_cast<float>(p.hidden), p.eps,
+                              [&](int v, uint4, uint4 y) {
+                                p.out[base + v] = y;
+                                for (int i = 1; share_out && i < p.world; ++i) {
+                                  const int peer = (p.rank + i) % p.world;
+                                  reinterpret_cast<uint4*>(area(p, peer, p.out_offset))[base + v] = y;
+                                }
+                              });
   }
 }
 
