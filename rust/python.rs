@@ -366,19 +366,33 @@ fn cache_dir() -> String {
 fn compile_kernels(
     py: Python<'_>,
     arch: &str,
-    hidden: Option<Vec<u32>>,
+    hidden: Option<Vec<Bound<'_, PyAny>>>,
 ) -> PyResult<Vec<(String, String, usize)>> {
     let _keep = driver::KeepCurrent::new();
-    let hidden = hidden.unwrap_or_else(|| kernels::CHECKED_HIDDEN.to_vec());
-    if let Some(&bad) = hidden
-        .iter()
-        .find(|&&h| h == 0 || h % 8 != 0 || h > arn::MAX_HIDDEN)
-    {
-        return Err(PyValueError::new_err(format!(
-            "hidden: expected multiples of 8 in 8..={}, got {bad}",
-            arn::MAX_HIDDEN
-        )));
-    }
+    let hidden = match hidden {
+        None => kernels::CHECKED_HIDDEN.to_vec(),
+        Some(sizes) => {
+            // Any integer the op refuses (negative or huge ones too) is named in one ValueError.
+            let supported = |h: &Bound<'_, PyAny>| {
+                h.extract::<u32>()
+                    .ok()
+                    .filter(|&h| arn::hidden_supported(u64::from(h)))
+            };
+            let bad: Vec<String> = sizes
+                .iter()
+                .filter(|h| supported(h).is_none())
+                .map(|h| h.to_string())
+                .collect();
+            if !bad.is_empty() {
+                return Err(PyValueError::new_err(format!(
+                    "hidden: expected multiples of 8 in 8..={}, got [{}]",
+                    arn::MAX_HIDDEN,
+                    bad.join(", ")
+                )));
+            }
+            sizes.iter().filter_map(supported).collect()
+        }
+    };
     let specs = kernels::all_with_hidden(arch, &hidden);
     if specs.is_empty() {
         return Err(PyValueError::new_err(format!(

@@ -684,6 +684,12 @@ struct Chunks {
 pub const CE_REDUCE: i32 = 1;
 pub const CE_GATHER: i32 = 2;
 
+/// Whether the kernels take rows of `hidden` values: whole 16-byte vectors,
+/// at most MAX_HIDDEN.
+pub fn hidden_supported(hidden: u64) -> bool {
+    hidden > 0 && hidden % 8 == 0 && hidden <= u64::from(MAX_HIDDEN)
+}
+
 /// Checks a call on `ctas` CTAs before anything is enqueued.
 pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
     let world = call.bases.len();
@@ -693,7 +699,7 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
             "ctas: expected 1 to {MAX_CTAS}, got {ctas}"
         )));
     }
-    if call.hidden == 0 || call.hidden % 8 != 0 || call.hidden > MAX_HIDDEN {
+    if !hidden_supported(u64::from(call.hidden)) {
         return Err(Error::Invalid(format!(
             "hidden size must be a multiple of 8 in 8..={MAX_HIDDEN}, got {}",
             call.hidden
