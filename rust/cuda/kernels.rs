@@ -59,6 +59,14 @@ pub struct KernelSpec {
 }
 
 impl KernelSpec {
+    /// The value of the -D `name` it is compiled with, if any.
+    pub fn define(&self, name: &str) -> Option<&str> {
+        self.defines
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
     fn main(&self) -> Source {
         *SOURCES
             .iter()
@@ -567,7 +575,7 @@ pub fn all_with_hidden(arch: &str, hidden: &[u32]) -> Vec<KernelSpec> {
     // each ring shape, and the one-shot entries of the default's plain shape
     // (the one its one-shot calls build; the entries share the module).
     let default = NormConfig::DEFAULT;
-    let mut watched = Vec::new();
+    let mut sized = Vec::new();
     for d in [Dtype::Bf16, Dtype::F16] {
         for &c in &shapes {
             let entry = if c.ring {
@@ -577,7 +585,7 @@ pub fn all_with_hidden(arch: &str, hidden: &[u32]) -> Vec<KernelSpec> {
             } else {
                 continue;
             };
-            watched.extend(
+            sized.extend(
                 hidden
                     .iter()
                     .map(|&h| for_hidden(allreduce_rmsnorm_entry_spec(d, c, entry), h)),
@@ -590,7 +598,7 @@ pub fn all_with_hidden(arch: &str, hidden: &[u32]) -> Vec<KernelSpec> {
             std::iter::once(add_rmsnorm_spec(d))
                 .chain(shapes.iter().map(move |&c| allreduce_rmsnorm_spec(d, c)))
         })
-        .chain(watched)
+        .chain(sized)
         .filter(move |_| runs);
     gemms
         .chain(reduces.filter(|_| runs))

@@ -1151,12 +1151,7 @@ mod tests {
         assert!(!runs_hidden_entry(&call, 32));
         call.tokens = 96;
         assert!(runs_hidden_entry(&call, 32));
-        let hidden_of = |spec: &KernelSpec| {
-            spec.defines
-                .iter()
-                .find(|(k, _)| *k == "FO_HIDDEN")
-                .map(|(_, v)| v.clone())
-        };
+        let hidden_of = |spec: &KernelSpec| spec.define("FO_HIDDEN").map(str::to_owned);
         if kernels::hidden_kernels() {
             let spec = kernel_spec(Dtype::Bf16, &call, 32);
             assert_eq!(spec.entry, NormEntry::OneshotStoreHidden.name());

@@ -548,12 +548,7 @@ mod tests {
             };
             arn::sample_call(2, 1000, hidden, config)
         };
-        let hidden_of = |spec: &KernelSpec| {
-            spec.defines
-                .iter()
-                .find(|(k, _)| *k == "FO_HIDDEN")
-                .map(|(_, v)| v.clone())
-        };
+        let hidden_of = |spec: &KernelSpec| spec.define("FO_HIDDEN").map(str::to_owned);
         let watched = kernel_spec(Dtype::Bf16, &call(4096, true), 0);
         assert_eq!(watched.entry, "fo_arn_ce_watch");
         assert_eq!(hidden_of(&watched).as_deref(), Some("4096"));
