@@ -82,7 +82,9 @@ def slice_of(tokens, world, rank):
     return tokens * rank // world, tokens * (rank + 1) // world
 
 
-def run_and_check(ranks, tokens, full, ctas, seed):
+def launch_fresh(ranks, tokens, ctas, seed, full=True):
+    """One call on fresh inputs, its outputs poisoned first (sharded: each rank's residual_out holds
+    its slice): (inputs, outs, res_outs)."""
     world, hidden, dtype = ranks.world, ranks.hidden, ranks.dtype
     xs, residual, weight = fresh(world, tokens, hidden, dtype, seed)
     outs = [torch.full((tokens, hidden), float("nan"), device="cuda", dtype=dtype) for _ in range(world)]
@@ -91,6 +93,12 @@ def run_and_check(ranks, tokens, full, ctas, seed):
     ranks.launch(xs, residual, weight, outs, res_outs, full, ctas)
     torch.cuda.synchronize()
     assert ranks.errors() == [0] * world, "a wait timed out"
+    return (xs, residual, weight), outs, res_outs
+
+
+def run_and_check(ranks, tokens, full, ctas, seed):
+    world, hidden, dtype = ranks.world, ranks.hidden, ranks.dtype
+    (xs, residual, weight), outs, res_outs = launch_fresh(ranks, tokens, ctas, seed, full)
     out_ref, r_ref = reference(xs, residual, weight)
     for r in range(world):
         where = f"world {world} tokens {tokens} hidden {hidden} {dtype} ctas {ctas} full {full} rank {r}"
@@ -250,18 +258,6 @@ def replay_with_fresh_inputs(ranks, tokens, ctas, replays, seed) -> None:
         for r in range(world):
             assert rel(outs[r], out_ref) <= 1e-2 and rel(res_outs[r], r_ref) <= 1e-2, f"replay {i} rank {r}"
     assert ranks.errors() == [0] * world
-
-
-def launch_fresh(ranks, tokens, ctas, seed):
-    """One full-residual call on fresh inputs (outputs poisoned first): (inputs, outs, res_outs)."""
-    world, hidden, dtype = ranks.world, ranks.hidden, ranks.dtype
-    xs, residual, weight = fresh(world, tokens, hidden, dtype, seed)
-    outs = [torch.full((tokens, hidden), float("nan"), device="cuda", dtype=dtype) for _ in range(world)]
-    res_outs = [torch.full((tokens, hidden), float("nan"), device="cuda", dtype=dtype) for _ in range(world)]
-    ranks.launch(xs, residual, weight, outs, res_outs, True, ctas)
-    torch.cuda.synchronize()
-    assert ranks.errors() == [0] * world, "a wait timed out"
-    return (xs, residual, weight), outs, res_outs
 
 
 @pytest.mark.parametrize("hidden,dtype", [(8192, torch.bfloat16), (4096, torch.float16), (8200, torch.bfloat16),
