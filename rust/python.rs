@@ -1204,19 +1204,22 @@ fn allreduce_rmsnorm_launch(
             // one-shot where the config asks for it, or the default's rule, and the call allows it.
             let ce = arn::resolved_copy_engines(config, world, residual_full);
             call.config = arn::effective(ce, world, hidden, dtype, dev.major, true);
+            // Checked before its kernel is compiled (for its hidden size, too).
+            let checked = arn::checked(&call, ctas)?;
             let ce = &crate::ops::norm_copy_engines::kernel_spec(dtype, &call, chunks);
             let kernel = kernels::load(&dev, ce)?;
             let stream = stream::from_handle(stream);
             return crate::ops::norm_copy_engines::enqueue(
-                &kernel, &call, ctas, chunks, stream, lanes,
+                &kernel, &call, &checked, chunks, stream, lanes,
             );
         }
         let config = arn::resolved(config, tokens, world, ctas, residual_full, pull);
         let ring = arn::default_takes_ring(tokens, world, ctas, pull);
         call.config = arn::effective(config, world, hidden, dtype, dev.major, ring);
+        // Checked before its kernel is compiled (for its hidden size, too).
+        let checked = arn::checked(&call, ctas)?;
         let kernel = kernels::load(&dev, &arn::kernel_spec(dtype, &call, ctas))?;
         let stream = stream::from_handle(stream);
-        let checked = arn::checked(&call, ctas)?;
         if pull && tokens > 0 {
             let partial = call.bases[rank] + call.layout()?.x_offset;
             // A partial already in place (the producer stored it there) needs no copy.

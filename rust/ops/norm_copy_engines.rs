@@ -190,14 +190,15 @@ fn watches(call: &Call, chunks: u32) -> bool {
     call.oneshot() && chunks == 0
 }
 
-/// Enqueues a call (push layout, 2 ranks) on the caller's stream and
+/// Enqueues a call (push layout, 2 ranks; `checked`: arn::checked's of it,
+/// taken before its kernel was compiled) on the caller's stream and
 /// `lanes`, `kernel` ([`kernel_spec`]'s, loaded before anything is
-/// enqueued) on `ctas` CTAs, one launch at a time. Both ranks must enqueue
-/// it with the same tokens and `chunks`.
+/// enqueued) on the checked call's CTAs, one launch at a time. Both ranks
+/// must enqueue it with the same tokens and `chunks`.
 pub fn enqueue(
     kernel: &Kernel,
     call: &Call,
-    ctas: u32,
+    checked: &arn::Checked,
     chunks: u32,
     caller: RawStream,
     lanes: &Lanes,
@@ -212,19 +213,18 @@ pub fn enqueue(
             "chunks: expected 0 (by rows) or 1 to {MAX_CHUNKS}, got {chunks}"
         )));
     }
-    let checked = arn::checked(call, ctas)?;
     if call.tokens == 0 {
         return Ok(());
     }
     if watches(call, chunks) {
-        return enqueue_watch(kernel, call, &checked, caller, lanes);
+        return enqueue_watch(kernel, call, checked, caller, lanes);
     }
     let chunks = match chunks {
         0 => auto_chunks(call.tokens),
         n => n,
     };
     if call.oneshot() {
-        return enqueue_oneshot(kernel, call, &checked, chunks, caller, lanes);
+        return enqueue_oneshot(kernel, call, checked, chunks, caller, lanes);
     }
     let layout = call.layout()?;
     let (me, peer) = (call.rank, 1 - call.rank);
