@@ -533,6 +533,10 @@ pub fn all_for(arch: &str) -> Vec<KernelSpec> {
 /// `hidden` ([`for_hidden`]: the sizes a deployment runs, so that its first
 /// calls find them in the cache).
 pub fn all_with_hidden(arch: &str, hidden: &[u32]) -> Vec<KernelSpec> {
+    // A size asked twice is one kernel, listed once.
+    let mut hidden = hidden.to_vec();
+    hidden.sort_unstable();
+    hidden.dedup();
     let gemms = GemmKernel::ALL
         .into_iter()
         .filter(|k| k.runs_on(arch))
@@ -768,6 +772,10 @@ mod tests {
                 assert!(all_for(arch).contains(&built), "{arch} {h}");
             }
         }
+        assert_eq!(
+            all_with_hidden("sm_80", &[8192, 4096, 8192]),
+            all_with_hidden("sm_80", &[4096, 8192])
+        );
         let oneshot = NormConfig::with(512, 4, 4, true).unwrap();
         assert!(oneshot.ringed(true).is_err());
         assert!(oneshot.ringed(false).is_ok());
