@@ -378,10 +378,12 @@ fn compile_kernels(
                     .ok()
                     .filter(|&h| arn::hidden_supported(u64::from(h)))
             };
+            let parsed: Vec<Option<u32>> = sizes.iter().map(supported).collect();
             let bad: Vec<String> = sizes
                 .iter()
-                .filter(|h| supported(h).is_none())
-                .map(|h| h.to_string())
+                .zip(&parsed)
+                .filter(|(_, h)| h.is_none())
+                .map(|(h, _)| h.to_string())
                 .collect();
             if !bad.is_empty() {
                 return Err(PyValueError::new_err(format!(
@@ -390,7 +392,7 @@ fn compile_kernels(
                     bad.join(", ")
                 )));
             }
-            sizes.iter().filter_map(supported).collect()
+            parsed.into_iter().flatten().collect()
         }
     };
     let specs = kernels::all_with_hidden(arch, &hidden);
