@@ -180,8 +180,12 @@ def test_hidden_size_kernels_are_built_for_the_sizes_asked(cache: Path) -> None:
     assert {k for k, _ in sized} == {"allreduce_rmsnorm.cu:fo_arn_oneshot_st_h"}
     assert {("FO_BF16=1" in d) for _, d in sized} == {True, False}
     assert not [d for _, d, _ in flashoverlap.compile_kernels("sm_80", hidden=[]) if "FO_HIDDEN=" in d]
-    for bad in ([4100], [0], [16392], [-8], [2**40]):
+    for bad in ([4100], [0], [16392], [-8], [2**40], [4096.0], [4100.5], ["4096"], [None]):
         with pytest.raises(ValueError, match="hidden"):
+            flashoverlap.compile_kernels("sm_80", hidden=bad)
+    # A lone size or a string is not a list of sizes.
+    for bad in (4096, "4096"):
+        with pytest.raises(TypeError, match="hidden"):
             flashoverlap.compile_kernels("sm_80", hidden=bad)
 
 

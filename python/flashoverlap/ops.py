@@ -701,9 +701,12 @@ def compile_kernels(arch: str, hidden: Optional[Sequence[int]] = None) -> "list[
     ``all_reduce_rmsnorm``'s fastest kernels are compiled for the call's hidden size (one compile per
     size, on the first call that needs it): ``hidden`` lists the sizes to build them for here, so
     that a deployment's first calls find them in the cache (default: 8192 and 8200, the compile
-    check's). Each must be a multiple of 8 up to 16384."""
+    check's). Each must be an integer (int or anything with ``__index__``), a multiple of 8 up to
+    16384; a float or a string is refused, not rounded."""
+    if hidden is not None and (isinstance(hidden, (str, bytes)) or not hasattr(hidden, "__iter__")):
+        raise TypeError(f"hidden: expected a sequence of hidden sizes, got {type(hidden).__name__}")
     _nvrtc.ensure_loaded()
-    return _core.compile_kernels(arch, None if hidden is None else [int(h) for h in hidden])
+    return _core.compile_kernels(arch, None if hidden is None else list(hidden))
 
 
 def gemm_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, communicator=None,
