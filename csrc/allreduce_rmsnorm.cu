@@ -402,16 +402,10 @@ __device__ __forceinline__ bool unlanded(uint4 v) {
 // tokens on 8 CTAs, a tie on 16 and 32 and at 1K tokens, where the rows'
 // landing and latency bound the call rather than its instructions.
 __device__ __forceinline__ bool any_nan(uint4 v) {
-  unsigned a, b, m;
+  const unsigned m = fo::max_nan2(fo::max_nan2(v.x, v.y), fo::max_nan2(v.z, v.w));
 #if FO_BF16
-  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(a) : "r"(v.x), "r"(v.y));
-  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(v.z), "r"(v.w));
-  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(a), "r"(b));
   constexpr unsigned TO_SIGN = 0x007f007fu;  // 0x7fff - 0x7f80 (infinity) in each half
 #else
-  asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(a) : "r"(v.x), "r"(v.y));
-  asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(b) : "r"(v.z), "r"(v.w));
-  asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(m) : "r"(a), "r"(b));
   constexpr unsigned TO_SIGN = 0x03ff03ffu;  // 0x7fff - 0x7c00
 #endif
   // A half's magnitude above infinity's carries into its bit 15 (never into the next half).

@@ -86,6 +86,16 @@ constexpr unsigned ONES2 = 0x3f803f80u;  // 1.0, 1.0
 constexpr unsigned ONES2 = 0x3c003c00u;
 #endif
 constexpr unsigned NEG_ZEROS2 = 0x80008000u;  // -0.0 twice: x * y + (-0) keeps the sign of a zero product
+// The larger of each pair of 16-bit values, a NaN (the canonical one) where either is NaN.
+__device__ __forceinline__ unsigned max_nan2(unsigned a, unsigned b) {
+  unsigned d;
+#if FO_BF16
+  asm("max.NaN.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+#else
+  asm("max.NaN.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+#endif
+  return d;
+}
 __device__ __forceinline__ unsigned add2(unsigned a, unsigned b) { return fma2(a, ONES2, b); }
 __device__ __forceinline__ unsigned mul2(unsigned a, unsigned b) { return fma2(a, b, NEG_ZEROS2); }
 
