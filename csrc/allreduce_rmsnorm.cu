@@ -116,6 +116,10 @@ constexpr int DONE = READY + FLAG_SLOTS * FO_MAX_WORLD;
 constexpr int CE_ARRIVED = DONE + FLAG_SLOTS * FO_MAX_WORLD;
 constexpr int CE_CONSUMED = CE_ARRIVED + 64;
 constexpr int CE_FINISHED = 3;
+// A watched call outside graph capture (Params::watch_epoch): the number of
+// the peer's last such call whose copy has landed here, written by its copy
+// lane after the copy, never reset.
+constexpr int CE_WATCH_EPOCH = 4;
 // Params::copy_engines: 0, or the rows moved by copy engines with a flag
 // per landed range (1), or in one copy into a watch area whose every 16-bit
 // value not yet landed holds the sentinel (CE_WATCH).
@@ -190,6 +194,7 @@ struct Params {
   int oneshot;                             // every rank reduces every row (2 ranks, full, push)
   int residual_sliced;                     // sharded: residual holds this rank's slice rows only
   int copy_engines;                        // the copy engines move the rows (1: flagged, CE_WATCH): no peer store here
+  unsigned watch_epoch;                    // CE_WATCH: the call's number (CE_WATCH_EPOCH); 0: x arrived 0 and the close
 };
 
 namespace {
@@ -370,9 +375,10 @@ __device__ __forceinline__ void end_call(unsigned* own, const CallEpoch& call) {
 
 // Watch mode: the peer's copy engine lands all of its x in one copy into
 // this rank's watch area, whose every 16-bit value holds WATCH_SENTINEL (a
-// NaN in bf16 and fp16) until its byte pair lands; then x_arrived[0] = 1.
-// A vector holding the sentinel has not landed, unless the flag is up (x
-// itself held it); the reader puts the sentinel back once it has the value.
+// NaN in bf16 and fp16) until its byte pair lands; then x_arrived[0] = 1
+// (in graph capture), or CE_WATCH_EPOCH = the call's watch_epoch. A vector
+// holding the sentinel has not landed, unless that word says so (x itself
+// held it); the reader puts the sentinel back once it has the value.
 constexpr unsigned WATCH_SENTINEL = 0xffffffffu;
 __device__ __forceinline__ uint4 load_volatile(const uint4* at) {
   uint4 v;
@@ -413,16 +419,20 @@ __device__ __forceinline__ bool any_nan(uint4 v) {
 }
 
 // The vector at `at` once landed (or the call abandoned: garbage, never used).
+// With an epoch, a later one there says as much (the peer's copies land in
+// order, and its next may follow before this call ends).
 __device__ __forceinline__ uint4 await_landed(const Params& p, const uint4* at) {
-  const unsigned* arrived = header(p, p.rank) + CE_ARRIVED;
+  const int word = p.watch_epoch ? CE_WATCH_EPOCH : CE_ARRIVED;
+  const unsigned* arrived = header(p, p.rank) + word;
   const unsigned long long start = p.timeout_ns ? now_ns() : 0;
   for (;;) {
     const uint4 v = load_volatile(at);
     if (!unlanded(v) || *static_cast<volatile int*>(&abandoned)) return v;
     // The acquire orders the load after it behind every byte of the copy.
-    if (load_acquire_sys(arrived) != 0) return load_volatile(at);
+    const unsigned seen = load_acquire_sys(arrived);
+    if (p.watch_epoch ? static_cast<int>(seen - p.watch_epoch) >= 0 : seen != 0) return load_volatile(at);
     __nanosleep(256);
-    if (timed_out(p, start, 1u + CE_ARRIVED)) return v;
+    if (timed_out(p, start, 1u + word)) return v;
   }
 }
 
@@ -1303,9 +1313,13 @@ __device__ __forceinline__ bool ce_arrived(const Params& p, int c) {
 }
 
 // The launch's end: the last CTA zeroes the flags and exchanges consumed.
+// A watched call with an epoch has neither: the epoch word is never reset,
+// and the peer's copies alternate between two watch halves, so its next
+// into this call's half follows its end of a call in between, which waited
+// for rows this rank sent after this call had ended.
 __device__ __forceinline__ void ce_close(const Params& p, int count) {
   __syncthreads();
-  if (threadIdx.x != 0 || abandoned) return;
+  if (threadIdx.x != 0 || abandoned || p.watch_epoch) return;
   unsigned* own = header(p, p.rank);
   if (!last_cta(own + CE_FINISHED)) return;
   // Watching, the flag follows the copy's last byte, which the CTAs may have seen before it.

@@ -101,6 +101,8 @@ class PeerGroup:
         if self.memory is not None:
             self.memory.close()
             self.memory = None
+        # The copy lanes count watched calls from the new buffers' zeroed epoch word.
+        self._lanes = None
         memory = _core.PeerMemory(self.device.index, size)
         handles = [None] * self.world
         dist.all_gather_object(handles, memory.handle(), group=self.group)
@@ -376,9 +378,14 @@ def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def destroy_peer_groups() -> None:
-    """Frees every peer buffer (after synchronizing: no kernel may still use them)."""
+    """Frees every peer buffer, on every rank: after synchronizing this device and, while the
+    process groups live, meeting every peer (a peer's watched call writes its epoch into this
+    rank's buffer after its copy, which this rank's kernel need not wait for)."""
     if _GROUPS and torch.cuda.is_available():
         torch.cuda.synchronize()
+    for state in _GROUPS.values():
+        if state.memory is not None and state.world > 1 and dist.is_initialized():
+            dist.barrier(group=state.group)
     for state in _GROUPS.values():
         if state.memory is not None:
             state.memory.close()

@@ -18,8 +18,12 @@
 //!   store halves (2 ranks)   two of up to STORE_HALF_MAX bytes: the peer's x
 //!                            of a one-shot call by peer stores, alternating
 //!                            by the call's epoch ([`runs_store_entry`])
+//!   watch halves (2 ranks)   two as large as a store half: the watch area of
+//!                            a watched call outside graph capture that fits
+//!                            one, alternating by its watch epoch
+//!                            (ops::norm_copy_engines::enqueue_watch)
 //! The areas are each a third of the buffer (2 ranks: a quarter of what the
-//! store halves leave) whatever the call's size:
+//! halves leave) whatever the call's size:
 //! a push writes into the peers' slot areas before it waits for anything,
 //! and must not land on rows a peer still gathers from its out or residual
 //! area for the previous call (of another size). One-shot calls copy R's
@@ -71,6 +75,9 @@ pub struct Layout {
     /// ([`runs_store_entry`]), two of `store_half` bytes from here; else 0.
     pub store_offset: u64,
     pub store_half: u64,
+    /// Push mode on 2 ranks: the two watch halves, `store_half` bytes each,
+    /// from here; else 0.
+    pub watch_halves: u64,
     /// Bytes a buffer needs for this call.
     pub bytes: u64,
 }
@@ -110,9 +117,14 @@ impl Layout {
             watch_offset: if watch { HEADER_BYTES + 3 * area } else { 0 },
             store_offset: if watch { HEADER_BYTES + 4 * area } else { 0 },
             store_half,
+            watch_halves: if watch {
+                HEADER_BYTES + 4 * area + 2 * store_half
+            } else {
+                0
+            },
             bytes: HEADER_BYTES
                 + if watch {
-                    4 * area + 2 * store_half
+                    4 * area + HALVES * store_half
                 } else {
                     2 * area + need
                 },
@@ -131,7 +143,7 @@ impl Layout {
         let oneshot = runs_oneshot(config, world, true, false);
         let one = Self::new(world, tokens, hidden, dtype, 0, oneshot)?;
         let area = (two.out_offset - HEADER_BYTES).max(one.out_offset - HEADER_BYTES);
-        Ok(HEADER_BYTES + areas(world) * area + 2 * store_half(world, area))
+        Ok(HEADER_BYTES + areas(world) * area + HALVES * store_half(world, area))
     }
 
     /// Pull mode: calls over row ranges of an output of `rows` rows.
@@ -146,6 +158,7 @@ impl Layout {
             watch_offset: 0,
             store_offset: 0,
             store_half: 0,
+            watch_halves: 0,
             bytes: HEADER_BYTES + 3 * area,
         })
     }
@@ -167,22 +180,26 @@ fn areas(world: usize) -> u64 {
 
 /// Bytes of each area of a push-mode buffer of `capacity` bytes (whole
 /// 16-byte vectors), whatever the call's size: on 2 ranks the four areas
-/// and two store halves of [`store_half`] bytes each fill it.
+/// and [`HALVES`] halves of [`store_half`] bytes each fill it.
 fn area_bytes(world: usize, capacity: u64) -> u64 {
     let avail = capacity.saturating_sub(HEADER_BYTES);
     let area = if !watched(world) {
         avail / areas(world)
-    } else if avail <= (areas(world) + 2) * STORE_HALF_MAX {
-        avail / (areas(world) + 2)
+    } else if avail <= (areas(world) + HALVES) * STORE_HALF_MAX {
+        avail / (areas(world) + HALVES)
     } else {
-        (avail - 2 * STORE_HALF_MAX) / areas(world)
+        (avail - HALVES * STORE_HALF_MAX) / areas(world)
     };
     area / 16 * 16
 }
 
-/// Each store half of a push-mode buffer whose areas are `area` bytes (2
-/// ranks; else none): as large as an area up to [`STORE_HALF_MAX`], which
-/// holds the most rows a one-shot call has at the widest rows.
+/// Halves after the areas of a 2-rank push-mode buffer: two store halves,
+/// two watch halves.
+const HALVES: u64 = 4;
+
+/// Each store (and watch) half of a push-mode buffer whose areas are `area`
+/// bytes (2 ranks; else none): as large as an area up to [`STORE_HALF_MAX`],
+/// which holds the most rows a one-shot call has at the widest rows.
 fn store_half(world: usize, area: u64) -> u64 {
     if watched(world) {
         area.min(STORE_HALF_MAX)
@@ -503,6 +520,7 @@ struct Params {
     oneshot: i32,
     residual_sliced: i32,
     copy_engines: i32,
+    watch_epoch: u32,
 }
 
 /// One call: device pointers of this rank's tensors, every rank's buffer
@@ -640,16 +658,29 @@ impl Checked {
     }
 
     /// One-shot's watching copy-engine kernel (`fo_arn_ce_watch`) over every
-    /// row, landed in one copy into the watch area, on at most `ctas` CTAs.
-    pub fn launch_watch(&self, kernel: &Kernel, stream: RawStream) -> Result<()> {
+    /// row, landed in one copy into the watch area at `area` (the layout's
+    /// watch area or one of its watch halves), on at most `ctas` CTAs.
+    /// `epoch`: the call's number, which the peer's copy lane writes into
+    /// this rank's [`CE_WATCH_EPOCH_WORD`] after its copy (0: x arrived 0
+    /// instead, which the close waits for and resets before it exchanges
+    /// consumed with the peer).
+    pub fn launch_watch(
+        &self,
+        kernel: &Kernel,
+        stream: RawStream,
+        area: u64,
+        epoch: u32,
+    ) -> Result<()> {
         let Some(mut params) = self.copy_engines(CE_WATCH) else {
             return Ok(());
         };
-        if params.watch_offset == 0 {
+        if params.watch_offset == 0 || area < params.watch_offset {
             return Err(Error::Invalid(
                 "internal: a watched call needs the watch area of a 2-rank push buffer".into(),
             ));
         }
+        params.watch_offset = area;
+        params.watch_epoch = epoch;
         let grid = self.ctas.min(params.tokens as u32);
         let mut args: [*mut c_void; 1] = [(&mut params as *mut Params).cast()];
         kernel.launch(grid, self.threads, stream, &mut args)
@@ -669,6 +700,9 @@ impl Checked {
 /// CE_WATCH): a flag per landed range, or one copy into the watch area.
 pub const CE_FLAGS: i32 = 1;
 pub const CE_WATCH: i32 = 2;
+/// Header word (u32 index) of a watched call's epoch outside graph capture
+/// (the kernel's CE_WATCH_EPOCH).
+pub const CE_WATCH_EPOCH_WORD: u64 = 4;
 
 /// Ranges one `fo_arn_ce_chunks` launch waits for at most (the kernel's
 /// CE_LAUNCH_CHUNKS), and their bounds as it takes them.
@@ -768,6 +802,7 @@ pub fn checked(call: &Call, ctas: u32) -> Result<Checked> {
         oneshot: i32::from(call.oneshot()),
         residual_sliced: i32::from(call.residual_sliced),
         copy_engines: 0,
+        watch_epoch: 0,
     };
     Ok(Checked {
         params: Some(params),
@@ -1071,7 +1106,8 @@ mod tests {
                 "stages",
                 "oneshot",
                 "residual_sliced",
-                "copy_engines"
+                "copy_engines",
+                "watch_epoch"
             ]
         );
     }
@@ -1080,6 +1116,9 @@ mod tests {
     fn the_watch_mode_matches_the_kernel() {
         let source = include_str!("../../csrc/allreduce_rmsnorm.cu");
         assert!(source.contains(&format!("constexpr int CE_WATCH = {CE_WATCH};")));
+        assert!(source.contains(&format!(
+            "constexpr int CE_WATCH_EPOCH = {CE_WATCH_EPOCH_WORD};"
+        )));
         let word = u32::from_ne_bytes([WATCH_SENTINEL_BYTE; 4]);
         assert!(source.contains(&format!(
             "constexpr unsigned WATCH_SENTINEL = {word:#010x}u;"
@@ -1209,18 +1248,18 @@ mod tests {
         let short = Layout::new(4, 1001, 8192, Dtype::Bf16, needed - 16, false).unwrap();
         assert!(short.bytes > needed - 16);
         // One-shot on 2 ranks: one slot of every row, within the same areas: the watch
-        // area after the residual area, then two store halves as large as an area (up to
-        // STORE_HALF_MAX), to the buffer's end.
+        // area after the residual area, then two store halves and two watch halves as
+        // large as an area (up to STORE_HALF_MAX), to the buffer's end.
         let needed2 = Layout::needed(2, 1001, 8192, Dtype::Bf16).unwrap();
-        assert_eq!(needed2, HEADER_BYTES + 6 * 2 * 501 * row);
+        assert_eq!(needed2, HEADER_BYTES + 8 * 2 * 501 * row);
         let one = Layout::new(2, 1001, 8192, Dtype::Bf16, needed2, true).unwrap();
         assert_eq!(one.slot_bytes, 1001 * row);
         assert!(one.slot_bytes <= one.out_offset - HEADER_BYTES && one.bytes <= needed2);
-        for capacity in [needed2, 96 << 20, (96 << 20) + (1 << 20), 1 << 30] {
+        for capacity in [needed2, 128 << 20, (128 << 20) + (1 << 20), 1 << 30] {
             let area = area_bytes(2, capacity);
             let half = area.min(STORE_HALF_MAX);
-            assert!(HEADER_BYTES + 4 * area + 2 * half <= capacity);
-            assert!(capacity - (HEADER_BYTES + 4 * area + 2 * half) < 6 * 16);
+            assert!(HEADER_BYTES + 4 * area + 4 * half <= capacity);
+            assert!(capacity - (HEADER_BYTES + 4 * area + 4 * half) < 8 * 16);
             for (tokens, oneshot) in [(1001, true), (1001, false), (5, true), (512, true)] {
                 let l = Layout::new(2, tokens, 8192, Dtype::Bf16, capacity, oneshot).unwrap();
                 assert_eq!(l.res_offset, HEADER_BYTES + 2 * area);
@@ -1230,6 +1269,8 @@ mod tests {
                     (l.store_offset, l.store_half),
                     (HEADER_BYTES + 4 * area, half)
                 );
+                assert_eq!(l.watch_halves, l.store_offset + 2 * half);
+                assert!(l.watch_halves + 2 * half <= capacity);
                 assert!(l.watch_offset + tokens * row <= l.store_offset && l.bytes <= capacity);
                 // A one-shot call's rows fit a store half.
                 assert!(!oneshot || tokens * row <= l.store_half);
@@ -1244,7 +1285,7 @@ mod tests {
         }
         // Areas grow with the buffer: none shrinks past the store halves' cap.
         let mut last = 0;
-        for mib in [1u64, 16, 95, 96, 97, 128, 1024] {
+        for mib in [1u64, 16, 95, 96, 97, 127, 128, 129, 1024] {
             let area = area_bytes(2, mib << 20);
             assert!(area >= last);
             last = area;
@@ -1258,7 +1299,8 @@ mod tests {
         );
         assert!(Layout::new(0, 1, 8, Dtype::Bf16, 0, false).is_err());
         assert!(Layout::new(9, 1, 8, Dtype::Bf16, 0, false).is_err());
-        // The CUDA struct: 5 pointers, 8 bases, 8 u64, 4 ints, a float, 6 ints.
+        // The CUDA struct: 5 pointers, 8 bases, 8 u64, 4 ints, a float, 7 ints (6 and the
+        // watch epoch's u32: no padding left).
         assert_eq!(std::mem::size_of::<Params>(), 216);
         let l = Layout::new(2, 8, 8, Dtype::Bf16, 0, false).unwrap();
         // 8 rows of 16 bytes: areas of 128 bytes, store halves of as many.

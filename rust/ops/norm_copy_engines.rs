@@ -41,6 +41,7 @@ use crate::cuda::kernels::{self, Kernel, KernelSpec, NormEntry};
 use crate::cuda::stream::{self, Event, OwnedStream, RawStream};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Header words of the copy-engine mode's flags (u32 indices), after the
 /// kernel's ready and done arrays ([`arn::FLAG_SLOTS`]): x arrived for
@@ -56,6 +57,10 @@ pub struct Lanes {
     fork: Event,
     joins: [Event; 3],
     reduced: Vec<Event>,
+    /// The number of this rank's last watched call outside graph capture
+    /// (both ranks of a group count its calls alike; lanes are made anew
+    /// with the group's buffers, whose epoch word starts at 0).
+    watch_epoch: AtomicU32,
 }
 
 impl Lanes {
@@ -70,6 +75,7 @@ impl Lanes {
             reduced: (0..MAX_CHUNKS)
                 .map(|_| Event::new())
                 .collect::<Result<_>>()?,
+            watch_epoch: AtomicU32::new(0),
         })
     }
 }
@@ -379,21 +385,33 @@ fn enqueue_oneshot(
 }
 
 /// One-shot, watching (the default: `chunks` 0): the copy engine moves all
-/// of this rank's x into the peer's watch area in one copy, then raises x
-/// arrived 0 there. One launch of fo_arn_ce_watch (CTA b: rows b, b + ctas,
+/// of this rank's x into the peer's watch area in one copy, then says so in
+/// the peer's header. One launch of fo_arn_ce_watch (CTA b: rows b, b + ctas,
 /// ...) sums and normalizes every row as its values land, known by their
 /// value: the watch area holds the sentinel (0xffff in every 16-bit value,
 /// filled when the buffer is attached) wherever nothing landed yet, and
 /// the kernel puts it back over each row it has read (one bulk store from
 /// shared memory in the ring build). A value that is the sentinel itself is
-/// taken once the flag is up. No stream wait, flag or ~4-5 us gap between
-/// copies stands between ranges: on 2x H200 (hidden 8192, 32 CTAs) it took
-/// 0.74-0.87x the time of the flagged ranges at 2K-16K tokens (2K: 118.9
-/// against 158.8 us, 8K: 365.5 against 444.5), 0.76x the kernel's own
+/// taken once the copy is known landed. No stream wait, flag or ~4-5 us gap
+/// between copies stands between ranges: on 2x H200 (hidden 8192, 32 CTAs)
+/// it took 0.74-0.87x the time of the flagged ranges at 2K-16K tokens (2K:
+/// 118.9 against 158.8 us, 8K: 365.5 against 444.5), 0.76x the kernel's own
 /// stores at 1K and 0.82x at 512 (evaluation/results/norm_ce_watch_h200x2.txt).
-/// The last CTA waits for the flag, zeroes it and exchanges consumed with
-/// the peer as [`enqueue_oneshot`]'s does, so the watch area is the
-/// sentinel again, and no copy lands in it, before either rank's next call.
+///
+/// Outside graph capture, a call whose rows fit a watch half ([`Layout`]'s
+/// `watch_halves`) lands them in the half of its epoch's parity (a host count
+/// of such calls, alike on both ranks, skipping 0) and the copy lane then
+/// writes the epoch into the peer's [`arn::CE_WATCH_EPOCH_WORD`], never
+/// reset: the kernel ends when its rows are done, with no close (the caller
+/// joins the copy). The peer's next copy into that half comes two such calls
+/// later, after the peer's end of the call in between, which needed rows this
+/// rank sent after this call had ended; no other call writes the halves or
+/// the word. Otherwise (graph capture, whose replays would write the same
+/// epochs and halves again after calls of any kind, or a larger call) the
+/// rows land in the watch area, x arrived 0 follows them, and the last CTA
+/// waits for that flag, zeroes it and exchanges consumed with the peer as
+/// [`enqueue_oneshot`]'s does, so the area is the sentinel again, and no
+/// copy lands in it, before either rank's next call.
 fn enqueue_watch(
     watch: &Kernel,
     call: &Call,
@@ -403,23 +421,56 @@ fn enqueue_watch(
 ) -> Result<()> {
     let layout = call.layout()?;
     let row = u64::from(call.hidden) * u64::from(call.dtype.bytes());
+    let bytes = call.tokens * row;
     let other = call.bases[1 - call.rank];
     let copy = lanes.copy.0;
+    let halves = call.tokens > 0 && bytes <= layout.store_half && !stream::is_capturing(caller)?;
+    if !halves {
+        lanes.fork.order(caller, copy)?;
+        stream::copy(copy, other + layout.watch_offset, call.x, bytes as usize)?;
+        stream::write(copy, x_arrived(other, 0), 1)?;
+        checked.launch_watch(watch, caller, layout.watch_offset, 0)?;
+        return lanes.joins[0].order(copy, caller);
+    }
+    let epoch = next_epoch(&lanes.watch_epoch);
+    let area = layout.watch_halves + u64::from(epoch & 1) * layout.store_half;
     lanes.fork.order(caller, copy)?;
-    stream::copy(
-        copy,
-        other + layout.watch_offset,
-        call.x,
-        (call.tokens * row) as usize,
-    )?;
-    stream::write(copy, x_arrived(other, 0), 1)?;
-    checked.launch_watch(watch, caller)?;
-    lanes.joins[0].order(copy, caller)
+    stream::copy(copy, other + area, call.x, bytes as usize)?;
+    lanes.joins[0].record(copy)?;
+    stream::write(copy, word(other, arn::CE_WATCH_EPOCH_WORD), epoch)?;
+    checked.launch_watch(watch, caller, area, epoch)?;
+    lanes.joins[0].wait(caller)
+}
+
+/// The next watched call's epoch: 1, 2, ..., skipping 0 (the kernel's "no
+/// epoch") and 1 when the count wraps, so that parities still alternate.
+fn next_epoch(last: &AtomicU32) -> u32 {
+    let next = |e: u32| match e.wrapping_add(1) {
+        0 => 2,
+        n => n,
+    };
+    let prev = last
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |e| Some(next(e)))
+        .unwrap_or_default();
+    next(prev)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn watch_epochs_count_from_one_and_alternate_parity_when_they_wrap() {
+        let last = AtomicU32::new(0);
+        assert_eq!([next_epoch(&last), next_epoch(&last)], [1, 2]);
+        last.store(u32::MAX - 1, Ordering::Relaxed);
+        let wrapped = [next_epoch(&last), next_epoch(&last), next_epoch(&last)];
+        assert_eq!(wrapped, [u32::MAX, 2, 3]);
+        // The kernel's test, a later epoch's word seen by an earlier call: landed.
+        assert!(wrapped
+            .windows(2)
+            .all(|w| (w[1].wrapping_sub(w[0]) as i32) > 0));
+    }
 
     #[test]
     fn chunks_cover_a_slice_in_order() {

@@ -154,12 +154,96 @@ def _worker(rank, world, init_method, out_dir):
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(failures))
 
 
-def _run_ranks(world: int, out_dir: Path, timeout_s: float = 240.0) -> None:
+def _back_to_back_worker(rank, world, init_method, out_dir):
+    """Calls of every kind one group runs, enqueued back to back with no synchronization between
+    them and a random delay before some on each rank (so either rank runs ahead of the other):
+    watched copy-engine calls that fit a watch half (no closing exchange: the peer's next copy
+    may land while this rank still works) and larger ones that do not, the kernel's own stores
+    (two-shot, and one-shot by peer stores), sharded calls, replays of a captured call, and a
+    row of x holding the watch sentinel. Every call's result is kept and checked at the end."""
+    import random
+
+    import torch.distributed as dist
+
+    import flashoverlap
+    from flashoverlap import _core, peer_norm
+
+    failures = []
+    try:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        hidden, dtype = 2048, torch.bfloat16
+        # 5000 rows of 4 KiB exceed a watch half (16 MiB at most): those land in the watch area.
+        sizes = (5000, 1024, 700, 512, 300, 128, 96)
+        # The buffers at their largest first (growing them is a collective host step), and the
+        # captured call on them.
+        x, residual, weight = _inputs(1, rank, max(sizes), hidden, dtype, device)
+        flashoverlap.all_reduce_rmsnorm(x, residual, weight, EPS)
+        name = peer_norm._name(dist.group.WORLD, device)
+        op = torch.ops.flashoverlap.all_reduce_rmsnorm  # no per-call error check, which syncs
+        captured = 777
+        sx, sres, sw = _inputs(2, rank, captured, hidden, dtype, device)
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gout, gr = op(sx, sres, sw, EPS, name, "full", 16)
+        torch.cuda.synchronize()
+        dist.barrier()
+        plan, jitter = random.Random(7), random.Random(100 + rank)  # the plan alike on every rank
+        calls = []  # (seed, tokens, residual_out, sentinel row or None, out, r)
+        for step in range(120):
+            if jitter.random() < 0.4:
+                torch.cuda._sleep(jitter.randrange(1000, 100000))
+            seed = 1000 + step
+            if plan.random() < 0.15:
+                x, residual, weight = _inputs(seed, rank, captured, hidden, dtype, device)
+                sx.copy_(x)
+                sres.copy_(residual)
+                sw.copy_(weight)
+                graph.replay()
+                calls.append((seed, captured, "full", None, gout.clone(), gr.clone()))
+                continue
+            tokens, mode = plan.choice(sizes), plan.choice(("full", "full", "sharded"))
+            ctas = plan.choice((8, 16, 32))
+            x, residual, weight = _inputs(seed, rank, tokens, hidden, dtype, device)
+            nan_row = 7 if step == 60 else None
+            if nan_row is not None:
+                tokens, mode = 1024, "full"
+                x, residual, weight = _inputs(seed, rank, tokens, hidden, dtype, device)
+                x[nan_row].view(torch.int16).fill_(-1)
+            out, r = op(x, residual, weight, EPS, name, mode, ctas)
+            calls.append((seed, tokens, mode, nan_row, out, r))
+        torch.cuda.synchronize()
+        for seed, tokens, mode, nan_row, out, r in calls:
+            out_ref, r_ref = _reference(seed, world, tokens, hidden, dtype, device)
+            keep = torch.arange(tokens, device=device) != (-1 if nan_row is None else nan_row)
+            if nan_row is not None and not (out[nan_row].isnan().all() and r[nan_row].isnan().all()):
+                failures.append(f"rank {rank} seed {seed}: the sentinel row is not NaN")
+            errors = (_rel(out[keep], out_ref[keep]), _rel(r[keep], r_ref[keep]) if mode == "full" else 0.0)
+            if mode == "sharded":
+                a, b = tokens * rank // world, tokens * (rank + 1) // world
+                r_ref = r_ref[a:b]
+                errors = (errors[0], _rel(r, r_ref))
+            if max(errors) > 1e-2 or tuple(r.shape) != tuple(r_ref.shape):
+                failures.append(f"rank {rank} seed {seed} ({tokens} tokens, {mode}): errors {errors}")
+        (memory,) = [g.memory for g in peer_norm._GROUPS.values() if g.memory is not None]
+        if memory.header_word(_core.ALLREDUCE_RMSNORM_ERROR_WORD) != 0:
+            failures.append(f"rank {rank}: a peer wait timed out")
+        flashoverlap.destroy_peer_groups()
+        dist.destroy_process_group()
+    except Exception:
+        failures.append(f"rank {rank}: {traceback.format_exc()}")
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(failures))
+
+
+def _run_ranks(world: int, out_dir: Path, timeout_s: float = 240.0, worker=_worker) -> None:
     """Spawns the ranks with a file rendezvous (no port to race for) and waits for them a bounded
     time: a rank still running then is killed and the test fails, never hangs."""
     ctx = mp.get_context("spawn")
     init_method = f"file://{out_dir / 'rendezvous'}"
-    procs = [ctx.Process(target=_worker, args=(rank, world, init_method, str(out_dir))) for rank in range(world)]
+    procs = [ctx.Process(target=worker, args=(rank, world, init_method, str(out_dir))) for rank in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
@@ -196,4 +280,13 @@ def test_matches_fp32_composition(tmp_path: Path, monkeypatch, world: int, ce_mi
         monkeypatch.setenv("FLASHOVERLAP_NORM_CE_CHUNKS", ce_chunks)
     _run_ranks(world, tmp_path)
     failures = [f for r in range(world) for f in json.loads(Path(tmp_path, f"rank{r}.json").read_text())]
+    assert not failures, "\n".join(failures[:10])
+
+
+def test_back_to_back_calls_of_every_kind(tmp_path: Path) -> None:
+    """2 ranks: _back_to_back_worker's unsynchronized stream of calls, each result right."""
+    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                       "NVSHMEM_DISABLE_NVLS": "1", "FLASHOVERLAP_PEER_TIMEOUT_S": "30"})
+    _run_ranks(2, tmp_path, worker=_back_to_back_worker)
+    failures = [f for r in range(2) for f in json.loads(Path(tmp_path, f"rank{r}.json").read_text())]
     assert not failures, "\n".join(failures[:10])
