@@ -425,17 +425,23 @@ fn enqueue_watch(
     let other = call.bases[1 - call.rank];
     let copy = lanes.copy.0;
     let halves = call.tokens > 0 && bytes <= layout.store_half && !stream::is_capturing(caller)?;
-    if !halves {
-        lanes.fork.order(caller, copy)?;
-        stream::copy(copy, other + layout.watch_offset, call.x, bytes as usize)?;
-        stream::write(copy, x_arrived(other, 0), 1)?;
-        checked.launch_watch(watch, caller, layout.watch_offset, 0)?;
-        return lanes.joins[0].order(copy, caller);
-    }
-    let epoch = next_epoch(&lanes.watch_epoch);
-    let area = layout.watch_halves + u64::from(epoch & 1) * layout.store_half;
+    // Epoch 0: the watch area, its flag and the close.
+    let epoch = if halves {
+        next_epoch(&lanes.watch_epoch)
+    } else {
+        0
+    };
+    let area = match epoch {
+        0 => layout.watch_offset,
+        e => layout.watch_halves + u64::from(e & 1) * layout.store_half,
+    };
     lanes.fork.order(caller, copy)?;
     stream::copy(copy, other + area, call.x, bytes as usize)?;
+    if epoch == 0 {
+        stream::write(copy, x_arrived(other, 0), 1)?;
+        checked.launch_watch(watch, caller, area, 0)?;
+        return lanes.joins[0].order(copy, caller);
+    }
     lanes.joins[0].record(copy)?;
     stream::write(copy, word(other, arn::CE_WATCH_EPOCH_WORD), epoch)?;
     checked.launch_watch(watch, caller, area, epoch)?;

@@ -215,11 +215,11 @@ def _back_to_back(rank, world, device, failures):
             continue
         tokens, mode = plan.choice(sizes), plan.choice(("full", "full", "sharded"))
         ctas = plan.choice((8, 16, 32))
-        x, residual, weight = _inputs(seed, rank, tokens, hidden, dtype, device)
         nan_row = 7 if step == 60 else None
         if nan_row is not None:
             tokens, mode = 1024, "full"
-            x, residual, weight = _inputs(seed, rank, tokens, hidden, dtype, device)
+        x, residual, weight = _inputs(seed, rank, tokens, hidden, dtype, device)
+        if nan_row is not None:
             x[nan_row].view(torch.int16).fill_(-1)
         out, r = op(x, residual, weight, EPS, name, mode, ctas)
         calls.append((seed, tokens, mode, nan_row, out, r))
